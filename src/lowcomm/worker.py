@@ -1,0 +1,182 @@
+"""One worker's life: join the group, build model, data and strategy, train, report."""
+from __future__ import annotations
+
+import math
+import resource
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import config as C
+from .comm import Comm
+from .data import VOCAB_SIZE, ShardedBatches, load_bytes, split, val_batches
+from .errors import RunError
+from .metrics.progress import ProgressView
+from .metrics.runlog import StepLog, result_vector, step_record, write_json_atomic
+from .models import GPT, lm_loss
+from .optim import adamw_factory, lr_schedule
+from .strategies import make_strategy
+
+
+def pick_backend(cfg: C.RunConfig) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def verify_identical_params(model: torch.nn.Module, comm: Comm) -> None:
+    """Every rank must start from the same θ0: compare two checksums across ranks."""
+    flat = torch.cat([p.detach().reshape(-1).double().cpu() for p in model.parameters()])
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64).remainder_(1009)
+    mine = torch.stack([flat.sum(), (flat * weights).sum()])
+    device = next(model.parameters()).device
+    every = comm.meta_all_gather(mine.to(device)).cpu()
+    if not torch.equal(every, mine.expand_as(every)):
+        raise RunError(f"initial parameters differ across ranks (checksums {every[:, 0].tolist()})")
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches, comm: Comm, device) -> float:
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y in batches:
+        total[0] += float(lm_loss(model, (x.to(device), y.to(device)))) * x.shape[0]
+        total[1] += x.shape[0]
+    model.train(was_training)
+    comm.meta_all_reduce(total)
+    return float(total[0] / total[1])
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Path | None,
+          quiet: bool = False) -> dict | None:
+    """Train with an initialised process group. Returns the summary on rank 0."""
+    backend = dist.get_backend()
+    device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    comm = Comm()
+
+    torch.manual_seed(cfg.seed)
+    n_layer, n_head, d_model = cfg.model.dims()
+    model = GPT(VOCAB_SIZE, cfg.model.seq_len, n_layer, n_head, d_model).to(device)
+    verify_identical_params(model, comm)
+
+    tokens, source = load_bytes(cfg.data.source, quiet=rank != 0)
+    train_tokens, val_tokens = split(tokens, cfg.data.val_fraction)
+    loader = ShardedBatches(train_tokens, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.seed)
+    val = val_batches(val_tokens, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches)
+
+    def next_batch():
+        x, y = loader.next()
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    options = {"bucket_mb": cfg.bucket_mb} if cfg.strategy == "ddp" else {}
+    strategy = make_strategy(cfg.strategy, model, comm, adamw_factory(cfg.optim), accum=cfg.accum,
+                             schedule=lr_schedule(cfg.optim, cfg.steps), **options)
+
+    lead = rank == 0 and out_dir is not None
+    log = StepLog(out_dir) if lead else None
+    view = ProgressView(cfg.steps, f"{cfg.strategy} W={world}", enabled=lead and not quiet)
+    if lead and not quiet:
+        print(f"lowcomm: {cfg.strategy} on {world} worker(s) ({backend}), "
+              f"GPT {model.num_params() / 1e6:.2f}M params, data {source}", flush=True)
+
+    totals = {"tokens": 0, "wire": 0, "exposed": 0.0, "compute": [0.0] * world, "micro": [0] * world}
+    loss = val_loss = float("nan")
+    t_start = time.perf_counter()
+    try:
+        for step in range(1, cfg.steps + 1):
+            result = strategy.step(next_batch, lm_loss)
+            per_rank = comm.meta_all_gather(result_vector(result).to(device)).cpu()
+            record = step_record(step, per_rank)
+            if not math.isfinite(record["loss"]):
+                raise RunError(f"loss became {record['loss']} at step {step}; try a lower --lr")
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+                val_loss = evaluate(strategy.eval_model(), val, comm, device)
+                record["val_loss"] = val_loss
+            loss = record["loss"]
+            totals["tokens"] += record["tokens"]
+            totals["wire"] += record["wire_bytes"]
+            totals["exposed"] += record["exposed_comm_s"]
+            for r in range(world):
+                totals["compute"][r] += record["per_rank"]["compute_s"][r]
+                totals["micro"][r] += record["per_rank"]["micro_batches"][r]
+            if lead:
+                log.write(record)
+                elapsed = time.perf_counter() - t_start
+                view.update(step, loss, totals["tokens"] / elapsed, totals["wire"] / 1e6,
+                            totals["exposed"] / elapsed, record.get("val_loss"))
+    finally:
+        view.close()
+        if log is not None:
+            log.close()
+    wall = time.perf_counter() - t_start
+
+    peak = comm.meta_all_gather(torch.tensor([float(peak_memory_bytes(device))], device=device)).max()
+    opt_bytes = strategy.optimizer_state_bytes()
+    if not lead:
+        return None
+    summary = {
+        "strategy": cfg.strategy,
+        "workers": world,
+        "backend": backend,
+        "steps": cfg.steps,
+        "params": model.num_params(),
+        "tokens": totals["tokens"],
+        "final_train_loss": loss,
+        "final_val_loss": val_loss,
+        "wall_s": wall,
+        "tokens_per_s": totals["tokens"] / wall,
+        "wire_bytes_total": totals["wire"],
+        "wire_bytes_per_step": totals["wire"] / cfg.steps,
+        "wire_bytes_per_rank_per_step": totals["wire"] / cfg.steps / world,
+        "exposed_comm_s": totals["exposed"],
+        "exposed_comm_fraction": totals["exposed"] / wall,
+        "compute_s_per_rank": totals["compute"],
+        "micro_batches_per_rank": totals["micro"],
+        "optimizer_state_bytes_per_rank": opt_bytes,
+        "peak_mem_bytes": int(peak),
+        "data": source,
+        "notes": ["wire bytes follow the ring model of ALGORITHMS.md; on gloo a reduce_scatter "
+                  "runs as a full all-reduce, so its real transport is twice the counted bytes"]
+                 if backend == "gloo" and cfg.strategy != "ddp" else [],
+    }
+    write_json_atomic(out_dir / "summary.json", summary)
+    if not quiet:
+        print(describe(summary), flush=True)
+    return summary
+
+
+def describe(s: dict) -> str:
+    """The one-paragraph summary printed at the end of a run."""
+    return (f"{s['strategy']} on {s['workers']} worker(s): {s['steps']} steps, {s['tokens']:,} tokens in "
+            f"{s['wall_s']:.1f} s ({s['tokens_per_s']:,.0f} tok/s). Final train loss {s['final_train_loss']:.4f}, "
+            f"validation loss {s['final_val_loss']:.4f}. Sent {s['wire_bytes_total'] / 1e6:,.1f} MB over all ranks "
+            f"({s['wire_bytes_per_rank_per_step'] / 1e6:,.2f} MB per rank per step); waited on the network "
+            f"{100 * s['exposed_comm_fraction']:.1f}% of the wall time. Optimizer state "
+            f"{s['optimizer_state_bytes_per_rank'] / 1e6:,.2f} MB per rank, peak memory "
+            f"{s['peak_mem_bytes'] / 2**20:,.0f} MiB.")
+
+
+def spawned_entry(rank: int, world: int, cfg: C.RunConfig, store_port: int, out_dir: str | None,
+                  quiet: bool) -> None:
+    """Entry of a process started by `launch`: join the parent's TCP store, train."""
+    torch.set_num_threads(cfg.threads)
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
+    backend = pick_backend(cfg)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    try:
+        train(cfg, rank, world, rank, Path(out_dir) if out_dir else None, quiet)
+    finally:
+        dist.destroy_process_group()
