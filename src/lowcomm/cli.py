@@ -35,6 +35,17 @@ TRAIN_FLAGS = {
     "--threads": ("threads", "torch threads per worker"),
     "--backend": ("backend", "auto (nccl with CUDA, else gloo), gloo or nccl"),
     "--bucket-mb": ("bucket_mb", "DDP gradient bucket size in MB"),
+    "--param-dtype": ("param_dtype", "flat parameter buffers of zero1/acco/dpu: fp32 or bf16"),
+    "--log-every": ("log_every", "gather all ranks' step results every K steps"),
+    "--max-accum": ("acco.max_accum", "acco: most micro-batches per round while communicating (0: 4*accum)"),
+    "--dpu-warmup": ("dpu.warmup_steps", "dpu: synchronous steps before delayed updates"),
+    "--slowdown": ("slowdown", "f1,...,fW: rank r computes f_r times slower (emulated)"),
+    "--stragglers": ("stragglers", "P,F: each step one random rank is F times slower with probability P"),
+}
+# on/off flags -> dotted config key set to true
+TRAIN_SWITCHES = {
+    "--deterministic": ("acco.deterministic", "acco: exactly --accum micro-batches per round"),
+    "--trace": ("trace", "write trace.json (Chrome/Perfetto) with every rank's spans"),
 }
 
 
@@ -51,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="FILE", help="TOML file of settings (flags override it)")
     for flag, (key, help_text) in TRAIN_FLAGS.items():
         train.add_argument(flag, dest=key.replace(".", "__"), metavar="X", help=help_text)
+    for flag, (key, help_text) in TRAIN_SWITCHES.items():
+        train.add_argument(flag, dest=key.replace(".", "__"), action="store_true", default=None, help=help_text)
+    train.add_argument("--link", metavar="BW,LAT[,JIT]",
+                       help="emulate a link per rank, e.g. 100mbit,20ms or 1gbit,5ms,1ms (TOML: [link])")
     train.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     train.add_argument("--quiet", action="store_true", help="no progress output")
     return parser
@@ -58,10 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> C.RunConfig:
     cfg = C.load_toml(args.config) if args.config else C.RunConfig()
-    for flag, (key, _) in TRAIN_FLAGS.items():
+    for flag, (key, _) in {**TRAIN_FLAGS, **TRAIN_SWITCHES}.items():
         raw = getattr(args, key.replace(".", "__"))
         if raw is not None:
             C.set_value(cfg, key, raw, name=flag)
+    if args.link is not None:
+        C.set_link(cfg, args.link)
     return cfg
 
 

@@ -27,6 +27,7 @@ MODEL_PRESETS = {
     "medium": (8, 8, 512),  # ~25M parameters
 }
 SCHEDULES = ("cosine", "constant")
+PARAM_DTYPES = ("fp32", "bf16")
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -62,6 +63,25 @@ class OptimConfig:
 
 
 @dataclass
+class AccoConfig:
+    deterministic: bool = False  # exactly `accum` micro-batches per round, whatever the timing
+    max_accum: int = 0           # cap on micro-batches per round while communication runs; 0 = 4 * accum
+
+
+@dataclass
+class DpuConfig:
+    warmup_steps: int = 10  # synchronous steps before updates become delayed
+
+
+@dataclass
+class LinkConfig:
+    """An emulated network link per rank (comm/link.py). No bandwidth = no emulation."""
+    bandwidth: str = ""  # e.g. "100mbit", "1gbit", "12.5MB/s", "inf"
+    latency: str = "0"   # per hop, e.g. "20ms", "500us"
+    jitter: str = "0"    # each op's time varies uniformly by up to this much (seeded)
+
+
+@dataclass
 class RunConfig:
     strategy: str = "ddp"
     workers: int = 2
@@ -75,9 +95,17 @@ class RunConfig:
     threads: int = 1
     backend: str = "auto"
     bucket_mb: float = 25.0  # DDP gradient bucket size
+    param_dtype: str = "fp32"  # flat parameter/gradient buffers of zero1, acco, dpu
+    log_every: int = 5  # gather every rank's step results (a sync point) every K steps
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    acco: AccoConfig = field(default_factory=AccoConfig)
+    dpu: DpuConfig = field(default_factory=DpuConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
+    slowdown: str = ""    # "f1,...,fW": rank r computes f_r times slower ("" = all 1)
+    stragglers: str = ""  # "P,F": each step, with probability P one random rank is F times slower
+    trace: bool = False   # write a Chrome/Perfetto trace.json of every rank
 
     @property
     def tokens_per_step(self) -> int:
@@ -106,6 +134,15 @@ def _section_and_field(cfg: RunConfig, key: str):
 
 
 def _convert(raw: Any, typ: str, name: str) -> Any:
+    if typ == "bool":
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+        raise UsageError(f"{name} must be true or false, got {str(raw)!r}")
     if typ == "int":
         if isinstance(raw, bool):
             raise UsageError(f"{name} must be an integer, got {raw!r}")
@@ -177,6 +214,61 @@ def load_toml(path: str | Path, cfg: RunConfig | None = None) -> RunConfig:
     return cfg
 
 
+def set_link(cfg: RunConfig, raw: str, name: str = "--link") -> None:
+    """--link BANDWIDTH,LATENCY[,JITTER] -> the [link] table's three values."""
+    from .comm.link import split_link_spec
+    cfg.link.bandwidth, cfg.link.latency, cfg.link.jitter = split_link_spec(raw, name)
+
+
+def slowdown_factors(cfg: RunConfig) -> list[float]:
+    """Each rank's slowdown factor (all 1.0 when none is set)."""
+    if not cfg.slowdown.strip():
+        return [1.0] * cfg.workers
+    factors = []
+    for part in cfg.slowdown.split(","):
+        try:
+            f = float(part)
+        except ValueError:
+            raise UsageError(f"slowdown factor '{part.strip()}' in '{cfg.slowdown}' is not a number") from None
+        if not (math.isfinite(f) and f >= 1):
+            raise UsageError(f"slowdown factor '{part.strip()}' in '{cfg.slowdown}' must be at least 1 "
+                             f"(1 = full speed, 2 = twice as slow)")
+        factors.append(f)
+    if len(factors) != cfg.workers:
+        raise UsageError(f"slowdown '{cfg.slowdown}' has {len(factors)} factor(s) but there are "
+                         f"{cfg.workers} workers (give one per worker)")
+    return factors
+
+
+def straggler_settings(cfg: RunConfig) -> tuple[float, float]:
+    """(P, F) from 'P,F'; (0, 1) when none is set."""
+    if not cfg.stragglers.strip():
+        return 0.0, 1.0
+    try:
+        p, f = (float(x) for x in cfg.stragglers.split(","))
+    except ValueError:
+        raise UsageError(f"stragglers '{cfg.stragglers}' must be P,F (e.g. 0.1,3)") from None
+    if not 0 <= p <= 1:
+        raise UsageError(f"stragglers probability '{p}' in '{cfg.stragglers}' must be in [0, 1]")
+    if not (math.isfinite(f) and f >= 1):
+        raise UsageError(f"stragglers factor '{f}' in '{cfg.stragglers}' must be at least 1")
+    return p, f
+
+
+def make_link(cfg: RunConfig, seed: int = 0):
+    """The configured comm.link.LinkModel, or None for no emulation."""
+    from .comm.link import LinkModel
+    ln = cfg.link
+    if not ln.bandwidth.strip():
+        for key in ("latency", "jitter"):
+            value = getattr(ln, key).strip()
+            if value not in ("", "0"):
+                raise UsageError(f"link.{key} '{value}' needs a link bandwidth too "
+                                 f"(e.g. --link inf,{value} for latency only)")
+        return None
+    return LinkModel.parse(ln.bandwidth, ln.latency, ln.jitter, seed=seed)
+
+
 # --- validation -------------------------------------------------------------
 
 def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
@@ -203,6 +295,16 @@ def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
     positive("eval_batches", cfg.eval_batches)
     positive("threads", cfg.threads)
     positive("bucket_mb", cfg.bucket_mb)
+    positive("log_every", cfg.log_every)
+    non_negative("acco.max_accum", cfg.acco.max_accum)
+    non_negative("dpu.warmup_steps", cfg.dpu.warmup_steps)
+    if cfg.param_dtype not in PARAM_DTYPES:
+        raise UsageError(f"unknown param_dtype '{cfg.param_dtype}' (choose from: {', '.join(PARAM_DTYPES)})")
+    if cfg.param_dtype != "fp32" and cfg.strategy == "ddp":
+        raise UsageError(f"param_dtype '{cfg.param_dtype}' needs a sharded strategy (zero1, acco, dpu); ddp trains in fp32")
+    make_link(cfg)
+    slowdown_factors(cfg)
+    straggler_settings(cfg)
     if cfg.backend not in BACKENDS:
         raise UsageError(f"unknown backend '{cfg.backend}' (choose from: {', '.join(BACKENDS)})")
 

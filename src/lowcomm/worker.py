@@ -15,9 +15,11 @@ from .data import VOCAB_SIZE, ShardedBatches, load_bytes, split, val_batches
 from .errors import RunError
 from .metrics.progress import ProgressView
 from .metrics.runlog import StepLog, result_vector, step_record, write_json_atomic
+from .metrics.trace import Tracer, write_trace
 from .models import GPT, lm_loss
 from .optim import adamw_factory, lr_schedule
 from .strategies import make_strategy
+from .strategies.base import Pacer
 
 
 def pick_backend(cfg: C.RunConfig) -> str:
@@ -63,7 +65,7 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
     device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    comm = Comm()
+    comm = Comm(link=C.make_link(cfg, seed=cfg.seed * 7919 + rank))  # each NIC jitters on its own
 
     torch.manual_seed(cfg.seed)
     n_layer, n_head, d_model = cfg.model.dims()
@@ -79,9 +81,17 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
         x, y = loader.next()
         return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
-    options = {"bucket_mb": cfg.bucket_mb} if cfg.strategy == "ddp" else {}
     strategy = make_strategy(cfg.strategy, model, comm, adamw_factory(cfg.optim), accum=cfg.accum,
-                             schedule=lr_schedule(cfg.optim, cfg.steps), **options)
+                             schedule=lr_schedule(cfg.optim, cfg.steps), **strategy_options(cfg))
+    slowdown, (straggle_p, straggle_f) = C.slowdown_factors(cfg), C.straggler_settings(cfg)
+    if slowdown[rank] != 1.0 or straggle_p > 0:
+        strategy.pacer = Pacer(rank, world, slowdown[rank], straggle_p, straggle_f, cfg.seed)
+    tracer = Tracer(rank) if cfg.trace else None
+    if tracer is not None:
+        for opt in strategy.optimizers():
+            tracer.watch_optimizer(opt)
+        tracer.align(comm, device)
+        comm.tracer = tracer
 
     lead = rank == 0 and out_dir is not None
     log = StepLog(out_dir) if lead else None
@@ -91,30 +101,47 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
               f"GPT {model.num_params() / 1e6:.2f}M params, data {source}", flush=True)
 
     totals = {"tokens": 0, "wire": 0, "exposed": 0.0, "compute": [0.0] * world, "micro": [0] * world}
+    totals["exposed_rank"] = [0.0] * world
     loss = val_loss = float("nan")
+    # Start the clocks together: a rank that finished set-up early must not count
+    # its wait for the others in step 1 as exposed communication.
+    comm.barrier()
     t_start = time.perf_counter()
+    pending: list[torch.Tensor] = []  # this rank's results not yet gathered
     try:
         for step in range(1, cfg.steps + 1):
-            result = strategy.step(next_batch, lm_loss)
-            per_rank = comm.meta_all_gather(result_vector(result).to(device)).cpu()
-            record = step_record(step, per_rank)
-            if not math.isfinite(record["loss"]):
-                raise RunError(f"loss became {record['loss']} at step {step}; try a lower --lr")
-            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-                val_loss = evaluate(strategy.eval_model(), val, comm, device)
-                record["val_loss"] = val_loss
-            loss = record["loss"]
-            totals["tokens"] += record["tokens"]
-            totals["wire"] += record["wire_bytes"]
-            totals["exposed"] += record["exposed_comm_s"]
-            for r in range(world):
-                totals["compute"][r] += record["per_rank"]["compute_s"][r]
-                totals["micro"][r] += record["per_rank"]["micro_batches"][r]
+            pending.append(result_vector(strategy.step(next_batch, lm_loss)))
+            evaluate_now = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
+            if not (evaluate_now or step % cfg.log_every == 0):
+                continue
+            # Gathering is a sync point, so it happens every log_every steps, not every
+            # step: a fast ACCO worker must not idle waiting for a slow one's log line.
+            every_rank = comm.meta_all_gather(torch.stack(pending).to(device)).cpu()
+            first = step - len(pending) + 1
+            records = [step_record(first + i, every_rank[:, i]) for i in range(len(pending))]
+            pending.clear()
+            if not all(math.isfinite(r["loss"]) for r in records):
+                bad = next(r for r in records if not math.isfinite(r["loss"]))
+                raise RunError(f"loss became {bad['loss']} at step {bad['step']}; try a lower --lr")
+            if evaluate_now:
+                with strategy.evaluating() as eval_model:
+                    val_loss = evaluate(eval_model, val, comm, device)
+                records[-1]["val_loss"] = val_loss
+            for record in records:
+                totals["tokens"] += record["tokens"]
+                totals["wire"] += record["wire_bytes"]
+                totals["exposed"] += record["exposed_comm_s"]
+                for r in range(world):
+                    totals["compute"][r] += record["per_rank"]["compute_s"][r]
+                    totals["exposed_rank"][r] += record["per_rank"]["exposed_comm_s"][r]
+                    totals["micro"][r] += record["per_rank"]["micro_batches"][r]
+                if lead:
+                    log.write(record)
+            loss = records[-1]["loss"]
             if lead:
-                log.write(record)
                 elapsed = time.perf_counter() - t_start
                 view.update(step, loss, totals["tokens"] / elapsed, totals["wire"] / 1e6,
-                            totals["exposed"] / elapsed, record.get("val_loss"))
+                            totals["exposed"] / elapsed, records[-1].get("val_loss"))
     finally:
         view.close()
         if log is not None:
@@ -123,6 +150,14 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
 
     peak = comm.meta_all_gather(torch.tensor([float(peak_memory_bytes(device))], device=device)).max()
     opt_bytes = strategy.optimizer_state_bytes()
+    mine = comm.snapshot()
+    slept = strategy.pacer.slept_s if strategy.pacer is not None else 0.0
+    link_times = comm.meta_all_gather(torch.tensor(
+        [mine.busy_s, mine.emulated_s, slept], dtype=torch.float64, device=device)).cpu()
+    events = tracer.gather(comm, device) if tracer is not None else None
+    if lead and events is not None:
+        write_trace(out_dir / "trace.json", events, {"strategy": cfg.strategy, "workers": world,
+                                                     "link": C.to_dict(cfg)["link"]})
     if not lead:
         return None
     summary = {
@@ -146,6 +181,20 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
         "optimizer_state_bytes_per_rank": opt_bytes,
         "peak_mem_bytes": int(peak),
         "data": source,
+        # -- emulated network and workers (issue 3) --
+        "link": ({**C.to_dict(cfg)["link"], **comm.link.describe()} if comm.link is not None else None),
+        "slowdown": slowdown,
+        "stragglers": {"prob": straggle_p, "factor": straggle_f} if straggle_p > 0 else None,
+        "slowdown_sleep_s_per_rank": link_times[:, 2].tolist(),
+        "exposed_comm_s_per_rank": totals["exposed_rank"],
+        "exposed_comm_fraction_per_rank": [e / wall for e in totals["exposed_rank"]],
+        "comm_s_per_rank": link_times[:, 0].tolist(),
+        "comm_emulated_s_per_rank": link_times[:, 1].tolist(),
+        # share of communication time (ops in flight, all ranks) that only the emulator added
+        "comm_modeled_share": float(link_times[:, 1].sum() / link_times[:, 0].sum())
+        if float(link_times[:, 0].sum()) > 0 else 0.0,
+        "trace": "trace.json" if tracer is not None else None,
+        **strategy.report(),
         "notes": ["wire bytes follow the ring model of ALGORITHMS.md; on gloo a reduce_scatter "
                   "runs as a full all-reduce, so its real transport is twice the counted bytes"]
                  if backend == "gloo" and cfg.strategy != "ddp" else [],
@@ -165,6 +214,21 @@ def describe(s: dict) -> str:
             f"{100 * s['exposed_comm_fraction']:.1f}% of the wall time. Optimizer state "
             f"{s['optimizer_state_bytes_per_rank'] / 1e6:,.2f} MB per rank, peak memory "
             f"{s['peak_mem_bytes'] / 2**20:,.0f} MiB.")
+
+
+def strategy_options(cfg: C.RunConfig) -> dict:
+    """The config values each strategy takes beyond the common ones."""
+    dtype = {"fp32": None, "bf16": torch.bfloat16}[cfg.param_dtype]
+    if cfg.strategy == "ddp":
+        return {"bucket_mb": cfg.bucket_mb}
+    if cfg.strategy == "zero1":
+        return {"param_dtype": dtype}
+    if cfg.strategy == "acco":
+        return {"deterministic": cfg.acco.deterministic, "max_accum": cfg.acco.max_accum or None,
+                "param_dtype": dtype}
+    if cfg.strategy == "dpu":
+        return {"warmup_steps": cfg.dpu.warmup_steps, "param_dtype": dtype}
+    return {}
 
 
 def spawned_entry(rank: int, world: int, cfg: C.RunConfig, store_port: int, out_dir: str | None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
@@ -38,6 +39,7 @@ class CommStats:
     ops: int = 0
     busy_s: float = 0.0
     exposed_s: float = 0.0
+    emulated_s: float = 0.0  # part of busy_s that only the link emulator added
 
     def __sub__(self, other: "CommStats") -> "CommStats":
         return CommStats(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
@@ -50,22 +52,38 @@ class Handle:
     """An in-flight collective. `wait()` blocks until it is done, counts the
     blocked time as exposed, and returns the op's result tensor."""
 
-    def __init__(self, comm: "Comm", work, result: torch.Tensor | None):
+    def __init__(self, comm: "Comm", work, result: torch.Tensor | None,
+                 modeled_end: float | None = None):
         self._comm = comm
         self._work = work
         self.result = result
         self._waited = False
+        self.modeled_end = modeled_end  # set when a link is emulated
+        self._future: torch.futures.Future | None = None  # completes at the modeled end
+        self._on_wait = None
 
     @property
     def future(self) -> torch.futures.Future:
         """A torch Future whose value is a list holding the result, like c10d's."""
+        if self._future is not None:
+            return self._future
         if self._work is None:  # W == 1: nothing was sent
             fut = torch.futures.Future()
             fut.set_result([self.result])
             return fut
-        return self._work.get_future()
+        try:
+            return self._work.get_future()
+        except RuntimeError:
+            # gloo's reduce_scatter is composed in Python and its Work has no
+            # future: complete one when the op is done (this blocks).
+            self.wait()
+            fut = torch.futures.Future()
+            fut.set_result([self.result])
+            return fut
 
     def is_completed(self) -> bool:
+        if self.modeled_end is not None and time.perf_counter() < self.modeled_end:
+            return False
         return self._work is None or self._work.is_completed()
 
     def wait(self) -> torch.Tensor | None:
@@ -74,7 +92,13 @@ class Handle:
             if self._work is not None:
                 self._work.wait()
                 self._comm._sync_device(self.result)
-            self._comm._add(exposed_s=time.perf_counter() - t0)
+            if self._on_wait is not None:
+                self._on_wait()
+            if self.modeled_end is not None:  # the emulated link is slower than the real one
+                _sleep_until(self.modeled_end)
+            t1 = time.perf_counter()
+            self._comm._add(exposed_s=t1 - t0)
+            self._comm._trace_wait(t0, t1)
             self._waited = True
         return self.result
 
@@ -82,8 +106,13 @@ class Handle:
 class Comm:
     """Counts and times every collective on one process group."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, link=None):
         self.group = group
+        # Optional: a comm.link.LinkModel to emulate a slower network, and a
+        # metrics.trace.Tracer to record spans. Without both, _run is unchanged.
+        self.link = link
+        self.tracer = None
+        self._deadlines = None
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.backend = dist.get_backend(group) if dist.is_initialized() else "none"
@@ -92,6 +121,19 @@ class Comm:
         self.meta = CommStats()
         self.last_issue_s = 0.0  # perf_counter() of the latest issue (DDP's exposed time)
         self._lock = threading.Lock()
+        self._local = threading.local()
+
+    @contextmanager
+    def overlapped(self):
+        """Ops issued and waited on inside this block (on this thread) run beside
+        compute -- e.g. on ACCO's communication thread -- so their waits are not
+        exposed time; the compute thread reports its own wait via add_exposed."""
+        previous = getattr(self._local, "overlapped", False)
+        self._local.overlapped = True
+        try:
+            yield
+        finally:
+            self._local.overlapped = previous
 
     # -- accounting ---------------------------------------------------------
     def snapshot(self) -> CommStats:
@@ -100,9 +142,15 @@ class Comm:
 
     def add_exposed(self, seconds: float) -> None:
         self._add(exposed_s=seconds)
+        if seconds > 0:  # a wait that just ended, measured by the caller
+            now = time.perf_counter()
+            self._trace_wait(now - seconds, now)
 
     def _add(self, op: str | None = None, wire: int = 0, ops: int = 0,
-             busy_s: float = 0.0, exposed_s: float = 0.0, meta: bool = False) -> None:
+             busy_s: float = 0.0, exposed_s: float = 0.0, meta: bool = False,
+             emulated_s: float = 0.0) -> None:
+        if getattr(self._local, "overlapped", False):
+            exposed_s = 0.0
         with self._lock:
             targets = [self.meta] if meta else [self.stats]
             if op is not None and not meta:
@@ -112,6 +160,7 @@ class Comm:
                 s.ops += ops
                 s.busy_s += busy_s
                 s.exposed_s += exposed_s
+                s.emulated_s += emulated_s
 
     def _sync_device(self, tensor: torch.Tensor | None) -> None:
         # NCCL's wait() only orders streams; timing needs the host to wait too.
@@ -123,6 +172,8 @@ class Comm:
         if self.world == 1:
             self._add(op, 0, 1, meta=meta)
             return Handle(self, None, result) if async_op else None
+        if self.link is not None or self.tracer is not None:
+            return self._run_emulated(op, nbytes, wire, launch, result, async_op, meta)
         t0 = time.perf_counter()
         self.last_issue_s = t0
         if not async_op:
@@ -133,11 +184,96 @@ class Comm:
             return None
         work = launch(True)
         self._add(op, wire, 1, meta=meta)
+        handle = Handle(self, work, result)
 
-        def done(_fut, t0=t0):
+        def done(_fut=None, t0=t0):
             self._add(op, busy_s=time.perf_counter() - t0, meta=meta)
-        work.get_future().add_done_callback(done)
-        return Handle(self, work, result)
+        try:
+            work.get_future().add_done_callback(done)
+        except RuntimeError:
+            # Some works have no future (gloo's reduce_scatter is composed in
+            # Python): their busy time ends when wait() returns.
+            handle._on_wait = done
+        return handle
+
+    def _run_emulated(self, op, nbytes, wire, launch, result, async_op, meta):
+        """_run with a link emulator and/or a tracer. An op completes at
+        max(real end, modeled end); meta (bookkeeping) ops are traced but not
+        slowed down, since a real run would not send them."""
+        link = None if meta else self.link
+        t0 = time.perf_counter()
+        self.last_issue_s = t0
+        modeled_start, modeled_end = link.schedule(op, nbytes, self.world, t0) if link else (t0, t0)
+        span = self.tracer.open_comm(op, t0, wire, nbytes, meta, modeled_start, modeled_end) \
+            if self.tracer is not None else None
+        if not async_op:
+            launch(False)
+            self._sync_device(result)
+            real_end = time.perf_counter()
+            if link is not None:
+                _sleep_until(modeled_end)
+            t1 = time.perf_counter()
+            self._add(op, wire, 1, busy_s=t1 - t0, exposed_s=t1 - t0, meta=meta,
+                      emulated_s=t1 - real_end)
+            if span is not None:
+                self.tracer.close_comm(span, real_end, t1)
+                self._trace_wait(t0, t1)
+            return None
+        work = launch(True)
+        handle = Handle(self, work, result, modeled_end if link is not None else None)
+        self._add(op, wire, 1, meta=meta)
+
+        def done(fut=None, t0=t0):
+            real_end = time.perf_counter()
+            end = max(real_end, modeled_end)
+            self._add(op, busy_s=end - t0, emulated_s=end - real_end, meta=meta)
+            if span is not None:
+                self.tracer.close_comm(span, real_end, end)
+            if handle._future is None:
+                return
+            try:
+                fut.value()
+            except Exception as e:  # a failed collective must fail its waiters too
+                handle._future.set_exception(e)
+                return
+            ready = None
+            if result is not None and result.is_cuda:
+                # Recorded here, where the stream already waits on the op; the
+                # deadline thread's own stream does not.
+                ready = torch.cuda.Event()
+                ready.record()
+
+            def finish():
+                if ready is not None:
+                    ready.synchronize()
+                handle._future.set_result([result])
+            if end <= time.perf_counter():
+                finish()
+            else:
+                if self._deadlines is None:
+                    from .link import Deadlines
+                    with self._lock:
+                        self._deadlines = self._deadlines or Deadlines()
+                self._deadlines.at(end, finish)
+        try:
+            real_future = work.get_future()
+        except RuntimeError:
+            # Works without a future (gloo's reduce_scatter is composed in
+            # Python) end their busy time when wait() returns.
+            handle._on_wait = done
+            return handle
+        if link is not None:
+            # DDP's reducer (and any .then chain) waits on this future, so it,
+            # not gloo's, must complete at the modeled end.
+            devices = [result.device] if result is not None and result.is_cuda else None
+            handle._future = torch.futures.Future(devices=devices)
+        real_future.add_done_callback(done)
+        return handle
+
+    def _trace_wait(self, t0: float, t1: float) -> None:
+        """A span for time this thread was blocked on the network (exposed time only)."""
+        if self.tracer is not None and not getattr(self._local, "overlapped", False):
+            self.tracer.span("wait", "wait", t0, t1)
 
     # -- collectives --------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
@@ -202,6 +338,12 @@ class Comm:
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier(group=self.group)
+
+
+def _sleep_until(deadline: float) -> None:
+    remaining = deadline - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
 
 
 def _nbytes(t: torch.Tensor) -> int:

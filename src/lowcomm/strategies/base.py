@@ -9,8 +9,9 @@ lines for every strategy, and any `nn.Module` plus loss function works.
 """
 from __future__ import annotations
 
+import random
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -48,6 +49,7 @@ class Strategy:
     """One optimizer step of data-parallel training. Subclasses implement `step`."""
 
     name = ""
+    pacer: "Pacer | None" = None  # emulated slow/straggling worker (set by the trainer)
 
     def __init__(self, model: nn.Module, comm: Comm, make_optimizer: MakeOptimizer,
                  accum: int = 1, schedule: Schedule | None = None):
@@ -64,6 +66,16 @@ class Strategy:
     def eval_model(self) -> nn.Module:
         """The parameters to evaluate (the plain model for synchronous strategies)."""
         return self.model
+
+    @contextmanager
+    def evaluating(self):
+        """`with strategy.evaluating() as model:` -- the model holding the parameters
+        to evaluate, for strategies that must swap them in (and back out) first."""
+        yield self.eval_model()
+
+    def report(self) -> dict:
+        """Strategy-specific fields for summary.json."""
+        return {}
 
     def optimizer_state_bytes(self) -> int:
         return sum(_tensor_bytes(opt.state) for opt in self.optimizers())
@@ -90,14 +102,24 @@ class Strategy:
         return float(optimizer.param_groups[0]["lr"])
 
     def forward_backward(self, model: nn.Module, next_batch: NextBatch, loss_fn: LossFn,
-                         tally: "Tally", scale: float, context=None) -> None:
-        """One micro-batch: loss * scale backpropagated into the model's grads."""
+                         tally: "Tally", scale: float, context=None, pace: bool = True) -> None:
+        """One micro-batch: loss * scale backpropagated into the model's grads.
+        With a pacer, the emulated slowdown is slept here (pace=False: the
+        caller pays it itself, e.g. DDP's comm hook before issuing a bucket)."""
         batch = next_batch()
         t0 = time.perf_counter()
+        if self.pacer is not None:
+            self.pacer.start(t0)
         with context if context is not None else nullcontext():
             loss = loss_fn(model, batch)
             (loss * scale).backward()
-        tally.compute_s += time.perf_counter() - t0
+        if self.pacer is not None and pace:
+            self.pacer.pay(self.steps_done, self.comm.tracer)
+        t1 = time.perf_counter()
+        # The slowdown emulates a slower device, so its sleep counts as compute.
+        tally.compute_s += t1 - t0
+        if self.comm.tracer is not None:
+            self.comm.tracer.span("micro-batch", "compute", t0, t1)
         tally.loss_sum += float(loss.detach())
         tally.micro_batches += 1
         tally.tokens += batch_tokens(batch)
@@ -119,6 +141,48 @@ class Strategy:
             wall_s=time.perf_counter() - tally.t0,
             lr=lr,
         )
+
+
+class Pacer:
+    """Makes this rank an emulated slower device: after compute that took c
+    seconds it sleeps (f - 1) * c, f = its slowdown factor, times a straggler
+    factor F on the steps where this rank is the straggler. Whether and which
+    rank straggles is drawn from (seed, step) alone, so every rank agrees
+    without communicating."""
+
+    def __init__(self, rank: int, world: int, slowdown: float = 1.0,
+                 straggler_prob: float = 0.0, straggler_factor: float = 1.0, seed: int = 0):
+        self.rank, self.world, self.slowdown = rank, world, slowdown
+        self.straggler_prob, self.straggler_factor, self.seed = straggler_prob, straggler_factor, seed
+        self.slept_s = 0.0
+        self._mark = time.perf_counter()
+
+    def straggler(self, step: int) -> int | None:
+        """The rank that straggles at `step`, or None."""
+        if self.straggler_prob <= 0:
+            return None
+        rng = random.Random(self.seed * 1_000_003 + step)
+        return rng.randrange(self.world) if rng.random() < self.straggler_prob else None
+
+    def factor(self, step: int) -> float:
+        f = self.slowdown
+        return f * self.straggler_factor if self.straggler(step) == self.rank else f
+
+    def start(self, t: float | None = None) -> None:
+        self._mark = time.perf_counter() if t is None else t
+
+    def pay(self, step: int, tracer=None) -> float:
+        """Sleep for the compute since start() (or the last pay) at this step's factor."""
+        now = time.perf_counter()
+        extra = (self.factor(step) - 1.0) * (now - self._mark)
+        if extra > 0:
+            time.sleep(extra)
+            end = time.perf_counter()
+            self.slept_s += end - now
+            if tracer is not None:
+                tracer.span("slowdown", "compute.slowdown", now, end)
+        self._mark = time.perf_counter()
+        return max(extra, 0.0)
 
 
 @dataclass

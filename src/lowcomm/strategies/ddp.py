@@ -22,12 +22,21 @@ def counted_allreduce_hook(comm: Comm, bucket: dist.GradBucket) -> torch.futures
     return handle.future.then(lambda f: f.value()[0])
 
 
+def paced_allreduce_hook(strategy: "DDP", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """counted_allreduce_hook, after paying the emulated slowdown of the compute
+    so far: a slower device would issue this bucket that much later, and the
+    peers must wait for it inside the all-reduce, not at some later sync point."""
+    if strategy.pacer is not None:
+        strategy.pacer.pay(strategy.steps_done, strategy.comm.tracer)
+    return counted_allreduce_hook(strategy.comm, bucket)
+
+
 @register("ddp")
 class DDP(Strategy):
     def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, bucket_mb=25.0):
         super().__init__(model, comm, make_optimizer, accum, schedule)
         self.ddp = DistributedDataParallel(model, process_group=comm.group, bucket_cap_mb=bucket_mb)
-        self.ddp.register_comm_hook(comm, counted_allreduce_hook)
+        self.ddp.register_comm_hook(self, paced_allreduce_hook)
         self.optimizer = make_optimizer(model.parameters())
 
     def optimizers(self):
@@ -42,7 +51,8 @@ class DDP(Strategy):
         # The last micro-batch all-reduces during its backward; whatever runs
         # after its last bucket was issued is waiting on the network.
         compute_before = tally.compute_s
-        self.forward_backward(self.ddp, next_batch, loss_fn, tally, 1.0 / self.accum)
+        self.forward_backward(self.ddp, next_batch, loss_fn, tally, 1.0 / self.accum,
+                              pace=False)  # the hook paces it, before each bucket is sent
         if self.comm.world > 1:
             waited = time.perf_counter() - self.comm.last_issue_s
             exposed = max(0.0, min(waited, tally.compute_s - compute_before))

@@ -12,8 +12,6 @@ already fp32, so no memory is spent twice). Optimizer state therefore costs
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn as nn
 
@@ -52,39 +50,56 @@ class FlatModel:
 
 
 class ShardOptimizer:
-    def __init__(self, flat: FlatModel, make_optimizer):
+    """The inner optimizer over this rank's shard. `separate_master=True` keeps
+    the fp32 master apart from the model's parameters even when both are fp32:
+    ACCO and DPU load other parameters (estimates, gathered results) into the
+    model while the master must keep holding the real θ."""
+
+    def __init__(self, flat: FlatModel, make_optimizer, separate_master: bool = False):
         self.flat = flat
         own = flat.params[flat.own]
-        self.aliased = own.dtype == torch.float32
-        master = own if self.aliased else own.float()
+        self.aliased = own.dtype == torch.float32 and not separate_master
+        master = own if self.aliased else own.detach().float().clone()
         self.master = nn.Parameter(master, requires_grad=False)
         self.optimizer = make_optimizer([self.master])
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def step(self, shard_grad: torch.Tensor) -> None:
         """One inner-optimizer step of the own shard from its (already averaged) gradient."""
         self.master.grad = shard_grad if shard_grad.dtype == torch.float32 else shard_grad.float()
         self.optimizer.step()
         self.master.grad = None
-        if not self.aliased:
-            self.flat.params[self.flat.own].copy_(self.master.detach())
 
     def own_params(self) -> torch.Tensor:
         """The own shard in parameter precision, ready to all-gather."""
-        return self.flat.params[self.flat.own]
+        if self.aliased:
+            return self.flat.params[self.flat.own]
+        return self.master.detach().to(self.flat.params.dtype)
 
     # ACCO's estimate rounds must leave no trace: snapshot, step, restore.
-    def snapshot(self) -> dict:
-        return {"master": self.master.detach().clone(),
-                "state": copy.deepcopy(self.optimizer.state_dict()["state"])}
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return [self.master.data] + [v for st in self.optimizer.state.values()
+                                     for v in st.values() if torch.is_tensor(v)]
 
-    def restore(self, snap: dict) -> None:
-        self.master.data.copy_(snap["master"])
-        sd = self.optimizer.state_dict()
-        sd["state"] = snap["state"]
-        self.optimizer.load_state_dict(sd)
-        if not self.aliased:
-            self.flat.params[self.flat.own].copy_(self.master.detach())
+    def snapshot(self) -> list[torch.Tensor] | None:
+        """Copies of the master shard and every optimizer state tensor (None: no state yet)."""
+        if not self.optimizer.state:
+            return [self.master.detach().clone()]
+        return [t.clone() for t in self._state_tensors()]
 
-    def extra_bytes(self) -> int:
-        """Master copy bytes when it is not an alias of the parameters."""
-        return 0 if self.aliased else self.master.numel() * self.master.element_size()
+    def restore(self, snap: list[torch.Tensor]) -> None:
+        if len(snap) == 1:  # the optimizer had not stepped yet: its lazy state must go too
+            self.optimizer.state.clear()
+            self.master.data.copy_(snap[0])
+            return
+        for tensor, saved in zip(self._state_tensors(), snap, strict=True):
+            tensor.copy_(saved)
+
+    def state_bytes(self) -> int:
+        """Optimizer state plus the master copy when it is not an alias of the parameters."""
+        tensors = self._state_tensors()[1:]
+        master = 0 if self.aliased else self.master.numel() * self.master.element_size()
+        return master + sum(t.numel() * t.element_size() for t in tensors)

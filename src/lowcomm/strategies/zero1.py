@@ -16,9 +16,9 @@ from .flat import FlatModel, ShardOptimizer
 
 @register("zero1")
 class Zero1(Strategy):
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None):
+    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, param_dtype=None):
         super().__init__(model, comm, make_optimizer, accum, schedule)
-        self.flat = FlatModel(model, comm.world, comm.rank)
+        self.flat = FlatModel(model, comm.world, comm.rank, dtype=param_dtype)
         self.shard_opt = ShardOptimizer(self.flat, make_optimizer)
         self.shard_grad = torch.empty(self.flat.shard_size, dtype=self.flat.grads.dtype,
                                       device=self.flat.grads.device)
@@ -27,7 +27,7 @@ class Zero1(Strategy):
         return [self.shard_opt.optimizer]
 
     def optimizer_state_bytes(self) -> int:
-        return super().optimizer_state_bytes() + self.shard_opt.extra_bytes()
+        return self.shard_opt.state_bytes()
 
     def step(self, next_batch, loss_fn):
         tally = self.begin()

@@ -1,0 +1,124 @@
+"""ACCO -- Accumulate While You Communicate (Nabli et al., arXiv 2406.02613).
+
+ZeRO-1's layout plus one communication buffer B. Rounds alternate:
+
+  estimate round (model holds θ_t, B = ∇θ̃_t):
+      comm:     θ̃_{t+1} = opt(θ_t; B / N), state snapshot and restored
+      compute:  G += ∇θ_t                     (G still holds ∇θ̃_t)
+      end:      model <- θ̃_{t+1};  B <- G = ∇θ̃_t + ∇θ_t
+  real round:
+      comm:     θ_{t+1} = opt(θ_t; B / N)     state kept; the schedule moves on
+      compute:  G <- 0;  G += ∇θ̃_{t+1}        at the estimate now in the model
+      end:      model <- θ_{t+1};  B <- G = ∇θ̃_{t+1}
+
+Every gradient used for θ_t -> θ_{t+1} was computed at θ_t or an estimate of it,
+so there is no stale-gradient bias, and communication hides behind compute.
+Start-up, as in the reference code: one micro-batch gradient at θ_0 fills G,
+B <- G, and the first round is an estimate round treating θ_0 as θ̃_0.
+
+A trainer step is one round (≥ `accum` micro-batches per rank, so --steps
+means the same tokens as for zero1); an optimizer step takes two rounds.
+Compute keeps accumulating while the round's communication is in flight, up
+to `max_accum` micro-batches, so faster workers contribute more; N is the
+all-reduced total. `deterministic=True` computes exactly `accum` per round.
+The schedule counts micro-batches, as the reference does: its step index is
+(global micro-batches applied) / (W * accum).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from .base import Strategy, register
+from .flat import FlatModel, ShardOptimizer
+from .overlap import OverlappedRounds
+
+
+@register("acco")
+class ACCO(Strategy):
+    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None,
+                 deterministic=False, max_accum=None, param_dtype=None):
+        super().__init__(model, comm, make_optimizer, accum, schedule)
+        self.deterministic = deterministic
+        self.max_accum = max(max_accum or 4 * accum, accum)
+        self.flat = FlatModel(model, comm.world, comm.rank, dtype=param_dtype)
+        self.shard_opt = ShardOptimizer(self.flat, make_optimizer, separate_master=True)
+        self.rounds = OverlappedRounds(self.flat, self.shard_opt, comm)
+        self.estimate_next = True      # the first round is an estimate round
+        self.holds_estimate = False    # does the model hold θ̃ rather than θ?
+        self.local_count = 0           # micro-batches summed in G
+        self.applied = 0               # global micro-batches in applied real updates
+        self.real_rounds = 0
+        self.lr = None
+
+    def optimizers(self):
+        return [self.shard_opt.optimizer]
+
+    def optimizer_state_bytes(self) -> int:
+        return self.shard_opt.state_bytes()
+
+    def step(self, next_batch, loss_fn):
+        tally = self.begin()
+        if self.steps_done == 0:  # start-up: one micro-batch at θ_0 fills G and B
+            self.flat.zero_grad()
+            self.forward_backward(self.model, next_batch, loss_fn, tally, scale=1.0)
+            self.local_count = 1
+            self.rounds.load_gradients(self.local_count)
+
+        estimate = self.estimate_next
+        if estimate:  # the estimate and the real round that follows share one lr
+            self.lr = self.lr_for_step(self.shard_opt.optimizer,
+                                       self.applied // (self.comm.world * self.accum))
+        self.rounds.start(estimate)
+        if not estimate:
+            self.flat.zero_grad()
+            self.local_count = 0
+        self.local_count += self.accumulate(next_batch, loss_fn, tally)
+        total = self.rounds.wait()
+        if not estimate:
+            self.applied += total
+            self.real_rounds += 1
+
+        self.rounds.swap_in()  # θ̃_{t+1} after an estimate round, θ_{t+1} after a real one
+        self.rounds.load_gradients(self.local_count)
+        self.holds_estimate = estimate
+        self.estimate_next = not estimate
+        return self.finish(tally, self.lr)
+
+    def accumulate(self, next_batch, loss_fn, tally) -> int:
+        """Micro-batches while the round is in flight: at least accum, at most max_accum."""
+        n = 0
+        while n < self.accum or (not self.deterministic and n < self.max_accum and self.rounds.in_flight()):
+            self.forward_backward(self.model, next_batch, loss_fn, tally, scale=1.0)
+            n += 1
+        self.flat.check_views()
+        return n
+
+    @contextmanager
+    def evaluating(self):
+        """After an estimate round the model holds θ̃; evaluate the real θ (gathered
+        from the master shards as bookkeeping traffic) and put θ̃ back after."""
+        if not self.holds_estimate:
+            yield self.model
+            return
+        estimate = self.flat.params.clone()
+        gathered = self.comm.meta_all_gather(self.shard_opt.own_params())
+        self.flat.params.copy_(gathered.view(-1))
+        try:
+            yield self.model
+        finally:
+            self.flat.params.copy_(estimate)
+
+    def extra_memory_bytes(self) -> int:
+        """Bytes ACCO holds beyond ZeRO-1, measured on the live tensors: the
+        communication buffer B, the separate fp32 master shard (ZeRO-1 aliases
+        it to the fp32 parameters) and the peak estimate-round snapshot."""
+        b = self.rounds.buffer
+        m = self.shard_opt.master
+        zero1_aliases = self.flat.params.dtype == m.dtype
+        return (b.numel() * b.element_size() + (m.numel() * m.element_size() if zero1_aliases else 0)
+                + self.rounds.snapshot_bytes)
+
+    def report(self) -> dict:
+        return {"rounds": self.steps_done, "real_rounds": self.real_rounds,
+                "optimizer_steps": self.real_rounds, "deterministic": self.deterministic,
+                "max_accum": self.max_accum, "extra_memory_bytes_vs_zero1": self.extra_memory_bytes()}

@@ -1,0 +1,303 @@
+"""`lowcomm train` rejects bad input with exit 2, one `error:` line naming the bad value,
+no traceback, and an untouched output dir; a valid tiny run writes the output contract.
+
+The CLI runs as a subprocess (`python -m lowcomm train ...`), as a user runs it.
+Bad input fails before any worker is spawned, so each case takes about as long
+as importing torch.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from lowcomm import config as C
+
+TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good "
+        "fortune, must be in want of a wife.\n") * 60  # ~6 KB
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "lowcomm", "train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def snapshot(path: Path) -> dict | None:
+    """A directory's full contents (relative path -> bytes), or None when it does not exist."""
+    if not path.exists():
+        return None
+    return {str(p.relative_to(path)): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(path.rglob("*"))}
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> Path:
+    p = tmp_path / "text.txt"
+    p.write_text(TEXT)
+    return p
+
+
+def _setup(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str]:
+    """The arguments of one bad-input case and the text(s) its message must name."""
+    d = ["--data", str(data_file)]
+    if case == "unknown_strategy":
+        return ["--strategy", "telepathy", *d], "telepathy"
+    if case == "workers_zero":
+        return ["--workers", "0", *d], ("workers", "0")
+    if case == "workers_negative":
+        return ["--workers", "-1", *d], ("workers", "-1")
+    if case == "workers_non_numeric":
+        return ["--workers", "two", *d], "two"
+    if case == "steps_non_numeric":
+        return ["--steps", "ten", *d], "ten"
+    if case == "steps_negative":
+        return ["--steps", "-5", *d], ("steps", "-5")
+    if case == "steps_float":
+        return ["--steps", "2.5", *d], "2.5"
+    if case == "lr_non_numeric":
+        return ["--lr", "fast", *d], "fast"
+    if case == "lr_negative":
+        return ["--lr", "-0.001", *d], ("lr", "-0.001")
+    if case == "lr_nan":
+        return ["--lr", "nan", *d], "nan"
+    if case == "micro_batch_negative":
+        return ["--micro-batch", "-2", *d], ("micro_batch", "-2")
+    if case == "micro_batch_non_numeric":
+        return ["--micro-batch", "lots", *d], "lots"
+    if case == "accum_zero":
+        return ["--accum", "0", *d], ("accum", "0")
+    if case == "seq_len_negative":
+        return ["--seq-len", "-16", *d], ("seq_len", "-16")
+    if case == "seed_negative":
+        return ["--seed", "-3", *d], ("seed", "-3")
+    if case == "missing_data":
+        missing = tmp / "no_such_corpus.txt"
+        return ["--data", str(missing)], str(missing)
+    if case == "empty_data_file":
+        p = tmp / "empty.txt"
+        p.write_text("")
+        return ["--data", str(p)], str(p)
+    if case == "whitespace_data_file":
+        p = tmp / "blank.txt"
+        p.write_text("  \n\n \t\n")
+        return ["--data", str(p)], str(p)
+    if case == "empty_directory":
+        p = tmp / "empty_dir"
+        p.mkdir()
+        return ["--data", str(p)], str(p)
+    if case == "unreadable_data_chmod":
+        if os.geteuid() == 0:
+            pytest.skip("running as root: chmod 000 does not stop root from reading; "
+                        "the unreadable_data_eio case covers an unreadable file for root")
+        p = tmp / "secret.txt"
+        p.write_text(TEXT)
+        p.chmod(0)
+        return ["--data", str(p)], str(p)
+    if case == "unreadable_data_eio":
+        # A regular file whose read fails even for root: /proc/self/mem at offset 0 (unmapped) -> EIO.
+        if not Path("/proc/self/mem").exists():
+            pytest.skip("needs Linux /proc")
+        p = tmp / "corpus.txt"
+        p.symlink_to("/proc/self/mem")
+        return ["--data", str(p)], str(p)
+    if case == "seq_len_longer_than_data":
+        p = tmp / "tiny.txt"
+        p.write_text("to be or not to be, that is the question\n" * 5)  # ~210 bytes
+        return ["--data", str(p), "--seq-len", "512"], "512"
+    if case == "malformed_toml":
+        p = tmp / "bad.toml"
+        p.write_text('strategy = "ddp"\nsteps = = 3\n[optim\n')
+        return ["--config", str(p), *d], str(p)
+    if case == "unknown_toml_key_top":
+        p = tmp / "run.toml"
+        p.write_text('strategy = "ddp"\nturbo_mode = true\n')
+        return ["--config", str(p), *d], "turbo_mode"
+    if case == "unknown_toml_key_in_table":
+        p = tmp / "run.toml"
+        p.write_text('[optim]\nlr = 0.001\nmomentum_magic = 0.5\n')
+        return ["--config", str(p), *d], "momentum_magic"
+    if case == "unknown_toml_table":
+        p = tmp / "run.toml"
+        p.write_text('[optimiser]\nlr = 0.001\n')
+        return ["--config", str(p), *d], "optimiser"
+    if case == "toml_non_numeric":
+        p = tmp / "run.toml"
+        p.write_text('steps = "many"\n')
+        return ["--config", str(p), *d], "many"
+    if case == "missing_config_file":
+        p = tmp / "nowhere.toml"
+        return ["--config", str(p), *d], str(p)
+    if case == "unknown_flag":
+        return ["--warp-speed", "9", *d], "--warp-speed"
+    raise AssertionError(case)
+
+
+CASES = ["unknown_strategy", "workers_zero", "workers_negative", "workers_non_numeric",
+         "steps_non_numeric", "steps_negative", "steps_float", "lr_non_numeric", "lr_negative", "lr_nan",
+         "micro_batch_negative", "micro_batch_non_numeric", "accum_zero", "seq_len_negative",
+         "seed_negative", "missing_data", "empty_data_file", "whitespace_data_file", "empty_directory",
+         "unreadable_data_chmod", "unreadable_data_eio", "seq_len_longer_than_data", "malformed_toml",
+         "unknown_toml_key_top", "unknown_toml_key_in_table", "unknown_toml_table", "toml_non_numeric",
+         "missing_config_file", "unknown_flag"]
+
+# The cases whose check runs last before anything is written (data, sizes, config):
+# run them against an output dir that already holds files, which must stay as they were.
+PRE_EXISTING = {"unknown_strategy", "empty_data_file", "unreadable_data_eio", "seq_len_longer_than_data",
+                "unknown_toml_key_in_table", "workers_zero"}
+
+
+def assert_usage_error(code: int, stdout: str, stderr: str, names: str | tuple[str, ...]) -> None:
+    assert code == 2, f"exit {code}\nstdout: {stdout}\nstderr: {stderr}"
+    assert "Traceback" not in stderr and "Traceback" not in stdout, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{stderr}"
+    assert lines[0].startswith("error: "), lines[0]
+    for name in (names,) if isinstance(names, str) else names:
+        assert name in lines[0], f"the message does not name {name!r}: {lines[0]}"
+
+
+def _prepare_case(case, tmp_path, data_file):
+    work = tmp_path / "cwd"
+    work.mkdir()
+    args, names = _setup(case, tmp_path, data_file)
+    out = tmp_path / "out"
+    if case in PRE_EXISTING:
+        out.mkdir()
+        (out / "notes.txt").write_text("my notes\n")
+        (out / "config.toml").write_text("# an older run's config\n")
+        (out / "sub").mkdir()
+        (out / "sub" / "x.bin").write_bytes(b"\x00\x01")
+    return work, [*args, "--out", str(out)], names, out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_exits_2_with_one_line(case, tmp_path, data_file, capfd, monkeypatch):
+    """Every case through `lowcomm.cli.main`, the function `python -m lowcomm` runs
+    (in this process: a subprocess per case would spend the suite's time importing torch;
+    test_bad_input_subprocess runs a representative subset the way a user does)."""
+    import lowcomm.launch
+    from lowcomm.cli import main
+
+    def no_training(*a, **k):
+        raise AssertionError(f"{case}: the input was accepted and training was about to start")
+    monkeypatch.setattr(lowcomm.launch, "launch", no_training)
+    work, argv, names, out = _prepare_case(case, tmp_path, data_file)
+    before = snapshot(out)
+    monkeypatch.chdir(work)
+    capfd.readouterr()
+    code = main(["train", *argv])
+    captured = capfd.readouterr()
+    assert_usage_error(code, captured.out, captured.err, names)
+    assert snapshot(out) == before, "the output dir was touched"
+    assert list(work.iterdir()) == [], "something was written to the working directory"
+
+
+SUBPROCESS_CASES = ["unknown_flag", "workers_negative", "lr_non_numeric", "unreadable_data_eio",
+                    "seq_len_longer_than_data", "unknown_toml_key_in_table"]
+
+
+@pytest.mark.parametrize("case", SUBPROCESS_CASES)
+def test_bad_input_subprocess(case, tmp_path, data_file):
+    """The same contract for `python -m lowcomm train ...` as a process: exit status 2,
+    a single stderr line (no warning or traceback around it), nothing written."""
+    work, argv, names, out = _prepare_case(case, tmp_path, data_file)
+    before = snapshot(out)
+    proc = run_cli(argv, cwd=work)
+    assert_usage_error(proc.returncode, proc.stdout, proc.stderr, names)
+    assert snapshot(out) == before, "the output dir was touched"
+    assert list(work.iterdir()) == [], "something was written to the working directory"
+
+
+def test_bad_input_without_out_writes_nothing(tmp_path):
+    """With no --out the default is runs/<...> under the working directory: not created either."""
+    proc = run_cli(["--strategy", "telepathy"], cwd=tmp_path)
+    assert_usage_error(proc.returncode, proc.stdout, proc.stderr, "telepathy")
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- a valid tiny run -----------------------------------------------------------------------
+
+STEP_FIELDS = {"step", "loss", "tokens", "micro_batches", "wire_bytes", "compute_s", "comm_s",
+               "exposed_comm_s", "wall_s", "lr"}
+SUMMARY_FIELDS = {"strategy", "workers", "steps", "tokens", "final_train_loss", "final_val_loss", "wall_s",
+                  "tokens_per_s", "wire_bytes_total", "wire_bytes_per_step", "exposed_comm_fraction",
+                  "peak_mem_bytes"}
+TINY = ["--workers", "2", "--steps", "3", "--n-layer", "1", "--n-head", "2", "--d-model", "16",
+        "--seq-len", "16", "--micro-batch", "2", "--eval-every", "2", "--eval-batches", "2",
+        "--warmup", "1", "--quiet"]
+
+
+def test_valid_tiny_run_writes_the_output_contract(tmp_path, data_file):
+    out = tmp_path / "run"
+    proc = run_cli([*TINY, "--data", str(data_file), "--out", str(out), "--strategy", "zero1"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    # config.toml: the resolved config, with the flags applied
+    cfg_text = (out / "config.toml").read_text()
+    cfg = tomllib.loads(cfg_text)
+    assert cfg["strategy"] == "zero1" and cfg["workers"] == 2 and cfg["steps"] == 3
+    assert cfg["model"]["d_model"] == 16 and cfg["model"]["seq_len"] == 16
+    assert cfg["data"]["source"] == str(data_file)
+
+    # steps.jsonl: one object per optimizer step, every field present and sensible
+    lines = (out / "steps.jsonl").read_text().strip().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    tokens_per_step = 2 * 1 * 2 * 16  # workers * accum * micro_batch * seq_len
+    for r in records:
+        assert STEP_FIELDS <= r.keys(), STEP_FIELDS - r.keys()
+        assert math.isfinite(r["loss"]) and 0 < r["loss"] < 10
+        assert r["tokens"] == tokens_per_step
+        assert r["micro_batches"] == 2
+        assert r["wire_bytes"] > 0
+        assert r["lr"] > 0
+        for k in ("compute_s", "comm_s", "exposed_comm_s", "wall_s"):
+            assert r[k] >= 0
+    assert "val_loss" in records[1] and "val_loss" in records[2]  # every 2 steps and at the end
+    assert abs(records[0]["loss"] - math.log(256)) < 0.3  # N(0, 0.02) init: first loss ~ ln(vocab)
+
+    # summary.json
+    s = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_FIELDS <= s.keys(), SUMMARY_FIELDS - s.keys()
+    assert s["strategy"] == "zero1" and s["workers"] == 2 and s["steps"] == 3
+    assert s["tokens"] == 3 * tokens_per_step
+    assert s["wire_bytes_total"] == sum(r["wire_bytes"] for r in records)
+    assert s["wire_bytes_per_step"] == pytest.approx(s["wire_bytes_total"] / 3)
+    assert s["final_train_loss"] == pytest.approx(records[-1]["loss"])
+    assert s["final_val_loss"] == pytest.approx(records[-1]["val_loss"])
+    assert math.isfinite(s["final_val_loss"])
+    assert 0 <= s["exposed_comm_fraction"] <= 1
+    assert s["peak_mem_bytes"] > 0 and s["wall_s"] > 0 and s["tokens_per_s"] > 0
+
+    # config.toml fed back through --config resolves to the same config
+    again = C.load_toml(out / "config.toml")
+    assert C.to_dict(again) == cfg
+    assert C.to_toml(again) == cfg_text
+    # ... and through the CLI's own parsing of --config (what a second run would train with)
+    from lowcomm.cli import build_parser, config_from_args
+    via_cli = config_from_args(build_parser().parse_args(["train", "--config", str(out / "config.toml")]))
+    assert C.to_dict(via_cli) == cfg
+
+
+def test_existing_run_is_not_overwritten(tmp_path, data_file):
+    """An output dir that already holds a run is a usage error unless --overwrite."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "steps.jsonl").write_text('{"step": 1}\n')
+    (out / "config.toml").write_text("# old\n")
+    before = snapshot(out)
+    proc = run_cli([*TINY, "--data", str(data_file), "--out", str(out)], cwd=tmp_path)
+    assert_usage_error(proc.returncode, proc.stdout, proc.stderr, str(out))
+    assert snapshot(out) == before
