@@ -47,7 +47,12 @@ def _entry(rank: int, fn: Callable, world: int, port: int, result_dir: str,
            args: tuple, kwargs: dict, threads: int) -> None:
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    # LOWCOMM_TEST_BACKEND=nccl runs the same tests on GPUs (the device check in
+    # bench/gpu_check.sh); the suite itself always runs on gloo.
+    backend = os.environ.get("LOWCOMM_TEST_BACKEND", "gloo")
+    if backend == "nccl" or os.environ.get("LOWCOMM_TEST_DEVICE") == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args, **kwargs)
         # Every rank finishes its collectives before any rank tears the group down.

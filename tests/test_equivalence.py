@@ -91,18 +91,32 @@ def make_adamw(params):
                              weight_decay=OPT.weight_decay)
 
 
+# Adam's update barely depends on the gradient's scale, so a strategy that summed where it
+# should average would still match under AdamW. SGD with momentum is scale-sensitive:
+# the same runs under SGD catch a wrong reduction or accumulation scale.
+SGD_OPT = OptimConfig(lr=0.5, warmup_steps=5, schedule="cosine", min_lr_ratio=0.1)
+
+
+def make_sgd(params):
+    return torch.optim.SGD(params, lr=SGD_OPT.lr, momentum=0.9)
+
+
+OPTIMIZERS = {"adamw": (make_adamw, OPT), "sgd": (make_sgd, SGD_OPT)}
+
+
 def global_batch(batch_fn, step: int, world: int):
     """Every rank's every micro-batch of one step, concatenated along the batch dim."""
     parts = [batch_fn(step, r, m) for r in range(world) for m in range(ACCUM)]
     return tuple(torch.cat(t) for t in zip(*parts))
 
 
-def reference(kind: str, world: int = W) -> torch.Tensor:
-    """One process, plain torch: AdamW on the global batch, the same schedule."""
+def reference(kind: str, optim: str = "adamw", world: int = W) -> torch.Tensor:
+    """One process, plain torch: the optimizer on the global batch, the same schedule."""
     make_model, batch_fn, loss_fn = MODELS[kind]
+    make_opt, ocfg = OPTIMIZERS[optim]
     model = make_model()
-    opt = make_adamw(model.parameters())
-    schedule = lr_schedule(OPT, STEPS)
+    opt = make_opt(model.parameters())
+    schedule = lr_schedule(ocfg, STEPS)
     for step in range(STEPS):
         for group in opt.param_groups:
             group["lr"] = schedule(step)
@@ -114,12 +128,13 @@ def reference(kind: str, world: int = W) -> torch.Tensor:
 
 # -- rank workers ----------------------------------------------------------------------
 
-def _train_lowcomm(rank: int, world: int, strategy: str, kind: str) -> dict:
+def _train_lowcomm(rank: int, world: int, strategy: str, kind: str, optim: str = "adamw") -> dict:
     make_model, batch_fn, loss_fn = MODELS[kind]
+    make_opt, ocfg = OPTIMIZERS[optim]
     model = make_model()
     comm = lowcomm.Comm()
-    strat = lowcomm.make_strategy(strategy, model, comm, make_adamw, accum=ACCUM,
-                                  schedule=lr_schedule(OPT, STEPS))
+    strat = lowcomm.make_strategy(strategy, model, comm, make_opt, accum=ACCUM,
+                                  schedule=lr_schedule(ocfg, STEPS))
     losses, lrs = [], []
     for step in range(STEPS):
         micro = iter(range(ACCUM + 1))  # one spare, so a strategy that over-pulls shows up as a wrong count
@@ -184,6 +199,7 @@ def _train_torch_zero(rank: int, world: int, kind: str) -> dict:
 def _all_runs(rank: int, world: int, kind: str, with_peer: bool) -> dict:
     """One spawn trains every variant from a fresh model (spawning costs more than training)."""
     out = {name: _train_lowcomm(rank, world, name, kind) for name in ("ddp", "zero1")}
+    out.update({f"{name}_sgd": _train_lowcomm(rank, world, name, kind, "sgd") for name in ("ddp", "zero1")})
     if with_peer:
         out["torch_zero"] = _train_torch_zero(rank, world, kind)
     return out
@@ -193,17 +209,18 @@ def _all_runs(rank: int, world: int, kind: str, with_peer: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def gpt_runs():
-    return run_dist(_all_runs, W, "gpt", True), reference("gpt")
+    return run_dist(_all_runs, W, "gpt", True), {o: reference("gpt", o) for o in OPTIMIZERS}
 
 
 @pytest.fixture(scope="module")
 def mlp_runs():
-    return run_dist(_all_runs, W, "mlp", False), reference("mlp")
+    return run_dist(_all_runs, W, "mlp", False), {o: reference("mlp", o) for o in OPTIMIZERS}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
 def test_gpt_matches_single_process(strategy, gpt_runs):
-    runs, ref = gpt_runs
+    runs, refs = gpt_runs
+    ref = refs["adamw"]
     out = [runs[r][strategy] for r in range(W)]
     # the ranks hold one model
     assert torch.equal(out[0]["params"], out[1]["params"])
@@ -231,12 +248,28 @@ def test_zero1_matches_torch_zero_redundancy_optimizer(gpt_runs):
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
 def test_non_gpt_module_with_custom_loss(strategy, mlp_runs):
-    runs, ref = mlp_runs
+    runs, refs = mlp_runs
+    ref = refs["adamw"]
     assert rel_err(flat_params(make_mlp()), ref) > 100 * TOL
     out = [runs[r][strategy] for r in range(W)]
     assert torch.equal(out[0]["params"], out[1]["params"])
     err = rel_err(out[0]["params"], ref)
     assert err <= TOL, f"{strategy} on an MLP: relative error {err:.3e} > {TOL}"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+@pytest.mark.parametrize("kind", ["gpt", "mlp"])
+def test_gradient_scale_under_sgd(strategy, kind, gpt_runs, mlp_runs):
+    """The same equivalence under SGD+momentum, which (unlike Adam) sees the gradient's scale:
+    a sum where a mean belongs, in the reduction or the accumulation, fails here."""
+    runs, refs = gpt_runs if kind == "gpt" else mlp_runs
+    ref = refs["sgd"]
+    start = flat_params(make_gpt() if kind == "gpt" else make_mlp())
+    assert rel_err(start, ref) > 100 * TOL
+    out = [runs[r][f"{strategy}_sgd"] for r in range(W)]
+    assert torch.equal(out[0]["params"], out[1]["params"])
+    err = rel_err(out[0]["params"], ref)
+    assert err <= TOL, f"{strategy}+SGD on {kind}: relative error {err:.3e} > {TOL}"
 
 
 def test_zero1_keeps_flat_views_and_shards_optimizer_state(mlp_runs):

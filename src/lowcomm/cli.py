@@ -34,6 +34,7 @@ TRAIN_FLAGS = {
     "--eval-batches": ("eval_batches", "validation micro-batches per worker"),
     "--threads": ("threads", "torch threads per worker"),
     "--backend": ("backend", "auto (nccl with CUDA, else gloo), gloo or nccl"),
+    "--device": ("device", "auto (cuda with nccl, else cpu), cpu or cuda"),
     "--bucket-mb": ("bucket_mb", "DDP gradient bucket size in MB"),
     "--param-dtype": ("param_dtype", "flat parameter buffers of zero1/acco/dpu: fp32 or bf16"),
     "--log-every": ("log_every", "gather all ranks' step results every K steps"),

@@ -29,6 +29,7 @@ MODEL_PRESETS = {
 SCHEDULES = ("cosine", "constant")
 PARAM_DTYPES = ("fp32", "bf16")
 BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
@@ -94,6 +95,7 @@ class RunConfig:
     eval_batches: int = 8
     threads: int = 1
     backend: str = "auto"
+    device: str = "auto"  # auto: cuda with nccl, else cpu; cuda with gloo moves CUDA tensors over gloo
     bucket_mb: float = 25.0  # DDP gradient bucket size
     param_dtype: str = "fp32"  # flat parameter/gradient buffers of zero1, acco, dpu
     log_every: int = 5  # gather every rank's step results (a sync point) every K steps
@@ -307,6 +309,10 @@ def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
     straggler_settings(cfg)
     if cfg.backend not in BACKENDS:
         raise UsageError(f"unknown backend '{cfg.backend}' (choose from: {', '.join(BACKENDS)})")
+    if cfg.device not in DEVICES:
+        raise UsageError(f"unknown device '{cfg.device}' (choose from: {', '.join(DEVICES)})")
+    if cfg.backend == "nccl" and cfg.device == "cpu":
+        raise UsageError("backend 'nccl' needs device 'cuda', got device 'cpu'")
 
     m = cfg.model
     if m.preset not in MODEL_PRESETS:

@@ -25,7 +25,16 @@ from .strategies.base import Pacer
 def pick_backend(cfg: C.RunConfig) -> str:
     if cfg.backend != "auto":
         return cfg.backend
+    if cfg.device == "cpu":
+        return "gloo"
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def pick_device(cfg: C.RunConfig, backend: str, local_rank: int) -> torch.device:
+    """cuda with nccl (or when asked for), else cpu; ranks share GPUs round-robin."""
+    if cfg.device == "cuda" or (cfg.device == "auto" and backend == "nccl"):
+        return torch.device(f"cuda:{local_rank % torch.cuda.device_count()}")
+    return torch.device("cpu")
 
 
 def verify_identical_params(model: torch.nn.Module, comm: Comm) -> None:
@@ -62,7 +71,7 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
           quiet: bool = False) -> dict | None:
     """Train with an initialised process group. Returns the summary on rank 0."""
     backend = dist.get_backend()
-    device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
+    device = pick_device(cfg, backend, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     comm = Comm(link=C.make_link(cfg, seed=cfg.seed * 7919 + rank))  # each NIC jitters on its own
@@ -213,7 +222,21 @@ def describe(s: dict) -> str:
             f"({s['wire_bytes_per_rank_per_step'] / 1e6:,.2f} MB per rank per step); waited on the network "
             f"{100 * s['exposed_comm_fraction']:.1f}% of the wall time. Optimizer state "
             f"{s['optimizer_state_bytes_per_rank'] / 1e6:,.2f} MB per rank, peak memory "
-            f"{s['peak_mem_bytes'] / 2**20:,.0f} MiB.")
+            f"{s['peak_mem_bytes'] / 2**20:,.0f} MiB." + _describe_emulation(s))
+
+
+def _describe_emulation(s: dict) -> str:
+    """Says which part of the timing was emulated, so no one mistakes it for a real network."""
+    text = ""
+    if s.get("link"):
+        ln = s["link"]
+        text += (f" Link emulated at {ln['bandwidth']}, {ln['latency']} per hop: "
+                 f"{100 * s['comm_modeled_share']:.0f}% of communication time was modeled.")
+    if any(f != 1.0 for f in s.get("slowdown") or []) or s.get("stragglers"):
+        text += f" Emulated slow workers: slept {sum(s['slowdown_sleep_s_per_rank']):.1f} s in total."
+    if s.get("trace"):
+        text += f" Trace: {s['trace']} (open in ui.perfetto.dev)."
+    return text
 
 
 def strategy_options(cfg: C.RunConfig) -> dict:
@@ -237,8 +260,9 @@ def spawned_entry(rank: int, world: int, cfg: C.RunConfig, store_port: int, out_
     torch.set_num_threads(cfg.threads)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
     backend = pick_backend(cfg)
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = pick_device(cfg, backend, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     try:
         train(cfg, rank, world, rank, Path(out_dir) if out_dir else None, quiet)

@@ -25,6 +25,10 @@ import torch.distributed as dist
 
 from .wire import wire_bytes
 
+# torch 2.13 renamed the flat collectives; the package supports older torch too.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "avg": dist.ReduceOp.AVG,
@@ -167,9 +171,12 @@ class Comm:
         if tensor is not None and tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()
 
-    def _run(self, op: str, nbytes: int, launch, result, async_op: bool, meta: bool = False):
+    def _run(self, op: str, nbytes: int, launch, result, async_op: bool, meta: bool = False,
+             local=None):
         wire = wire_bytes(op, nbytes, self.world)
-        if self.world == 1:
+        if not dist.is_initialized():  # a single process without a group: do the op's local effect
+            if local is not None:
+                local()
             self._add(op, 0, 1, meta=meta)
             return Handle(self, None, result) if async_op else None
         if self.link is not None or self.tracer is not None:
@@ -222,19 +229,32 @@ class Comm:
         work = launch(True)
         handle = Handle(self, work, result, modeled_end if link is not None else None)
         self._add(op, wire, 1, meta=meta)
+        try:
+            real_future = work.get_future()
+        except RuntimeError:
+            real_future = None  # gloo's reduce_scatter is composed in Python: no future
+        out_future = None
+        if link is not None and real_future is not None:
+            # DDP's reducer (and any .then chain) waits on this future, so it,
+            # not gloo's, must complete at the modeled end.
+            devices = [result.device] if result is not None and result.is_cuda else None
+            out_future = handle._future = torch.futures.Future(devices=devices)
 
+        # `done` must not hold the work or its handle: the work's future holds
+        # `done`, and a cycle through a c10d work can end up collected on gloo's
+        # own thread, whose process group then dies inside itself (SIGABRT at exit).
         def done(fut=None, t0=t0):
             real_end = time.perf_counter()
             end = max(real_end, modeled_end)
             self._add(op, busy_s=end - t0, emulated_s=end - real_end, meta=meta)
             if span is not None:
                 self.tracer.close_comm(span, real_end, end)
-            if handle._future is None:
+            if out_future is None:
                 return
             try:
                 fut.value()
             except Exception as e:  # a failed collective must fail its waiters too
-                handle._future.set_exception(e)
+                out_future.set_exception(e)
                 return
             ready = None
             if result is not None and result.is_cuda:
@@ -246,7 +266,7 @@ class Comm:
             def finish():
                 if ready is not None:
                     ready.synchronize()
-                handle._future.set_result([result])
+                out_future.set_result([result])
             if end <= time.perf_counter():
                 finish()
             else:
@@ -255,19 +275,10 @@ class Comm:
                     with self._lock:
                         self._deadlines = self._deadlines or Deadlines()
                 self._deadlines.at(end, finish)
-        try:
-            real_future = work.get_future()
-        except RuntimeError:
-            # Works without a future (gloo's reduce_scatter is composed in
-            # Python) end their busy time when wait() returns.
-            handle._on_wait = done
-            return handle
-        if link is not None:
-            # DDP's reducer (and any .then chain) waits on this future, so it,
-            # not gloo's, must complete at the modeled end.
-            devices = [result.device] if result is not None and result.is_cuda else None
-            handle._future = torch.futures.Future(devices=devices)
-        real_future.add_done_callback(done)
+        if real_future is None:
+            handle._on_wait = done  # its busy time ends when wait() returns
+        else:
+            real_future.add_done_callback(done)
         return handle
 
     def _trace_wait(self, t0: float, t1: float) -> None:
@@ -292,16 +303,16 @@ class Comm:
         stays the ring formula because that is what NCCL (and the planner) pay."""
         red = _REDUCE_OPS[op]
         return self._run("reduce_scatter", _nbytes(input),
-                         lambda a: dist.reduce_scatter_single(output, input, op=red,
-                                                              group=self.group, async_op=a),
-                         output, async_op)
+                         lambda a: _reduce_scatter_flat(output, input, op=red,
+                                                        group=self.group, async_op=a),
+                         output, async_op, local=lambda: output.copy_(input))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """output (W * s) <- concatenation of every rank's input (s).
         Bytes (W-1)/W * S with S the gathered size, i.e. (W-1) * s."""
         return self._run("all_gather", _nbytes(output),
-                         lambda a: dist.all_gather_single(output, input, group=self.group, async_op=a),
-                         output, async_op)
+                         lambda a: _all_gather_flat(output, input, group=self.group, async_op=a),
+                         output, async_op, local=lambda: output.copy_(input))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Bytes S (pipelined ring)."""
@@ -313,7 +324,7 @@ class Comm:
         """Equal splits. Bytes (W-1)/W * S with S the send buffer."""
         return self._run("all_to_all", _nbytes(input),
                          lambda a: dist.all_to_all_single(output, input, group=self.group, async_op=a),
-                         output, async_op)
+                         output, async_op, local=lambda: output.copy_(input))
 
     # -- bookkeeping (not strategy traffic) ---------------------------------
     def meta_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -331,7 +342,7 @@ class Comm:
             out.copy_(flat)
         else:
             self._run("all_gather", _nbytes(out),
-                      lambda a: dist.all_gather_single(out, flat, group=self.group, async_op=a),
+                      lambda a: _all_gather_flat(out, flat, group=self.group, async_op=a),
                       out, False, meta=True)
         return out.view(self.world, *tensor.shape)
 

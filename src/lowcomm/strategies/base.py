@@ -113,6 +113,8 @@ class Strategy:
         with context if context is not None else nullcontext():
             loss = loss_fn(model, batch)
             (loss * scale).backward()
+        if loss.is_cuda:  # kernels run asynchronously: time the work, not its launch
+            torch.cuda.current_stream(loss.device).synchronize()
         if self.pacer is not None and pace:
             self.pacer.pay(self.steps_done, self.comm.tracer)
         t1 = time.perf_counter()

@@ -7,6 +7,7 @@ after its backward compute ends is DDP's exposed communication.
 
 
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,10 @@ class DDP(Strategy):
     def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, bucket_mb=25.0):
         super().__init__(model, comm, make_optimizer, accum, schedule)
         self.ddp = DistributedDataParallel(model, process_group=comm.group, bucket_cap_mb=bucket_mb)
-        self.ddp.register_comm_hook(self, paced_allreduce_hook)
+        # A proxy, not self: DDP's C++ reducer keeps the state alive, and a
+        # strategy <-> reducer cycle left for the garbage collector at exit
+        # tears DDP down in the wrong order (SIGABRT, 'terminate called').
+        self.ddp.register_comm_hook(weakref.proxy(self), paced_allreduce_hook)
         self.optimizer = make_optimizer(model.parameters())
 
     def optimizers(self):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 
 import torch
 
@@ -73,7 +74,9 @@ class OverlappedRounds:
 
     # -- communication-thread side -------------------------------------------
     def _round(self, count: int, estimate: bool, ready) -> int:
-        stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else _nullctx()
+        if self._stream is not None:  # the current device is per thread: set it here too
+            torch.cuda.set_device(self.buffer.device)
+        stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         with self.comm.overlapped(), stream_ctx:
             if ready is not None:
                 self._stream.wait_event(ready)
@@ -97,10 +100,3 @@ class OverlappedRounds:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-
-class _nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

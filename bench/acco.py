@@ -1,0 +1,130 @@
+"""ACCO vs ZeRO-1 on an emulated link where ZeRO-1's communication ≈ its compute.
+
+    python bench/acco.py                  # W=2
+    python bench/acco.py --workers 4      # W=4 (oversubscribes a 2-core machine: says so)
+
+1. Calibrate: a short ZeRO-1 run without a link measures compute seconds per
+   step; the link's bandwidth is then set so that one step's modeled
+   communication (reduce-scatter + all-gather, ring formulas of comm/wire.py)
+   takes that long.
+2. Same flags, same tokens, on that link: zero1, acco (deterministic: exactly
+   --accum micro-batches per round, so tokens are equal), and zero1 with twice
+   the accumulation for half the steps -- ACCO's peer at equal batch per
+   update, since an ACCO update uses two rounds of micro-batches.
+3. Uneven workers (--slowdown 1,2): zero1 against acco in its adaptive mode,
+   where the fast worker keeps accumulating while the round waits.
+
+Printed: wall time per token ACCO / ZeRO-1 (target ≤ 0.6; 0.5 is the limit
+when communication equals compute), ACCO's exposed-communication fraction
+(target ≤ 10%), validation loss at equal tokens, and the uneven-worker
+throughput ratio. Times are per-step wall times from steps.jsonl (max over
+ranks), skipping the first steps; runs are side by side in one invocation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from lowcomm.comm.wire import latency_hops, wire_bytes
+
+SKIP = 4  # first steps: start-up, allocator warm-up
+
+
+def run(out: Path, args, *flags) -> tuple[dict, list[dict]]:
+    cmd = [sys.executable, "-m", "lowcomm", "train", "--quiet", "--workers", str(args.workers),
+           "--model", args.model, "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
+           "--eval-every", "0", "--out", str(out), *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"error: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    return summary, steps
+
+
+def per_token(steps: list[dict]) -> float:
+    kept = steps[SKIP:]
+    return sum(s["wall_s"] for s in kept) / sum(s["tokens"] for s in kept)
+
+
+def exposed_fraction(steps: list[dict]) -> float:
+    kept = steps[SKIP:]
+    return sum(s["exposed_comm_s"] for s in kept) / sum(s["wall_s"] for s in kept)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--micro-batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--latency", default="1ms")
+    ap.add_argument("--keep", help="keep the runs in this directory")
+    args = ap.parse_args()
+    if args.workers > (os.cpu_count() or 1):
+        print(f"note: {args.workers} workers on {os.cpu_count()} cores oversubscribe the CPU; "
+              "compute times include waiting for a core")
+
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="lowcomm-bench-acco-"))
+    root.mkdir(parents=True, exist_ok=True)
+    a, steps = str(args.accum), str(args.steps)
+
+    calib, calib_steps = run(root / "calibrate", args, "--strategy", "zero1", "--accum", a, "--steps", "12")
+    compute = statistics.median(s["compute_s"] for s in calib_steps[SKIP:])
+    padded = -(-calib["params"] // args.workers) * args.workers * 4
+    step_bytes = wire_bytes("reduce_scatter", padded, args.workers) + wire_bytes("all_gather", padded, args.workers)
+    latency = float(args.latency.rstrip("ms")) / 1e3 if args.latency.endswith("ms") else float(args.latency)
+    hops = latency_hops("reduce_scatter", args.workers) + latency_hops("all_gather", args.workers)
+    bandwidth = step_bytes / max(compute - hops * latency, compute / 2)
+    link = f"{bandwidth * 8 / 1e6:.1f}mbit,{args.latency}"
+    print(f"calibration: zero1 computes {compute * 1e3:.0f} ms per step and sends {step_bytes / 1e6:.2f} MB "
+          f"per rank -> link {link} (modeled communication ≈ compute)")
+
+    z1, z1_steps = run(root / "zero1", args, "--strategy", "zero1", "--accum", a, "--steps", steps, "--link", link)
+    ac, ac_steps = run(root / "acco", args, "--strategy", "acco", "--accum", a, "--steps", steps,
+                       "--deterministic", "--link", link)
+    z2, z2_steps = run(root / "zero1-2x", args, "--strategy", "zero1", "--accum", str(2 * args.accum),
+                       "--steps", str(args.steps // 2), "--link", link,
+                       "--warmup", str(20 // 2))
+    slow = ",".join(["1"] * (args.workers - 1) + ["2"])
+    z1s, z1s_steps = run(root / "zero1-slow", args, "--strategy", "zero1", "--accum", a, "--steps", steps,
+                         "--link", link, "--slowdown", slow)
+    acs, acs_steps = run(root / "acco-slow", args, "--strategy", "acco", "--accum", a, "--steps", steps,
+                         "--link", link, "--slowdown", slow)
+
+    rows = [("zero1", z1, z1_steps), ("acco (deterministic)", ac, ac_steps),
+            (f"zero1, accum {2 * args.accum} (ACCO's batch per update)", z2, z2_steps),
+            (f"zero1, slowdown {slow}", z1s, z1s_steps), (f"acco, slowdown {slow}", acs, acs_steps)]
+    print(f"\nW={args.workers}, {args.model} GPT ({calib['params'] / 1e6:.2f}M params), link {link}, "
+          f"{args.steps} steps x accum {args.accum} x micro-batch {args.micro_batch} x seq {args.seq_len}")
+    print(f"{'run':48} {'us/token':>9} {'exposed':>8} {'tokens':>9} {'val loss':>9}")
+    for name, summary, st in rows:
+        print(f"{name:48} {per_token(st) * 1e6:9.1f} {100 * exposed_fraction(st):7.1f}% "
+              f"{summary['tokens']:9,} {summary['final_val_loss']:9.4f}")
+
+    ratio = per_token(ac_steps) / per_token(z1_steps)
+    print(f"\nwall time per token acco / zero1:           {ratio:.3f}   (target <= 0.6; 0.5 is the limit)")
+    print(f"acco exposed communication:                 {100 * exposed_fraction(ac_steps):.1f}%   (target <= 10%)")
+    print(f"val loss at equal tokens: zero1 {z1['final_val_loss']:.4f}, acco {ac['final_val_loss']:.4f}, "
+          f"zero1 at ACCO's batch per update {z2['final_val_loss']:.4f}")
+    print(f"wall time per token acco / zero1 at equal batch per update: "
+          f"{per_token(ac_steps) / per_token(z2_steps):.3f}")
+    print(f"slowdown {slow}: throughput acco / zero1 = {per_token(z1s_steps) / per_token(acs_steps):.3f} "
+          f"(fast rank computed {acs['micro_batches_per_rank'][0]} micro-batches, slow rank "
+          f"{acs['micro_batches_per_rank'][-1]})")
+    print(f"acco memory over zero1: {ac['extra_memory_bytes_vs_zero1'] / 1e6:.2f} MB per rank "
+          f"(optimizer state + master: acco {ac['optimizer_state_bytes_per_rank'] / 1e6:.2f} MB, "
+          f"zero1 {z1['optimizer_state_bytes_per_rank'] / 1e6:.2f} MB)")
+    print(f"runs kept in {root}" if args.keep else "")
+
+
+if __name__ == "__main__":
+    main()
