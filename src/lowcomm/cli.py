@@ -11,11 +11,11 @@ from .errors import RunError, UsageError
 # flag -> dotted config key. Values stay strings here: config.set_value converts
 # and checks them, so a CLI value and a TOML value fail with the same message.
 TRAIN_FLAGS = {
-    "--strategy": ("strategy", "strategy name (ddp, zero1, ...)"),
+    "--strategy": ("strategy", "ddp, zero1, acco or dpu"),
     "--workers": ("workers", "number of worker processes W"),
-    "--steps": ("steps", "optimizer steps"),
+    "--steps": ("steps", "optimizer steps (acco: communication rounds, two per optimizer step)"),
     "--micro-batch": ("micro_batch", "sequences per micro-batch per worker"),
-    "--accum": ("accum", "micro-batches accumulated per optimizer step"),
+    "--accum": ("accum", "micro-batches accumulated per step (acco: at least this many per round)"),
     "--seq-len": ("model.seq_len", "tokens per sequence"),
     "--model": ("model.preset", f"model size preset ({', '.join(C.MODEL_PRESETS)})"),
     "--n-layer": ("model.n_layer", "override the preset's layer count"),
