@@ -28,20 +28,20 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from .base import Strategy, register
-from .flat import FlatModel, ShardOptimizer
+from .base import register
+from .flat import ShardedStrategy
 from .overlap import OverlappedRounds
 
 
 @register("acco")
-class ACCO(Strategy):
+class ACCO(ShardedStrategy):
+    separate_master = True  # the master keeps θ_t while the model holds θ̃ or a round's result
+
     def __init__(self, model, comm, make_optimizer, accum=1, schedule=None,
                  deterministic=False, max_accum=None, param_dtype=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule)
+        super().__init__(model, comm, make_optimizer, accum, schedule, param_dtype)
         self.deterministic = deterministic
         self.max_accum = max(max_accum or 4 * accum, accum)
-        self.flat = FlatModel(model, comm.world, comm.rank, dtype=param_dtype)
-        self.shard_opt = ShardOptimizer(self.flat, make_optimizer, separate_master=True)
         self.rounds = OverlappedRounds(self.flat, self.shard_opt, comm)
         self.estimate_next = True      # the first round is an estimate round
         self.holds_estimate = False    # does the model hold θ̃ rather than θ?
@@ -49,12 +49,6 @@ class ACCO(Strategy):
         self.applied = 0               # global micro-batches in applied real updates
         self.real_rounds = 0
         self.lr = None
-
-    def optimizers(self):
-        return [self.shard_opt.optimizer]
-
-    def optimizer_state_bytes(self) -> int:
-        return self.shard_opt.state_bytes()
 
     def step(self, next_batch, loss_fn):
         tally = self.begin()

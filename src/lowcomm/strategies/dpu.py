@@ -10,27 +10,21 @@ gradient that the next one applies.
 """
 from __future__ import annotations
 
-from .base import Strategy, register
-from .flat import FlatModel, ShardOptimizer
+from .base import register
+from .flat import ShardedStrategy
 from .overlap import OverlappedRounds
 
 
 @register("dpu")
-class DPU(Strategy):
+class DPU(ShardedStrategy):
+    separate_master = True  # the model keeps θ_t while the round computes θ_{t+1}
+
     def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, warmup_steps=0,
                  param_dtype=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule)
+        super().__init__(model, comm, make_optimizer, accum, schedule, param_dtype)
         self.warmup_steps = warmup_steps
-        self.flat = FlatModel(model, comm.world, comm.rank, dtype=param_dtype)
-        self.shard_opt = ShardOptimizer(self.flat, make_optimizer, separate_master=True)
         self.rounds = OverlappedRounds(self.flat, self.shard_opt, comm)
         self.updates = 0
-
-    def optimizers(self):
-        return [self.shard_opt.optimizer]
-
-    def optimizer_state_bytes(self) -> int:
-        return self.shard_opt.state_bytes()
 
     def step(self, next_batch, loss_fn):
         tally = self.begin()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .base import Strategy
+
 
 class FlatModel:
     def __init__(self, model: nn.Module, world: int, rank: int, dtype: torch.dtype | None = None):
@@ -103,3 +105,22 @@ class ShardOptimizer:
         tensors = self._state_tensors()[1:]
         master = 0 if self.aliased else self.master.numel() * self.master.element_size()
         return master + sum(t.numel() * t.element_size() for t in tensors)
+
+
+class ShardedStrategy(Strategy):
+    """A strategy on ZeRO-1's layout (zero1, acco, dpu): flat θ and ∇θ, optimizer
+    state and master copy for the own shard only. `separate_master` keeps the
+    master apart from the model's parameters (see ShardOptimizer)."""
+
+    separate_master = False
+
+    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, param_dtype=None):
+        super().__init__(model, comm, make_optimizer, accum, schedule)
+        self.flat = FlatModel(model, comm.world, comm.rank, dtype=param_dtype)
+        self.shard_opt = ShardOptimizer(self.flat, make_optimizer, separate_master=self.separate_master)
+
+    def optimizers(self):
+        return [self.shard_opt.optimizer]
+
+    def optimizer_state_bytes(self) -> int:
+        return self.shard_opt.state_bytes()

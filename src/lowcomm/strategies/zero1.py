@@ -10,24 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from .base import Strategy, register
-from .flat import FlatModel, ShardOptimizer
+from .base import register
+from .flat import ShardedStrategy
 
 
 @register("zero1")
-class Zero1(Strategy):
+class Zero1(ShardedStrategy):
     def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, param_dtype=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule)
-        self.flat = FlatModel(model, comm.world, comm.rank, dtype=param_dtype)
-        self.shard_opt = ShardOptimizer(self.flat, make_optimizer)
+        super().__init__(model, comm, make_optimizer, accum, schedule, param_dtype)
         self.shard_grad = torch.empty(self.flat.shard_size, dtype=self.flat.grads.dtype,
                                       device=self.flat.grads.device)
-
-    def optimizers(self):
-        return [self.shard_opt.optimizer]
-
-    def optimizer_state_bytes(self) -> int:
-        return self.shard_opt.state_bytes()
 
     def step(self, next_batch, loss_fn):
         tally = self.begin()
