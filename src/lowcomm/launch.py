@@ -17,7 +17,7 @@ from . import config as C
 from .data import check_sizes, load_bytes
 from .errors import RunError, UsageError
 from .strategies import available
-from .worker import pick_backend, pick_device, spawned_entry, train
+from .worker import leave_group, pick_backend, pick_device, spawned_entry, train
 
 
 def under_torchrun() -> bool:
@@ -68,7 +68,7 @@ def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> None:
         try:
             train(cfg, rank, world, local_rank, out if rank == 0 else None, quiet)
         finally:
-            dist.destroy_process_group()
+            leave_group()
         return
 
     # The parent hosts the rendezvous store on a free port the OS picks: no port races.

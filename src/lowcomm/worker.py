@@ -1,6 +1,7 @@
 """One worker's life: join the group, build model, data and strategy, train, report."""
 from __future__ import annotations
 
+import gc
 import math
 import resource
 import time
@@ -156,6 +157,7 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
         if log is not None:
             log.close()
     wall = time.perf_counter() - t_start
+    strategy.close()
 
     peak = comm.meta_all_gather(torch.tensor([float(peak_memory_bytes(device))], device=device)).max()
     opt_bytes = strategy.optimizer_state_bytes()
@@ -267,4 +269,12 @@ def spawned_entry(rank: int, world: int, cfg: C.RunConfig, store_port: int, out_
     try:
         train(cfg, rank, world, rank, Path(out_dir) if out_dir else None, quiet)
     finally:
-        dist.destroy_process_group()
+        leave_group()
+
+
+def leave_group() -> None:
+    """Tear the process group down from this thread. Reference cycles that still
+    hold c10d works are collected first, while their group is alive: collected
+    later, on one of gloo's threads, they can abort the process at exit."""
+    gc.collect()
+    dist.destroy_process_group()

@@ -112,6 +112,9 @@ class ACCO(ShardedStrategy):
         return (b.numel() * b.element_size() + (m.numel() * m.element_size() if zero1_aliases else 0)
                 + self.rounds.snapshot_bytes)
 
+    def close(self) -> None:
+        self.rounds.close()
+
     def report(self) -> dict:
         return {"rounds": self.steps_done, "real_rounds": self.real_rounds,
                 "optimizer_steps": self.real_rounds, "deterministic": self.deterministic,

@@ -77,6 +77,9 @@ class Strategy:
         """Strategy-specific fields for summary.json."""
         return {}
 
+    def close(self) -> None:
+        """Release threads and buffers the strategy holds (ACCO's communication thread)."""
+
     def optimizer_state_bytes(self) -> int:
         return sum(_tensor_bytes(opt.state) for opt in self.optimizers())
 

@@ -50,5 +50,8 @@ class DPU(ShardedStrategy):
             self.rounds.load_gradients(self.accum)  # g(θ_t), applied next step
         return self.finish(tally, lr)
 
+    def close(self) -> None:
+        self.rounds.close()
+
     def report(self) -> dict:
         return {"optimizer_steps": self.updates, "warmup_steps": self.warmup_steps}
