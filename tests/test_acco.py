@@ -19,6 +19,7 @@ from dist_utils import rel_err, run_dist
 
 import lowcomm
 from lowcomm.models import GPT, lm_loss
+from lowcomm.strategies.base import Pacer
 
 # The GPU check (bench/gpu_check.sh) reruns this file with CUDA tensors and other W.
 DEVICE = torch.device(os.environ.get("LOWCOMM_TEST_DEVICE", "cpu"))
@@ -91,17 +92,22 @@ class RefOpt:
 
 # -- ACCO ------------------------------------------------------------------------
 
-def _acco_worker(rank, world, rounds, sleep_per_micro=None, max_accum=None):
+def _acco_worker(rank, world, rounds, slowdown=None, max_accum=None):
     model = make_model()
     comm = lowcomm.Comm()
-    deterministic = sleep_per_micro is None
+    deterministic = slowdown is None
     strat = lowcomm.make_strategy("acco", model, comm, make_optimizer, accum=ACCUM,
                                   deterministic=deterministic, max_accum=max_accum)
     next_batch = Counter(rank)
     loss_fn = lm_loss
-    if sleep_per_micro is not None:  # an uneven worker: sleeping costs no CPU, like a slower GPU
+    if slowdown is not None:
+        # Uneven workers as --slowdown makes them: rank r sleeps (f_r - 1)x its measured
+        # compute. A fixed 60 ms of sleep per micro-batch keeps that compute well above
+        # the noise of a loaded machine, so the 1:f ratio holds in time.
+        strat.pacer = Pacer(rank, world, slowdown=slowdown[rank])
+
         def loss_fn(model, batch):
-            time.sleep(sleep_per_micro[rank])
+            time.sleep(0.06)
             return lm_loss(model, batch)
     estimate_left_state_alone, counts = [], []
     for i in range(rounds):
@@ -159,16 +165,17 @@ def test_acco_matches_its_recurrence_and_estimates_leave_no_trace():
 
 @pytest.mark.skipif(W < 2, reason="needs two workers, one of them slow")
 def test_acco_fast_worker_contributes_more_and_every_micro_batch_weighs_the_same():
-    """Rank 1 takes 3x as long per micro-batch (emulated by sleeping, which costs no
-    CPU). The fast rank keeps accumulating while each round waits for the slow one,
+    """Rank 1 takes 3x as long per micro-batch (the --slowdown pacer: sleeping costs
+    no CPU, like a slower GPU). The fast rank keeps accumulating while each round waits for the slow one,
     so it computes about 3x the micro-batches; the update still equals the
     recurrence with N = the true total of micro-batches, whatever the split."""
     rounds = 8
     # max_accum leaves room: if a round outlasts the slow rank's micro-batches (slow
     # collectives, e.g. gloo with CUDA tensors), both ranks keep accumulating at 1:3.
-    out = run_dist(_acco_worker, W, rounds, sleep_per_micro=[0.03, 0.09], max_accum=40)
+    out = run_dist(_acco_worker, W, rounds, slowdown=[1.0, 3.0], max_accum=40)
     fast, slow = (sum(out[r]["counts"]) for r in range(W))
     ratio = fast / slow
+    print(f"fast/slow micro-batches {fast}/{slow}")
     assert 2.0 <= ratio <= 4.5, f"fast/slow micro-batches {fast}/{slow} = {ratio:.2f}, expected about 3"
     assert all(c >= ACCUM for r in range(W) for c in out[r]["counts"])
     expected = acco_reference([out[r]["counts"] for r in range(W)])
