@@ -15,6 +15,7 @@ from .comm import Comm
 from .data import VOCAB_SIZE, ShardedBatches, load_bytes, split, val_batches
 from .errors import RunError
 from .metrics.progress import ProgressView
+from .metrics.summary import Totals, describe
 from .metrics.runlog import StepLog, result_vector, step_record, write_json_atomic
 from .metrics.trace import Tracer, write_trace
 from .models import GPT, lm_loss
@@ -110,8 +111,7 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
         print(f"lowcomm: {cfg.strategy} on {world} worker(s) ({backend}), "
               f"GPT {model.num_params() / 1e6:.2f}M params, data {source}", flush=True)
 
-    totals = {"tokens": 0, "wire": 0, "exposed": 0.0, "compute": [0.0] * world, "micro": [0] * world}
-    totals["exposed_rank"] = [0.0] * world
+    totals = Totals(world)
     loss = val_loss = float("nan")
     # Start the clocks together: a rank that finished set-up early must not count
     # its wait for the others in step 1 as exposed communication.
@@ -138,20 +138,14 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
                     val_loss = evaluate(eval_model, val, comm, device)
                 records[-1]["val_loss"] = val_loss
             for record in records:
-                totals["tokens"] += record["tokens"]
-                totals["wire"] += record["wire_bytes"]
-                totals["exposed"] += record["exposed_comm_s"]
-                for r in range(world):
-                    totals["compute"][r] += record["per_rank"]["compute_s"][r]
-                    totals["exposed_rank"][r] += record["per_rank"]["exposed_comm_s"][r]
-                    totals["micro"][r] += record["per_rank"]["micro_batches"][r]
+                totals.add(record)
                 if lead:
                     log.write(record)
             loss = records[-1]["loss"]
             if lead:
                 elapsed = time.perf_counter() - t_start
-                view.update(step, loss, totals["tokens"] / elapsed, totals["wire"] / 1e6,
-                            totals["exposed"] / elapsed, records[-1].get("val_loss"))
+                view.update(step, loss, totals.tokens / elapsed, totals.wire / 1e6,
+                            totals.exposed / elapsed, records[-1].get("val_loss"))
     finally:
         view.close()
         if log is not None:
@@ -177,18 +171,18 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
         "backend": backend,
         "steps": cfg.steps,
         "params": model.num_params(),
-        "tokens": totals["tokens"],
+        "tokens": totals.tokens,
         "final_train_loss": loss,
         "final_val_loss": val_loss,
         "wall_s": wall,
-        "tokens_per_s": totals["tokens"] / wall,
-        "wire_bytes_total": totals["wire"],
-        "wire_bytes_per_step": totals["wire"] / cfg.steps,
-        "wire_bytes_per_rank_per_step": totals["wire"] / cfg.steps / world,
-        "exposed_comm_s": totals["exposed"],
-        "exposed_comm_fraction": totals["exposed"] / wall,
-        "compute_s_per_rank": totals["compute"],
-        "micro_batches_per_rank": totals["micro"],
+        "tokens_per_s": totals.tokens / wall,
+        "wire_bytes_total": totals.wire,
+        "wire_bytes_per_step": totals.wire / cfg.steps,
+        "wire_bytes_per_rank_per_step": totals.wire / cfg.steps / world,
+        "exposed_comm_s": totals.exposed,
+        "exposed_comm_fraction": totals.exposed / wall,
+        "compute_s_per_rank": totals.compute_per_rank,
+        "micro_batches_per_rank": totals.micro_per_rank,
         "optimizer_state_bytes_per_rank": opt_bytes,
         "peak_mem_bytes": int(peak),
         "data": source,
@@ -197,8 +191,8 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
         "slowdown": slowdown,
         "stragglers": {"prob": straggle_p, "factor": straggle_f} if straggle_p > 0 else None,
         "slowdown_sleep_s_per_rank": link_times[:, 2].tolist(),
-        "exposed_comm_s_per_rank": totals["exposed_rank"],
-        "exposed_comm_fraction_per_rank": [e / wall for e in totals["exposed_rank"]],
+        "exposed_comm_s_per_rank": totals.exposed_per_rank,
+        "exposed_comm_fraction_per_rank": [e / wall for e in totals.exposed_per_rank],
         "comm_s_per_rank": link_times[:, 0].tolist(),
         "comm_emulated_s_per_rank": link_times[:, 1].tolist(),
         # share of communication time (ops in flight, all ranks) that only the emulator added
@@ -214,31 +208,6 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
     if not quiet:
         print(describe(summary), flush=True)
     return summary
-
-
-def describe(s: dict) -> str:
-    """The one-paragraph summary printed at the end of a run."""
-    return (f"{s['strategy']} on {s['workers']} worker(s): {s['steps']} steps, {s['tokens']:,} tokens in "
-            f"{s['wall_s']:.1f} s ({s['tokens_per_s']:,.0f} tok/s). Final train loss {s['final_train_loss']:.4f}, "
-            f"validation loss {s['final_val_loss']:.4f}. Sent {s['wire_bytes_total'] / 1e6:,.1f} MB over all ranks "
-            f"({s['wire_bytes_per_rank_per_step'] / 1e6:,.2f} MB per rank per step); waited on the network "
-            f"{100 * s['exposed_comm_fraction']:.1f}% of the wall time. Optimizer state "
-            f"{s['optimizer_state_bytes_per_rank'] / 1e6:,.2f} MB per rank, peak memory "
-            f"{s['peak_mem_bytes'] / 2**20:,.0f} MiB." + _describe_emulation(s))
-
-
-def _describe_emulation(s: dict) -> str:
-    """Says which part of the timing was emulated, so no one mistakes it for a real network."""
-    text = ""
-    if s.get("link"):
-        ln = s["link"]
-        text += (f" Link emulated at {ln['bandwidth']}, {ln['latency']} per hop: "
-                 f"{100 * s['comm_modeled_share']:.0f}% of communication time was modeled.")
-    if any(f != 1.0 for f in s.get("slowdown") or []) or s.get("stragglers"):
-        text += f" Emulated slow workers: slept {sum(s['slowdown_sleep_s_per_rank']):.1f} s in total."
-    if s.get("trace"):
-        text += f" Trace: {s['trace']} (open in ui.perfetto.dev)."
-    return text
 
 
 def strategy_options(cfg: C.RunConfig) -> dict:
