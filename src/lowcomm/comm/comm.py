@@ -71,7 +71,7 @@ class Handle:
         """A torch Future whose value is a list holding the result, like c10d's."""
         if self._future is not None:
             return self._future
-        if self._work is None:  # W == 1: nothing was sent
+        if self._work is None:  # no process group: the op ran locally
             fut = torch.futures.Future()
             fut.set_result([self.result])
             return fut
