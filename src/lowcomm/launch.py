@@ -17,7 +17,7 @@ from . import config as C
 from .data import check_sizes, load_bytes
 from .errors import RunError, UsageError
 from .strategies import available
-from .worker import leave_group, pick_backend, pick_device, spawned_entry, train
+from .worker import pick_backend, run_rank, spawned_entry
 
 
 def under_torchrun() -> bool:
@@ -34,8 +34,9 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False) -> P
     if under_torchrun():
         cfg.workers = int(os.environ["WORLD_SIZE"])
     C.validate(cfg, available())
-    if (pick_backend(cfg) == "nccl" or cfg.device == "cuda") and not torch.cuda.is_available():
-        raise UsageError(f"backend '{pick_backend(cfg)}' on device '{cfg.device}' needs CUDA, and no GPU is visible")
+    backend = pick_backend(cfg)
+    if (backend == "nccl" or cfg.device == "cuda") and not torch.cuda.is_available():
+        raise UsageError(f"backend '{backend}' on device '{cfg.device}' needs CUDA, and no GPU is visible")
     tokens, label = load_bytes(cfg.data.source, quiet=True)
     check_sizes(tokens, cfg.data.val_fraction, cfg.model.seq_len, cfg.workers, label)
     if not cfg.out:
@@ -61,14 +62,7 @@ def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> None:
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.set_num_threads(cfg.threads)
-        if pick_device(cfg, pick_backend(cfg), local_rank).type == "cuda":
-            torch.cuda.set_device(pick_device(cfg, pick_backend(cfg), local_rank))
-        dist.init_process_group(pick_backend(cfg))
-        try:
-            train(cfg, rank, world, local_rank, out if rank == 0 else None, quiet)
-        finally:
-            leave_group()
+        run_rank(cfg, rank, world, local_rank, out if rank == 0 else None, quiet)
         return
 
     # The parent hosts the rendezvous store on a free port the OS picks: no port races.

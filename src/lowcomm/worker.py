@@ -74,8 +74,6 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
     """Train with an initialised process group. Returns the summary on rank 0."""
     backend = dist.get_backend()
     device = pick_device(cfg, backend, local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     comm = Comm(link=C.make_link(cfg, seed=cfg.seed * 7919 + rank))  # each NIC jitters on its own
 
     torch.manual_seed(cfg.seed)
@@ -228,15 +226,25 @@ def strategy_options(cfg: C.RunConfig) -> dict:
 def spawned_entry(rank: int, world: int, cfg: C.RunConfig, store_port: int, out_dir: str | None,
                   quiet: bool) -> None:
     """Entry of a process started by `launch`: join the parent's TCP store, train."""
-    torch.set_num_threads(cfg.threads)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
+    run_rank(cfg, rank, world, rank, Path(out_dir) if out_dir else None, quiet, store)
+
+
+def run_rank(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Path | None,
+             quiet: bool, store: dist.Store | None = None) -> None:
+    """One rank's life: join the group (through `store`, or torchrun's environment
+    when None), train, leave. The device is set before the group exists, as NCCL wants."""
+    torch.set_num_threads(cfg.threads)
     backend = pick_backend(cfg)
-    device = pick_device(cfg, backend, rank)
+    device = pick_device(cfg, backend, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    if store is None:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     try:
-        train(cfg, rank, world, rank, Path(out_dir) if out_dir else None, quiet)
+        train(cfg, rank, world, local_rank, out_dir, quiet)
     finally:
         leave_group()
 

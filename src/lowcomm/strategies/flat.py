@@ -65,10 +65,6 @@ class ShardOptimizer:
         self.master = nn.Parameter(master, requires_grad=False)
         self.optimizer = make_optimizer([self.master])
 
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
     def step(self, shard_grad: torch.Tensor) -> None:
         """One inner-optimizer step of the own shard from its (already averaged) gradient."""
         self.master.grad = shard_grad if shard_grad.dtype == torch.float32 else shard_grad.float()
@@ -86,8 +82,9 @@ class ShardOptimizer:
         return [self.master.data] + [v for st in self.optimizer.state.values()
                                      for v in st.values() if torch.is_tensor(v)]
 
-    def snapshot(self) -> list[torch.Tensor] | None:
-        """Copies of the master shard and every optimizer state tensor (None: no state yet)."""
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of the master shard and every optimizer state tensor (just the
+        master while the optimizer has not stepped and has no state yet)."""
         if not self.optimizer.state:
             return [self.master.detach().clone()]
         return [t.clone() for t in self._state_tensors()]
