@@ -92,7 +92,7 @@ class RefOpt:
 
 # -- ACCO ------------------------------------------------------------------------
 
-def _acco_worker(rank, world, rounds, slowdown=None, max_accum=None):
+def _acco_worker(rank, world, rounds, slowdown=None, max_accum=0):
     model = make_model()
     comm = lowcomm.Comm()
     deterministic = slowdown is None

@@ -44,12 +44,16 @@ def test_stragglers_are_seeded_shared_and_as_frequent_as_asked():
 def test_config_parses_link_slowdown_and_stragglers():
     cfg = C.RunConfig(workers=2)
     C.set_link(cfg, "100mbit,20ms,1ms")
-    assert (cfg.link.bandwidth, cfg.link.latency, cfg.link.jitter) == ("100mbit", "20ms", "1ms")
+    # parsed once, when set: nothing downstream sees the strings
+    assert (cfg.link.bandwidth, cfg.link.latency, cfg.link.jitter) == (12.5e6, 0.02, 0.001)
+    assert C.to_dict(cfg)["link"] == {"bandwidth": "100mbit", "latency": "20ms", "jitter": "1ms"}
     link = C.make_link(cfg)
     assert (link.bandwidth, link.latency, link.jitter) == (12.5e6, 0.02, 0.001)
-    cfg.slowdown, cfg.stragglers = "1,2.5", "0.1,3"
+    C.set_value(cfg, "slowdown", "1,2.5", "--slowdown")
+    C.set_value(cfg, "stragglers", "0.1,3", "--stragglers")
     C.validate(cfg)
-    assert C.slowdown_factors(cfg) == [1.0, 2.5] and C.straggler_settings(cfg) == (0.1, 3.0)
+    assert cfg.slowdown == (1.0, 2.5) and cfg.stragglers == (0.1, 3.0)
+    assert C.to_dict(cfg)["slowdown"] == "1,2.5" and C.to_dict(cfg)["stragglers"] == "0.1,3"
     assert C.make_link(C.RunConfig()) is None
 
 
@@ -57,7 +61,7 @@ def test_link_table_in_toml(tmp_path):
     f = tmp_path / "run.toml"
     f.write_text('slowdown = "1,3"\n[link]\nbandwidth = "1gbit"\nlatency = "5ms"\n')
     cfg = C.load_toml(f)
-    assert C.make_link(cfg).bandwidth == 125e6 and C.slowdown_factors(cfg) == [1.0, 3.0]
+    assert C.make_link(cfg).bandwidth == 125e6 and cfg.slowdown == (1.0, 3.0)
     again = tmp_path / "again.toml"
     again.write_text(C.to_toml(cfg))  # config.toml of a run reads back the same link
     assert C.load_toml(again).link == cfg.link

@@ -7,17 +7,19 @@ import sys
 
 from . import config as C
 from .errors import RunError, UsageError
+from .strategies import available, option_table
 
 # flag -> dotted config key. Values stay strings here: config.set_value converts
 # and checks them, so a CLI value and a TOML value fail with the same message.
 TRAIN_FLAGS = {
-    "--strategy": ("strategy", "ddp, zero1, acco or dpu"),
+    "--strategy": ("strategy", "the strategy (one of: {strategies})"),
     "--workers": ("workers", "number of worker processes W"),
     "--steps": ("steps", "optimizer steps (acco: communication rounds, two per optimizer step)"),
     "--micro-batch": ("micro_batch", "sequences per micro-batch per worker"),
     "--accum": ("accum", "micro-batches accumulated per step (acco: at least this many per round)"),
     "--seq-len": ("model.seq_len", "tokens per sequence"),
-    "--model": ("model.preset", f"model size preset ({', '.join(C.MODEL_PRESETS)})"),
+    "--model": ("model.preset", f"model size preset ({', '.join(C.MODEL_PRESETS)}) or hf:<architecture> "
+                                "(a transformers causal LM built from its config; needs lowcomm[hf])"),
     "--n-layer": ("model.n_layer", "override the preset's layer count"),
     "--n-head": ("model.n_head", "override the preset's head count"),
     "--d-model": ("model.d_model", "override the preset's width"),
@@ -35,17 +37,12 @@ TRAIN_FLAGS = {
     "--threads": ("threads", "torch threads per worker"),
     "--backend": ("backend", "auto (nccl with CUDA, else gloo), gloo or nccl"),
     "--device": ("device", "auto (cuda with nccl, else cpu), cpu or cuda"),
-    "--bucket-mb": ("bucket_mb", "DDP gradient bucket size in MB"),
-    "--param-dtype": ("param_dtype", "flat parameter buffers of zero1/acco/dpu: fp32 or bf16"),
     "--log-every": ("log_every", "gather all ranks' step results every K steps"),
-    "--max-accum": ("acco.max_accum", "acco: most micro-batches per round while communicating (0: 4*accum)"),
-    "--dpu-warmup": ("dpu.warmup_steps", "dpu: synchronous steps before delayed updates"),
     "--slowdown": ("slowdown", "f1,...,fW: rank r computes f_r times slower (emulated)"),
     "--stragglers": ("stragglers", "P,F: each step one random rank is F times slower with probability P"),
 }
 # on/off flags -> dotted config key set to true
 TRAIN_SWITCHES = {
-    "--deterministic": ("acco.deterministic", "acco: exactly --accum micro-batches per round"),
     "--trace": ("trace", "write trace.json (Chrome/Perfetto) with every rank's spans"),
 }
 
@@ -62,9 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Train a small GPT on W workers with a chosen strategy.")
     train.add_argument("--config", metavar="FILE", help="TOML file of settings (flags override it)")
     for flag, (key, help_text) in TRAIN_FLAGS.items():
+        help_text = help_text.format(strategies=", ".join(available()))
         train.add_argument(flag, dest=key.replace(".", "__"), metavar="X", help=help_text)
     for flag, (key, help_text) in TRAIN_SWITCHES.items():
         train.add_argument(flag, dest=key.replace(".", "__"), action="store_true", default=None, help=help_text)
+    options = train.add_argument_group(
+        "strategy options", "each applies to the strategies named before its help; TOML: [<strategy>] <name> = value")
+    for flag, opt in option_table().items():
+        help_text = f"{', '.join(opt.strategies)}: {opt.help} (default {_shown_default(opt.default)})"
+        if opt.type == "bool":
+            options.add_argument(flag, dest=_option_dest(opt.field), action=argparse.BooleanOptionalAction,
+                                 default=None, help=help_text)
+        else:
+            options.add_argument(flag, dest=_option_dest(opt.field), metavar="X", help=help_text)
     train.add_argument("--link", metavar="BW,LAT[,JIT]",
                        help="emulate a link per rank, e.g. 100mbit,20ms or 1gbit,5ms,1ms (TOML: [link])")
     train.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
@@ -80,7 +87,21 @@ def config_from_args(args: argparse.Namespace) -> C.RunConfig:
             C.set_value(cfg, key, raw, name=flag)
     if args.link is not None:
         C.set_link(cfg, args.link)
+    for flag, opt in option_table().items():
+        raw = getattr(args, _option_dest(opt.field))
+        if raw is not None:
+            C.set_option(cfg, opt.field, raw, flag)
     return cfg
+
+
+def _option_dest(field: str) -> str:
+    return f"option__{field}"
+
+
+def _shown_default(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,11 @@
 """Run configuration: dataclasses, TOML loading, CLI overrides and validation.
 
-Every value a user can set lives here with its type and its check, so the CLI,
-the TOML file and the Python API all reject the same bad values with the same
-one-line message.
+Every run-level value a user can set lives here with its type and its check,
+so the CLI, the TOML file and the Python API all reject the same bad values
+with the same one-line message. Strategy options are not listed here: each
+strategy declares its own (strategies/options.py), and the registry supplies
+their TOML tables (`[acco]`), flags and checks. Composite values (`--link`,
+`--slowdown`, `--stragglers`) are parsed into typed values when they are set.
 """
 from __future__ import annotations
 
@@ -18,7 +21,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from .comm.link import format_bandwidth, format_duration, parse_bandwidth, parse_duration, split_link_spec
 from .errors import UsageError
+from .strategies import registry
+from .strategies.options import Options, type_name
+from .values import convert, format_numbers, parse_slowdown, parse_stragglers
 
 MODEL_PRESETS = {
     # name: (n_layer, n_head, d_model); parameter counts are for vocab 256, seq_len 128
@@ -26,8 +33,8 @@ MODEL_PRESETS = {
     "small": (6, 6, 384),   # ~10.7M parameters
     "medium": (8, 8, 512),  # ~25M parameters
 }
+HF_PREFIX = "hf:"  # --model hf:<architecture>: a transformers causal LM built from its config
 SCHEDULES = ("cosine", "constant")
-PARAM_DTYPES = ("fp32", "bf16")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -40,8 +47,14 @@ class ModelConfig:
     d_model: int = 0
     seq_len: int = 128
 
+    @property
+    def hf_architecture(self) -> str | None:
+        """'gpt2' for preset 'hf:gpt2'; None for lowcomm's own GPT."""
+        return self.preset[len(HF_PREFIX):] if self.preset.startswith(HF_PREFIX) else None
+
     def dims(self) -> tuple[int, int, int]:
-        n_layer, n_head, d_model = MODEL_PRESETS[self.preset]
+        """(n_layer, n_head, d_model); a Hugging Face model takes the tiny preset's unless given."""
+        n_layer, n_head, d_model = MODEL_PRESETS["tiny" if self.hf_architecture else self.preset]
         return (self.n_layer or n_layer, self.n_head or n_head, self.d_model or d_model)
 
 
@@ -63,23 +76,20 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
 
 
-@dataclass
-class AccoConfig:
-    deterministic: bool = False  # exactly `accum` micro-batches per round, whatever the timing
-    max_accum: int = 0           # cap on micro-batches per round while communication runs; 0 = 4 * accum
-
-
-@dataclass
-class DpuConfig:
-    warmup_steps: int = 10  # synchronous steps before updates become delayed
+def _typed(parse, show):
+    """Field metadata: how a raw value (CLI string or TOML value) is parsed, and written back."""
+    return {"parse": parse, "show": show}
 
 
 @dataclass
 class LinkConfig:
-    """An emulated network link per rank (comm/link.py). No bandwidth = no emulation."""
-    bandwidth: str = ""  # e.g. "100mbit", "1gbit", "12.5MB/s", "inf"
-    latency: str = "0"   # per hop, e.g. "20ms", "500us"
-    jitter: str = "0"    # each op's time varies uniformly by up to this much (seeded)
+    """An emulated network link per rank (comm/link.py), parsed when set. No bandwidth = no emulation."""
+    bandwidth: float | None = field(default=None, metadata=_typed(  # bytes/s; e.g. "100mbit", "inf"
+        lambda raw, name: parse_bandwidth(raw, name) if str(raw).strip() else None, format_bandwidth))
+    latency: float = field(default=0.0, metadata=_typed(  # seconds per hop, e.g. "20ms"
+        lambda raw, name: parse_duration(raw, name), format_duration))
+    jitter: float = field(default=0.0, metadata=_typed(  # each op varies uniformly by up to this much
+        lambda raw, name: parse_duration(raw, name), format_duration))
 
 
 @dataclass
@@ -96,18 +106,28 @@ class RunConfig:
     threads: int = 1
     backend: str = "auto"
     device: str = "auto"  # auto: cuda with nccl, else cpu; cuda with gloo moves CUDA tensors over gloo
-    bucket_mb: float = 25.0  # DDP gradient bucket size
-    param_dtype: str = "fp32"  # flat parameter/gradient buffers of zero1, acco, dpu
     log_every: int = 5  # gather every rank's step results (a sync point) every K steps
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    acco: AccoConfig = field(default_factory=AccoConfig)
-    dpu: DpuConfig = field(default_factory=DpuConfig)
     link: LinkConfig = field(default_factory=LinkConfig)
-    slowdown: str = ""    # "f1,...,fW": rank r computes f_r times slower ("" = all 1)
-    stragglers: str = ""  # "P,F": each step, with probability P one random rank is F times slower
+    # "f1,...,fW": rank r computes f_r times slower (empty = all 1)
+    slowdown: tuple = field(default=(), metadata=_typed(parse_slowdown, format_numbers))
+    # "P,F": each step, with probability P one random rank is F times slower
+    stragglers: tuple | None = field(default=None, metadata=_typed(parse_stragglers, format_numbers))
     trace: bool = False   # write a Chrome/Perfetto trace.json of every rank
+    # Strategy options by strategy name ([acco] max_accum = 8), filled from the registry's
+    # Options classes; `pending_options` holds values given before the strategy was known
+    # (CLI flags, top-level TOML keys) until validate() applies them to the chosen one.
+    options: dict = field(default_factory=dict, metadata={"internal": True})
+    pending_options: dict = field(default_factory=dict, metadata={"internal": True})
+
+    def strategy_options(self, name: str | None = None) -> Options:
+        """The (chosen) strategy's options, its defaults where nothing was set."""
+        name = name or self.strategy
+        if name not in self.options:
+            self.options[name] = registry.get(name).Options()
+        return self.options[name]
 
     @property
     def tokens_per_step(self) -> int:
@@ -121,7 +141,7 @@ def _section_and_field(cfg: RunConfig, key: str):
     obj: Any = cfg
     parts = key.split(".")
     for i, part in enumerate(parts):
-        by_name = {f.name: f for f in fields(obj)}
+        by_name = {f.name: f for f in fields(obj) if not f.metadata.get("internal")}
         if part not in by_name:
             raise UsageError(f"unknown config key '{key}'")
         f = by_name[part]
@@ -135,49 +155,66 @@ def _section_and_field(cfg: RunConfig, key: str):
     raise UsageError(f"unknown config key '{key}'")
 
 
-def _convert(raw: Any, typ: str, name: str) -> Any:
-    if typ == "bool":
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower()
-        if text in ("true", "1", "yes", "on"):
-            return True
-        if text in ("false", "0", "no", "off"):
-            return False
-        raise UsageError(f"{name} must be true or false, got {str(raw)!r}")
-    if typ == "int":
-        if isinstance(raw, bool):
-            raise UsageError(f"{name} must be an integer, got {raw!r}")
-        if isinstance(raw, int):
-            return raw
-        if isinstance(raw, float) and raw.is_integer():
-            return int(raw)
-        try:
-            return int(str(raw).strip())
-        except ValueError:
-            raise UsageError(f"{name} must be an integer, got {str(raw)!r}") from None
-    if typ == "float":
-        if isinstance(raw, bool):
-            raise UsageError(f"{name} must be a number, got {raw!r}")
-        try:
-            value = float(raw)
-        except (TypeError, ValueError):
-            raise UsageError(f"{name} must be a number, got {str(raw)!r}") from None
-        if not math.isfinite(value):
-            raise UsageError(f"{name} must be a finite number, got {str(raw)!r}")
-        return value
-    if typ == "str":
-        if not isinstance(raw, str):
-            raise UsageError(f"{name} must be a string, got {raw!r}")
-        return raw
-    raise AssertionError(typ)
+def _is_strategy_table(name: str) -> bool:
+    return name in registry.available()
+
+
+def _option_field(options: Options, key: str, strategy: str):
+    by_name = {f.name: f for f in fields(options)}
+    if key not in by_name:
+        known = ", ".join(by_name) or "none"
+        raise UsageError(f"unknown config key '{strategy}.{key}' (options of {strategy}: {known})")
+    return by_name[key]
 
 
 def set_value(cfg: RunConfig, key: str, raw: Any, name: str | None = None) -> None:
     """Set dotted `key` from a raw value (CLI string or TOML value).
-    `name` is how the user wrote it (e.g. '--lr'), for the error message."""
+    `name` is how the user wrote it (e.g. '--lr'), for the error message.
+    'acco.max_accum' sets a strategy option; a bare strategy option name
+    ('max_accum', or 'param_dtype' as older configs wrote it) waits in
+    pending_options until the strategy is known."""
+    head, _, rest = key.partition(".")
+    if rest and _is_strategy_table(head):
+        options = cfg.strategy_options(head)
+        f = _option_field(options, rest, head)
+        setattr(options, f.name, convert(raw, type_name(f), name or key))
+        return
+    if not rest and key not in {f.name for f in fields(cfg)} and key in _all_option_fields():
+        set_option(cfg, key, raw, name or key)
+        return
     obj, f = _section_and_field(cfg, key)
-    setattr(obj, f.name, _convert(raw, str(f.type), name or key))
+    parse = f.metadata.get("parse")
+    setattr(obj, f.name, parse(raw, name or key) if parse else convert(raw, type_name(f), name or key))
+
+
+def set_option(cfg: RunConfig, field_name: str, raw: Any, name: str) -> None:
+    """A strategy option given without its table (a CLI flag): applied to the chosen
+    strategy by validate(), once the strategy is known."""
+    cfg.pending_options[field_name] = (raw, name)
+
+
+def _all_option_fields() -> dict[str, list[str]]:
+    """option field name -> the strategies that declare it."""
+    owners: dict[str, list[str]] = {}
+    for name in registry.available():
+        for f in fields(registry.get(name).Options):
+            owners.setdefault(f.name, []).append(name)
+    return owners
+
+
+def resolve_options(cfg: RunConfig) -> Options:
+    """Apply pending options to the chosen strategy and check all of its options."""
+    options = cfg.strategy_options()
+    for key, (raw, name) in cfg.pending_options.items():
+        by_name = {f.name: f for f in fields(options)}
+        if key not in by_name:
+            owners = ", ".join(_all_option_fields().get(key, [])) or "none"
+            raise UsageError(f"{name} does not apply to strategy '{cfg.strategy}' (it is an option of: {owners})")
+        setattr(options, key, convert(raw, type_name(by_name[key]), name))
+    cfg.pending_options.clear()
+    for strategy, opts in cfg.options.items():
+        opts.validate(strategy)
+    return options
 
 
 def load_toml(path: str | Path, cfg: RunConfig | None = None) -> RunConfig:
@@ -198,6 +235,9 @@ def load_toml(path: str | Path, cfg: RunConfig | None = None) -> RunConfig:
         for k, v in table.items():
             key = f"{prefix}{k}"
             if isinstance(v, dict):
+                if not prefix and _is_strategy_table(k):
+                    walk(v, key + ".")
+                    continue
                 target: Any = cfg
                 for part in key.split("."):
                     if not dataclasses.is_dataclass(target) or part not in {f.name for f in fields(target)}:
@@ -217,58 +257,19 @@ def load_toml(path: str | Path, cfg: RunConfig | None = None) -> RunConfig:
 
 
 def set_link(cfg: RunConfig, raw: str, name: str = "--link") -> None:
-    """--link BANDWIDTH,LATENCY[,JITTER] -> the [link] table's three values."""
-    from .comm.link import split_link_spec
-    cfg.link.bandwidth, cfg.link.latency, cfg.link.jitter = split_link_spec(raw, name)
-
-
-def slowdown_factors(cfg: RunConfig) -> list[float]:
-    """Each rank's slowdown factor (all 1.0 when none is set)."""
-    if not cfg.slowdown.strip():
-        return [1.0] * cfg.workers
-    factors = []
-    for part in cfg.slowdown.split(","):
-        try:
-            f = float(part)
-        except ValueError:
-            raise UsageError(f"slowdown factor '{part.strip()}' in '{cfg.slowdown}' is not a number") from None
-        if not (math.isfinite(f) and f >= 1):
-            raise UsageError(f"slowdown factor '{part.strip()}' in '{cfg.slowdown}' must be at least 1 "
-                             f"(1 = full speed, 2 = twice as slow)")
-        factors.append(f)
-    if len(factors) != cfg.workers:
-        raise UsageError(f"slowdown '{cfg.slowdown}' has {len(factors)} factor(s) but there are "
-                         f"{cfg.workers} workers (give one per worker)")
-    return factors
-
-
-def straggler_settings(cfg: RunConfig) -> tuple[float, float]:
-    """(P, F) from 'P,F'; (0, 1) when none is set."""
-    if not cfg.stragglers.strip():
-        return 0.0, 1.0
-    try:
-        p, f = (float(x) for x in cfg.stragglers.split(","))
-    except ValueError:
-        raise UsageError(f"stragglers '{cfg.stragglers}' must be P,F (e.g. 0.1,3)") from None
-    if not 0 <= p <= 1:
-        raise UsageError(f"stragglers probability '{p}' in '{cfg.stragglers}' must be in [0, 1]")
-    if not (math.isfinite(f) and f >= 1):
-        raise UsageError(f"stragglers factor '{f}' in '{cfg.stragglers}' must be at least 1")
-    return p, f
+    """--link BANDWIDTH,LATENCY[,JITTER] -> the [link] table's three typed values."""
+    bandwidth, latency, jitter = split_link_spec(raw, name)
+    for key, value in (("bandwidth", bandwidth), ("latency", latency), ("jitter", jitter)):
+        set_value(cfg, f"link.{key}", value, f"link {key}")
 
 
 def make_link(cfg: RunConfig, seed: int = 0):
     """The configured comm.link.LinkModel, or None for no emulation."""
     from .comm.link import LinkModel
     ln = cfg.link
-    if not ln.bandwidth.strip():
-        for key in ("latency", "jitter"):
-            value = getattr(ln, key).strip()
-            if value not in ("", "0"):
-                raise UsageError(f"link.{key} '{value}' needs a link bandwidth too "
-                                 f"(e.g. --link inf,{value} for latency only)")
+    if ln.bandwidth is None:
         return None
-    return LinkModel.parse(ln.bandwidth, ln.latency, ln.jitter, seed=seed)
+    return LinkModel(ln.bandwidth, ln.latency, ln.jitter, seed=seed)
 
 
 # --- validation -------------------------------------------------------------
@@ -284,7 +285,8 @@ def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
         if value < 0:
             raise UsageError(f"{name} must not be negative, got {value}")
 
-    if strategies is not None and cfg.strategy not in strategies:
+    strategies = registry.available() if strategies is None else strategies
+    if cfg.strategy not in strategies:
         raise UsageError(
             f"unknown strategy '{cfg.strategy}' (choose from: {', '.join(sorted(strategies))})")
     if cfg.workers < 1:
@@ -296,17 +298,17 @@ def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
     non_negative("eval_every", cfg.eval_every)
     positive("eval_batches", cfg.eval_batches)
     positive("threads", cfg.threads)
-    positive("bucket_mb", cfg.bucket_mb)
     positive("log_every", cfg.log_every)
-    non_negative("acco.max_accum", cfg.acco.max_accum)
-    non_negative("dpu.warmup_steps", cfg.dpu.warmup_steps)
-    if cfg.param_dtype not in PARAM_DTYPES:
-        raise UsageError(f"unknown param_dtype '{cfg.param_dtype}' (choose from: {', '.join(PARAM_DTYPES)})")
-    if cfg.param_dtype != "fp32" and cfg.strategy == "ddp":
-        raise UsageError(f"param_dtype '{cfg.param_dtype}' needs a sharded strategy (zero1, acco, dpu); ddp trains in fp32")
-    make_link(cfg)
-    slowdown_factors(cfg)
-    straggler_settings(cfg)
+    resolve_options(cfg)
+    if cfg.link.bandwidth is None:
+        for key in ("latency", "jitter"):
+            value = getattr(cfg.link, key)
+            if value:
+                raise UsageError(f"link.{key} '{format_duration(value)}' needs a link bandwidth too "
+                                 f"(e.g. --link inf,{format_duration(value)} for latency only)")
+    if cfg.slowdown and len(cfg.slowdown) != cfg.workers:
+        raise UsageError(f"slowdown '{format_numbers(cfg.slowdown)}' has {len(cfg.slowdown)} factor(s) but "
+                         f"there are {cfg.workers} workers (give one per worker)")
     if cfg.backend not in BACKENDS:
         raise UsageError(f"unknown backend '{cfg.backend}' (choose from: {', '.join(BACKENDS)})")
     if cfg.device not in DEVICES:
@@ -315,9 +317,12 @@ def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
         raise UsageError("backend 'nccl' needs device 'cuda', got device 'cpu'")
 
     m = cfg.model
-    if m.preset not in MODEL_PRESETS:
+    if m.hf_architecture is not None:
+        if not m.hf_architecture:
+            raise UsageError(f"model '{m.preset}' names no architecture (e.g. hf:gpt2, hf:llama)")
+    elif m.preset not in MODEL_PRESETS:
         raise UsageError(
-            f"unknown model preset '{m.preset}' (choose from: {', '.join(MODEL_PRESETS)})")
+            f"unknown model preset '{m.preset}' (choose from: {', '.join(MODEL_PRESETS)}, or hf:<architecture>)")
     for name in ("n_layer", "n_head", "d_model"):
         non_negative(f"model.{name}", getattr(m, name))
     positive("seq_len", m.seq_len)
@@ -348,6 +353,32 @@ def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
 
 # --- writing ------------------------------------------------------------------
 
+def _shown(obj) -> dict:
+    """A config dataclass as TOML-ready values (typed values written back as text)."""
+    out = {}
+    for f in fields(obj):
+        if f.metadata.get("internal"):
+            continue
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            out[f.name] = _shown(v)
+        elif "show" in f.metadata:
+            out[f.name] = f.metadata["show"](v) if v not in (None, ()) else ""
+        else:
+            out[f.name] = v
+    return out
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    """The resolved config as the nested dict its config.toml reads back to:
+    run settings, tables, and the chosen strategy's options as `[<strategy>]`."""
+    d = _shown(cfg)
+    options = cfg.strategy_options() if cfg.strategy in registry.available() else None
+    if options is not None and fields(options):
+        d[cfg.strategy] = options.as_dict()
+    return d
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -360,18 +391,12 @@ def _toml_value(v: Any) -> str:
 def to_toml(cfg: RunConfig) -> str:
     """The resolved config as TOML that `--config` reads back unchanged."""
     top, tables = [], []
-    for f in fields(cfg):
-        v = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(v):
-            lines = [f"[{f.name}]"] + [f"{g.name} = {_toml_value(getattr(v, g.name))}" for g in fields(v)]
-            tables.append("\n".join(lines))
+    for key, v in to_dict(cfg).items():
+        if isinstance(v, dict):
+            tables.append("\n".join([f"[{key}]"] + [f"{k} = {_toml_value(x)}" for k, x in v.items()]))
         else:
-            top.append(f"{f.name} = {_toml_value(v)}")
+            top.append(f"{key} = {_toml_value(v)}")
     return "\n".join(top) + "\n\n" + "\n\n".join(tables) + "\n"
-
-
-def to_dict(cfg: RunConfig) -> dict:
-    return dataclasses.asdict(cfg)
 
 
 def from_dict(d: dict) -> RunConfig:

@@ -5,6 +5,7 @@ import gc
 import math
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,15 +13,17 @@ import torch.distributed as dist
 
 from . import config as C
 from .comm import Comm
-from .data import VOCAB_SIZE, ShardedBatches, load_bytes, split, val_batches
+from .data import VOCAB_SIZE, load_bytes, split, val_batches
 from .errors import RunError
 from .metrics.progress import ProgressView
-from .metrics.summary import Totals, describe
+from .metrics.summary import Totals, build_summary, describe
 from .metrics.runlog import StepLog, result_vector, step_record, write_json_atomic
 from .metrics.trace import Tracer, write_trace
-from .models import GPT, lm_loss
+from .data.loader import ShardedBatches
+from .models import GPT, build_hf_causal_lm, lm_loss
 from .optim import adamw_factory, lr_schedule
-from .strategies import make_strategy
+from .strategies import Strategy
+from .strategies import get as get_strategy
 from .strategies.base import Pacer
 
 
@@ -69,16 +72,71 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Path | None,
-          quiet: bool = False) -> dict | None:
-    """Train with an initialised process group. Returns the summary on rank 0."""
+def build_model(cfg: C.RunConfig, device: torch.device) -> torch.nn.Module:
+    """lowcomm's GPT, or a transformers causal LM built from its config (`--model hf:<arch>`)."""
+    torch.manual_seed(cfg.seed)
+    n_layer, n_head, d_model = cfg.model.dims()
+    if cfg.model.hf_architecture is not None:
+        model = build_hf_causal_lm(cfg.model.hf_architecture, vocab_size=VOCAB_SIZE, seq_len=cfg.model.seq_len,
+                                   n_layer=n_layer, n_head=n_head, d_model=d_model)
+    else:
+        model = GPT(VOCAB_SIZE, cfg.model.seq_len, n_layer, n_head, d_model)
+    return model.to(device)
+
+
+@dataclass
+class Trainer:
+    """Everything one rank trains with, built once by `build`."""
+    cfg: C.RunConfig
+    rank: int
+    world: int
+    device: torch.device
+    backend: str
+    comm: Comm
+    model: torch.nn.Module
+    strategy: Strategy
+    loader: ShardedBatches
+    val: list
+    source: str
+    tracer: Tracer | None
+    step: int = 0  # trainer steps done
+
+    def next_batch(self):
+        x, y = self.loader.next()
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def state_dict(self) -> dict:
+        """The whole trainer-level state at a step boundary: the strategy's (parameters,
+        optimizer, buffers), the data loader's reading position and the RNG states."""
+        return {"step": self.step, "strategy": self.strategy.state_dict(),
+                "loader": self.loader.state_dict(), "rng": _rng_state(self.device)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step = sd["step"]
+        self.strategy.load_state_dict(sd["strategy"])
+        self.loader.load_state_dict(sd["loader"])
+        _set_rng_state(sd["rng"], self.device)
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
+    """Model, data, strategy, emulation and tracing of one rank (group already initialised)."""
     backend = dist.get_backend()
     device = pick_device(cfg, backend, local_rank)
     comm = Comm(link=C.make_link(cfg, seed=cfg.seed * 7919 + rank))  # each NIC jitters on its own
-
-    torch.manual_seed(cfg.seed)
-    n_layer, n_head, d_model = cfg.model.dims()
-    model = GPT(VOCAB_SIZE, cfg.model.seq_len, n_layer, n_head, d_model).to(device)
+    model = build_model(cfg, device)
     verify_identical_params(model, comm)
 
     tokens, source = load_bytes(cfg.data.source, quiet=rank != 0)
@@ -86,30 +144,41 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
     loader = ShardedBatches(train_tokens, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.seed)
     val = val_batches(val_tokens, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches)
 
-    def next_batch():
-        x, y = loader.next()
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-
-    strategy = make_strategy(cfg.strategy, model, comm, adamw_factory(cfg.optim), accum=cfg.accum,
-                             schedule=lr_schedule(cfg.optim, cfg.steps), **strategy_options(cfg))
-    slowdown, (straggle_p, straggle_f) = C.slowdown_factors(cfg), C.straggler_settings(cfg)
-    if slowdown[rank] != 1.0 or straggle_p > 0:
-        strategy.pacer = Pacer(rank, world, slowdown[rank], straggle_p, straggle_f, cfg.seed)
+    options = C.resolve_options(cfg)
+    strategy = get_strategy(cfg.strategy)(model, comm, adamw_factory(cfg.optim), accum=cfg.accum,
+                                          schedule=lr_schedule(cfg.optim, cfg.steps), options=options)
+    slowdown = cfg.slowdown[rank] if cfg.slowdown else 1.0
+    straggle_p, straggle_f = cfg.stragglers or (0.0, 1.0)
+    if slowdown != 1.0 or straggle_p > 0:
+        strategy.pacer = Pacer(rank, world, slowdown, straggle_p, straggle_f, cfg.seed)
     tracer = Tracer(rank) if cfg.trace else None
     if tracer is not None:
         for opt in strategy.optimizers():
             tracer.watch_optimizer(opt)
         tracer.align(comm, device)
         comm.tracer = tracer
+    return Trainer(cfg, rank, world, device, backend, comm, model, strategy, loader, val, source, tracer)
 
-    lead = rank == 0 and out_dir is not None
+
+@dataclass
+class LoopResult:
+    totals: Totals
+    train_loss: float
+    val_loss: float
+    wall_s: float
+
+
+def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
+    """Train cfg.steps steps; rank 0 logs every step and shows progress."""
+    cfg, comm, strategy = t.cfg, t.comm, t.strategy
+    lead = t.rank == 0 and out_dir is not None
     log = StepLog(out_dir) if lead else None
-    view = ProgressView(cfg.steps, f"{cfg.strategy} W={world}", enabled=lead and not quiet)
+    view = ProgressView(cfg.steps, f"{cfg.strategy} W={t.world}", enabled=lead and not quiet)
     if lead and not quiet:
-        print(f"lowcomm: {cfg.strategy} on {world} worker(s) ({backend}), "
-              f"GPT {model.num_params() / 1e6:.2f}M params, data {source}", flush=True)
+        print(f"lowcomm: {cfg.strategy} on {t.world} worker(s) ({t.backend}), "
+              f"{model_name(cfg)} {num_params(t.model) / 1e6:.2f}M params, data {t.source}", flush=True)
 
-    totals = Totals(world)
+    totals = Totals(t.world)
     loss = val_loss = float("nan")
     # Start the clocks together: a rank that finished set-up early must not count
     # its wait for the others in step 1 as exposed communication.
@@ -117,14 +186,16 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
     t_start = time.perf_counter()
     pending: list[torch.Tensor] = []  # this rank's results not yet gathered
     try:
-        for step in range(1, cfg.steps + 1):
-            pending.append(result_vector(strategy.step(next_batch, lm_loss)))
+        while t.step < cfg.steps:
+            pending.append(result_vector(strategy.step(t.next_batch, lm_loss)))
+            t.step += 1
+            step = t.step
             evaluate_now = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
             if not (evaluate_now or step % cfg.log_every == 0):
                 continue
             # Gathering is a sync point, so it happens every log_every steps, not every
             # step: a fast ACCO worker must not idle waiting for a slow one's log line.
-            every_rank = comm.meta_all_gather(torch.stack(pending).to(device)).cpu()
+            every_rank = comm.meta_all_gather(torch.stack(pending).to(t.device)).cpu()
             first = step - len(pending) + 1
             records = [step_record(first + i, every_rank[:, i]) for i in range(len(pending))]
             pending.clear()
@@ -133,7 +204,7 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
                 raise RunError(f"loss became {bad['loss']} at step {bad['step']}; try a lower --lr")
             if evaluate_now:
                 with strategy.evaluating() as eval_model:
-                    val_loss = evaluate(eval_model, val, comm, device)
+                    val_loss = evaluate(eval_model, t.val, comm, t.device)
                 records[-1]["val_loss"] = val_loss
             for record in records:
                 totals.add(record)
@@ -148,79 +219,53 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
         view.close()
         if log is not None:
             log.close()
-    wall = time.perf_counter() - t_start
-    strategy.close()
+    return LoopResult(totals, loss, val_loss, time.perf_counter() - t_start)
 
-    peak = comm.meta_all_gather(torch.tensor([float(peak_memory_bytes(device))], device=device)).max()
-    opt_bytes = strategy.optimizer_state_bytes()
+
+def summarize(t: Trainer, run: LoopResult, out_dir: Path | None, quiet: bool) -> dict | None:
+    """Gather every rank's measurements; rank 0 writes summary.json (and trace.json)."""
+    comm, strategy = t.comm, t.strategy
+    peak = comm.meta_all_gather(torch.tensor([float(peak_memory_bytes(t.device))], device=t.device)).max()
     mine = comm.snapshot()
     slept = strategy.pacer.slept_s if strategy.pacer is not None else 0.0
     link_times = comm.meta_all_gather(torch.tensor(
-        [mine.busy_s, mine.emulated_s, slept], dtype=torch.float64, device=device)).cpu()
-    events = tracer.gather(comm, device) if tracer is not None else None
+        [mine.busy_s, mine.emulated_s, slept], dtype=torch.float64, device=t.device)).cpu()
+    events = t.tracer.gather(comm, t.device) if t.tracer is not None else None
+    lead = t.rank == 0 and out_dir is not None
     if lead and events is not None:
-        write_trace(out_dir / "trace.json", events, {"strategy": cfg.strategy, "workers": world,
-                                                     "link": C.to_dict(cfg)["link"]})
+        write_trace(out_dir / "trace.json", events, {"strategy": t.cfg.strategy, "workers": t.world,
+                                                     "link": C.to_dict(t.cfg)["link"]})
     if not lead:
         return None
-    summary = {
-        "strategy": cfg.strategy,
-        "workers": world,
-        "backend": backend,
-        "steps": cfg.steps,
-        "params": model.num_params(),
-        "tokens": totals.tokens,
-        "final_train_loss": loss,
-        "final_val_loss": val_loss,
-        "wall_s": wall,
-        "tokens_per_s": totals.tokens / wall,
-        "wire_bytes_total": totals.wire,
-        "wire_bytes_per_step": totals.wire / cfg.steps,
-        "wire_bytes_per_rank_per_step": totals.wire / cfg.steps / world,
-        "exposed_comm_s": totals.exposed,
-        "exposed_comm_fraction": totals.exposed / wall,
-        "compute_s_per_rank": totals.compute_per_rank,
-        "micro_batches_per_rank": totals.micro_per_rank,
-        "optimizer_state_bytes_per_rank": opt_bytes,
-        "peak_mem_bytes": int(peak),
-        "data": source,
-        # -- emulated network and workers (issue 3) --
-        "link": ({**C.to_dict(cfg)["link"], **comm.link.describe()} if comm.link is not None else None),
-        "slowdown": slowdown,
-        "stragglers": {"prob": straggle_p, "factor": straggle_f} if straggle_p > 0 else None,
-        "slowdown_sleep_s_per_rank": link_times[:, 2].tolist(),
-        "exposed_comm_s_per_rank": totals.exposed_per_rank,
-        "exposed_comm_fraction_per_rank": [e / wall for e in totals.exposed_per_rank],
-        "comm_s_per_rank": link_times[:, 0].tolist(),
-        "comm_emulated_s_per_rank": link_times[:, 1].tolist(),
-        # share of communication time (ops in flight, all ranks) that only the emulator added
-        "comm_modeled_share": float(link_times[:, 1].sum() / link_times[:, 0].sum())
-        if float(link_times[:, 0].sum()) > 0 else 0.0,
-        "trace": "trace.json" if tracer is not None else None,
-        **strategy.report(),
-        "notes": ["wire bytes follow the ring model of ALGORITHMS.md; on gloo a reduce_scatter "
-                  "runs as a full all-reduce, so its real transport is twice the counted bytes"]
-                 if backend == "gloo" and cfg.strategy != "ddp" else [],
-    }
+    summary = build_summary(
+        t.cfg, world=t.world, backend=t.backend, params=num_params(t.model), source=t.source,
+        totals=run.totals, train_loss=run.train_loss, val_loss=run.val_loss, wall_s=run.wall_s,
+        optimizer_state_bytes=strategy.optimizer_state_bytes(), peak_mem_bytes=int(peak),
+        link=comm.link.describe() if comm.link is not None else None, link_times=link_times,
+        traced=t.tracer is not None, strategy_report=strategy.report())
     write_json_atomic(out_dir / "summary.json", summary)
     if not quiet:
         print(describe(summary), flush=True)
     return summary
 
 
-def strategy_options(cfg: C.RunConfig) -> dict:
-    """The config values each strategy takes beyond the common ones."""
-    dtype = {"fp32": None, "bf16": torch.bfloat16}[cfg.param_dtype]
-    if cfg.strategy == "ddp":
-        return {"bucket_mb": cfg.bucket_mb}
-    if cfg.strategy == "zero1":
-        return {"param_dtype": dtype}
-    if cfg.strategy == "acco":
-        return {"deterministic": cfg.acco.deterministic, "max_accum": cfg.acco.max_accum or None,
-                "param_dtype": dtype}
-    if cfg.strategy == "dpu":
-        return {"warmup_steps": cfg.dpu.warmup_steps, "param_dtype": dtype}
-    return {}
+def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Path | None,
+          quiet: bool = False) -> dict | None:
+    """Train with an initialised process group. Returns the summary on rank 0."""
+    t = build(cfg, rank, world, local_rank)
+    try:
+        run = loop(t, out_dir, quiet)
+    finally:
+        t.strategy.close()  # a failed run must not leave ACCO's communication thread behind
+    return summarize(t, run, out_dir, quiet)
+
+
+def num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_name(cfg: C.RunConfig) -> str:
+    return f"{cfg.model.hf_architecture} (transformers)" if cfg.model.hf_architecture else "GPT"
 
 
 def spawned_entry(rank: int, world: int, cfg: C.RunConfig, store_port: int, out_dir: str | None,

@@ -71,19 +71,15 @@ class Handle:
         """A torch Future whose value is a list holding the result, like c10d's."""
         if self._future is not None:
             return self._future
-        if self._work is None:  # no process group: the op ran locally
+        fut = None if self._work is None else _work_future(self._work)
+        if fut is None:
+            # No process group (the op ran locally), or a work without a future
+            # (see _work_future): complete one when the op is done (this blocks).
+            if self._work is not None:
+                self.wait()
             fut = torch.futures.Future()
             fut.set_result([self.result])
-            return fut
-        try:
-            return self._work.get_future()
-        except RuntimeError:
-            # gloo's reduce_scatter is composed in Python and its Work has no
-            # future: complete one when the op is done (this blocks).
-            self.wait()
-            fut = torch.futures.Future()
-            fut.set_result([self.result])
-            return fut
+        return fut
 
     def is_completed(self) -> bool:
         if self.modeled_end is not None and time.perf_counter() < self.modeled_end:
@@ -113,7 +109,8 @@ class Comm:
     def __init__(self, group: dist.ProcessGroup | None = None, link=None):
         self.group = group
         # Optional: a comm.link.LinkModel to emulate a slower network, and a
-        # metrics.trace.Tracer to record spans. Without both, _run is unchanged.
+        # metrics.trace.Tracer to record spans. Without either, an op costs
+        # only its timing and counters (see _run).
         self.link = link
         self.tracer = None
         self._deadlines = None
@@ -173,68 +170,51 @@ class Comm:
 
     def _run(self, op: str, nbytes: int, launch, result, async_op: bool, meta: bool = False,
              local=None):
-        wire = wire_bytes(op, nbytes, self.world)
+        """The one lifecycle of every collective: issue, launch, complete.
+
+        Issue: note the time (last_issue_s is DDP's exposed time); with a link,
+        queue the op on the emulated NIC for its modeled end; with a tracer,
+        open its span. Meta (bookkeeping) ops are traced but not slowed down,
+        since a real run would not send them.
+        Complete: an op ends at max(real end, modeled end). A sync op blocks
+        until then and is exposed for its whole duration; an async op returns a
+        Handle whose wait() blocks until then and counts only the blocked part,
+        while its busy time is counted when the transport finishes (`done`).
+        """
         if not dist.is_initialized():  # a single process without a group: do the op's local effect
             if local is not None:
                 local()
             self._add(op, 0, 1, meta=meta)
             return Handle(self, None, result) if async_op else None
-        if self.link is not None or self.tracer is not None:
-            return self._run_emulated(op, nbytes, wire, launch, result, async_op, meta)
-        t0 = time.perf_counter()
-        self.last_issue_s = t0
-        if not async_op:
-            launch(False)
-            self._sync_device(result)
-            dt = time.perf_counter() - t0
-            self._add(op, wire, 1, busy_s=dt, exposed_s=dt, meta=meta)
-            return None
-        work = launch(True)
-        self._add(op, wire, 1, meta=meta)
-        handle = Handle(self, work, result)
-
-        def done(_fut=None, t0=t0):
-            self._add(op, busy_s=time.perf_counter() - t0, meta=meta)
-        try:
-            work.get_future().add_done_callback(done)
-        except RuntimeError:
-            # Some works have no future (gloo's reduce_scatter is composed in
-            # Python): their busy time ends when wait() returns.
-            handle._on_wait = done
-        return handle
-
-    def _run_emulated(self, op, nbytes, wire, launch, result, async_op, meta):
-        """_run with a link emulator and/or a tracer. An op completes at
-        max(real end, modeled end); meta (bookkeeping) ops are traced but not
-        slowed down, since a real run would not send them."""
+        wire = wire_bytes(op, nbytes, self.world)
         link = None if meta else self.link
         t0 = time.perf_counter()
         self.last_issue_s = t0
-        modeled_start, modeled_end = link.schedule(op, nbytes, self.world, t0) if link else (t0, t0)
-        span = self.tracer.open_comm(op, t0, wire, nbytes, meta, modeled_start, modeled_end) \
-            if self.tracer is not None else None
+        modeled = None if link is None else link.schedule(op, nbytes, self.world, t0)
+        modeled_end = None if modeled is None else modeled[1]
+        span = None if self.tracer is None else \
+            self.tracer.open_comm(op, t0, wire, nbytes, meta, *(modeled or (t0, t0)))
+
         if not async_op:
             launch(False)
             self._sync_device(result)
-            real_end = time.perf_counter()
-            if link is not None:
+            real_end = end = time.perf_counter()
+            if modeled_end is not None:  # the emulated link is slower than the real one
                 _sleep_until(modeled_end)
-            t1 = time.perf_counter()
-            self._add(op, wire, 1, busy_s=t1 - t0, exposed_s=t1 - t0, meta=meta,
-                      emulated_s=t1 - real_end)
+                end = time.perf_counter()
+            self._add(op, wire, 1, busy_s=end - t0, exposed_s=end - t0, meta=meta,
+                      emulated_s=end - real_end)
             if span is not None:
-                self.tracer.close_comm(span, real_end, t1)
-                self._trace_wait(t0, t1)
+                self.tracer.close_comm(span, real_end, end)
+                self._trace_wait(t0, end)
             return None
+
         work = launch(True)
-        handle = Handle(self, work, result, modeled_end if link is not None else None)
         self._add(op, wire, 1, meta=meta)
-        try:
-            real_future = work.get_future()
-        except RuntimeError:
-            real_future = None  # gloo's reduce_scatter is composed in Python: no future
+        handle = Handle(self, work, result, modeled_end)
+        real_future = _work_future(work)
         out_future = None
-        if link is not None and real_future is not None:
+        if modeled_end is not None and real_future is not None:
             # DDP's reducer (and any .then chain) waits on this future, so it,
             # not gloo's, must complete at the modeled end.
             devices = [result.device] if result is not None and result.is_cuda else None
@@ -243,43 +223,49 @@ class Comm:
         # `done` must not hold the work or its handle: the work's future holds
         # `done`, and a cycle through a c10d work can end up collected on gloo's
         # own thread, whose process group then dies inside itself (SIGABRT at exit).
-        def done(fut=None, t0=t0):
+        def done(fut=None):
             real_end = time.perf_counter()
-            end = max(real_end, modeled_end)
+            end = real_end if modeled_end is None or modeled_end < real_end else modeled_end
             self._add(op, busy_s=end - t0, emulated_s=end - real_end, meta=meta)
             if span is not None:
                 self.tracer.close_comm(span, real_end, end)
-            if out_future is None:
-                return
-            try:
-                fut.value()
-            except Exception as e:  # a failed collective must fail its waiters too
-                out_future.set_exception(e)
-                return
-            ready = None
-            if result is not None and result.is_cuda:
-                # Recorded here, where the stream already waits on the op; the
-                # deadline thread's own stream does not.
-                ready = torch.cuda.Event()
-                ready.record()
-
-            def finish():
-                if ready is not None:
-                    ready.synchronize()
-                out_future.set_result([result])
-            if end <= time.perf_counter():
-                finish()
-            else:
-                if self._deadlines is None:
-                    from .link import Deadlines
-                    with self._lock:
-                        self._deadlines = self._deadlines or Deadlines()
-                self._deadlines.at(end, finish)
+            if out_future is not None:
+                self._complete_at(out_future, fut, result, end)
         if real_future is None:
             handle._on_wait = done  # its busy time ends when wait() returns
         else:
             real_future.add_done_callback(done)
         return handle
+
+    def _complete_at(self, out_future: torch.futures.Future, real_future: torch.futures.Future,
+                     result: torch.Tensor | None, end: float) -> None:
+        """Complete `out_future` like the finished `real_future`, but not before
+        `end`. Called from the real future's done callback, i.e. on a thread
+        torch owns, which must not sleep: later completions go to Deadlines."""
+        try:
+            real_future.value()
+        except Exception as e:  # a failed collective must fail its waiters too
+            out_future.set_exception(e)
+            return
+        ready = None
+        if result is not None and result.is_cuda:
+            # Recorded here, where the stream already waits on the op; the
+            # deadline thread's own stream does not.
+            ready = torch.cuda.Event()
+            ready.record()
+
+        def finish():
+            if ready is not None:
+                ready.synchronize()
+            out_future.set_result([result])
+        if end <= time.perf_counter():
+            finish()
+        else:
+            if self._deadlines is None:
+                from .link import Deadlines
+                with self._lock:
+                    self._deadlines = self._deadlines or Deadlines()
+            self._deadlines.at(end, finish)
 
     def _trace_wait(self, t0: float, t1: float) -> None:
         """A span for time this thread was blocked on the network (exposed time only)."""
@@ -334,6 +320,15 @@ class Comm:
                   tensor, False, meta=True)
         return tensor
 
+    def meta_broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In place: every rank gets rank `src`'s values (`src` as in broadcast).
+        A no-op on one rank."""
+        if self.world > 1:
+            self._run("broadcast", _nbytes(tensor),
+                      lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a),
+                      tensor, False, meta=True)
+        return tensor
+
     def meta_all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Returns a (W, *tensor.shape) tensor of every rank's values."""
         flat = tensor.reshape(-1).contiguous()
@@ -349,6 +344,16 @@ class Comm:
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier(group=self.group)
+
+
+def _work_future(work) -> torch.futures.Future | None:
+    """A c10d work's future, or None where it has none: gloo's reduce_scatter
+    is composed in Python and its Work has no future, so such an op is only
+    seen to end when its wait() returns."""
+    try:
+        return work.get_future()
+    except RuntimeError:
+        return None
 
 
 def _sleep_until(deadline: float) -> None:

@@ -84,6 +84,33 @@ def parse_duration(text: str, what: str = "link latency") -> float:
     return seconds
 
 
+def format_bandwidth(bytes_per_s: float | None) -> str:
+    """12.5e6 -> '100mbit': the largest bit unit that writes it exactly ('' for none)."""
+    if bytes_per_s is None:
+        return ""
+    if math.isinf(bytes_per_s):
+        return "inf"
+    bits = bytes_per_s * 8
+    for unit in ("tbit", "gbit", "mbit", "kbit"):
+        value = bits / _BIT_UNITS[unit]
+        text = f"{round(value, 6):g}{unit}"
+        if value >= 1 and parse_bandwidth(text) == bytes_per_s:  # reads back exactly
+            return text
+    return f"{bytes_per_s!r}B/s"
+
+
+def format_duration(seconds: float) -> str:
+    """0.02 -> '20ms'; 0 -> '0'."""
+    if seconds == 0:
+        return "0"
+    for unit in ("s", "ms", "us", "ns"):
+        value = seconds / _TIME_UNITS[unit]
+        text = f"{round(value, 6):g}{unit}"
+        if value >= 1 and parse_duration(text) == seconds:  # reads back exactly
+            return text
+    return f"{seconds!r}s"
+
+
 def split_link_spec(spec: str, what: str = "--link") -> tuple[str, str, str]:
     """'100mbit,20ms[,1ms]' -> its three strings (jitter '0' when absent); units are checked later."""
     parts = [p.strip() for p in str(spec).split(",")]

@@ -1,4 +1,4 @@
-"""Run totals and the one-paragraph summary printed at the end of a run."""
+"""Run totals, summary.json's contents, and the one-paragraph summary printed at the end of a run."""
 from __future__ import annotations
 
 
@@ -22,6 +22,64 @@ class Totals:
             self.compute_per_rank[r] += per_rank["compute_s"][r]
             self.exposed_per_rank[r] += per_rank["exposed_comm_s"][r]
             self.micro_per_rank[r] += per_rank["micro_batches"][r]
+
+
+def build_summary(cfg, *, world: int, backend: str, params: int, source: str, totals: Totals,
+                  train_loss: float, val_loss: float, wall_s: float, optimizer_state_bytes: int,
+                  peak_mem_bytes: int, link: dict | None, link_times, traced: bool,
+                  strategy_report: dict) -> dict:
+    """summary.json. `link_times` is a (W, 3) tensor of each rank's comm busy,
+    emulated and slowdown-sleep seconds; `link` the LinkModel's description."""
+    from ..config import to_dict
+    shown = to_dict(cfg)
+    busy = float(link_times[:, 0].sum())
+    stragglers = cfg.stragglers
+    return {
+        "strategy": cfg.strategy,
+        "strategy_options": shown.get(cfg.strategy, {}),
+        "workers": world,
+        "backend": backend,
+        "model": cfg.model.preset,
+        "steps": cfg.steps,
+        "params": params,
+        "tokens": totals.tokens,
+        "final_train_loss": train_loss,
+        "final_val_loss": val_loss,
+        "wall_s": wall_s,
+        "tokens_per_s": totals.tokens / wall_s,
+        "wire_bytes_total": totals.wire,
+        "wire_bytes_per_step": totals.wire / cfg.steps,
+        "wire_bytes_per_rank_per_step": totals.wire / cfg.steps / world,
+        "exposed_comm_s": totals.exposed,
+        "exposed_comm_fraction": totals.exposed / wall_s,
+        "compute_s_per_rank": totals.compute_per_rank,
+        "micro_batches_per_rank": totals.micro_per_rank,
+        "optimizer_state_bytes_per_rank": optimizer_state_bytes,
+        "peak_mem_bytes": peak_mem_bytes,
+        "data": source,
+        # -- emulated network and workers --
+        "link": {**shown["link"], **link} if link is not None else None,
+        "slowdown": list(cfg.slowdown) or [1.0] * world,
+        "stragglers": {"prob": stragglers[0], "factor": stragglers[1]} if stragglers and stragglers[0] > 0 else None,
+        "slowdown_sleep_s_per_rank": link_times[:, 2].tolist(),
+        "exposed_comm_s_per_rank": totals.exposed_per_rank,
+        "exposed_comm_fraction_per_rank": [e / wall_s for e in totals.exposed_per_rank],
+        "comm_s_per_rank": link_times[:, 0].tolist(),
+        "comm_emulated_s_per_rank": link_times[:, 1].tolist(),
+        # share of communication time (ops in flight, all ranks) that only the emulator added
+        "comm_modeled_share": float(link_times[:, 1].sum()) / busy if busy > 0 else 0.0,
+        "trace": "trace.json" if traced else None,
+        **strategy_report,
+        "notes": ["wire bytes follow the ring model of ALGORITHMS.md; on gloo a reduce_scatter "
+                  "runs as a full all-reduce, so its real transport is twice the counted bytes"]
+                 if backend == "gloo" and "reduce_scatter" in _planned_collectives(cfg, params, world) else [],
+    }
+
+
+def _planned_collectives(cfg, params: int, world: int) -> set[str]:
+    from ..strategies import get
+    cls = get(cfg.strategy)
+    return {op.collective for op in cls.comm_plan(params, world, cfg.strategy_options())}
 
 
 def describe(s: dict) -> str:

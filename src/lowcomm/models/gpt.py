@@ -5,6 +5,8 @@ ln(vocab_size) -- a quick sanity check that the data and loss are wired right.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -74,8 +76,34 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Next-token cross-entropy: the loss function lowcomm's trainer uses."""
+def lm_loss(model: nn.Module, batch) -> torch.Tensor:
+    """Next-token cross-entropy: the loss function lowcomm's trainer uses.
+
+    * ``batch = (x, y)`` (tuple or list): ``y`` holds the targets already
+      shifted (``y[:, t]`` is the token after ``x[:, t]``). Calls ``model(x)``;
+      the logits are its output, or the output's ``.logits`` (a transformers
+      ``ModelOutput``) or ``["logits"]`` (a dict). Then mean cross-entropy over
+      the vocabulary -- for lowcomm's :class:`GPT` exactly the same ops as ever.
+    * ``batch`` a dict (e.g. ``{"input_ids", "labels", "attention_mask"}``):
+      calls ``model(**batch)`` and returns the model's own ``.loss``. With
+      transformers, ``labels`` are aligned with ``input_ids`` (the model shifts
+      them itself; -100 is ignored), unlike ``y`` above.
+    """
+    if isinstance(batch, Mapping):
+        out = model(**batch)
+        loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+        if loss is None:
+            raise ValueError(f"lm_loss: the model returned no loss for a dict batch "
+                             f"(keys: {', '.join(map(str, batch))}); include 'labels'")
+        return loss
     x, y = batch
     logits = model(x)
+    if not isinstance(logits, torch.Tensor):
+        if hasattr(logits, "logits"):
+            logits = logits.logits
+        elif isinstance(logits, Mapping) and "logits" in logits:
+            logits = logits["logits"]
+        else:
+            raise TypeError(f"lm_loss: model output is a {type(logits).__name__}, not logits "
+                            f"(a tensor, or an object/dict with 'logits')")
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))

@@ -21,43 +21,62 @@ means the same tokens as for zero1); an optimizer step takes two rounds.
 Compute keeps accumulating while the round's communication is in flight, up
 to `max_accum` micro-batches, so faster workers contribute more; N is the
 all-reduced total. `deterministic=True` computes exactly `accum` per round.
-The schedule counts micro-batches, as the reference does: its step index is
-(global micro-batches applied) / (W * accum).
+The schedule counts micro-batches, as the reference does: the step index
+passed to the schedule is (global micro-batches applied in real rounds so
+far) // (W * accum), i.e. how many zero1 steps' worth of data the real
+updates have consumed; an estimate round and the real round after it share one lr.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
-from .base import register
-from .flat import ShardedStrategy
+from .flat import ShardedOptions, ShardedStrategy
+from .options import option
 from .overlap import OverlappedRounds
+from .registry import register
+
+
+@dataclass
+class AccoOptions(ShardedOptions):
+    deterministic: bool = option(False, "exactly --accum micro-batches per round, whatever the timing")
+    max_accum: int = option(0, "most micro-batches per round while communicating (0: 4 x --accum)", min=0)
 
 
 @register("acco")
 class ACCO(ShardedStrategy):
+    Options = AccoOptions
+    reproducible_options = {"deterministic": True}
     separate_master = True  # the master keeps θ_t while the model holds θ̃ or a round's result
 
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None,
-                 deterministic=False, max_accum=None, param_dtype=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule, param_dtype)
-        self.deterministic = deterministic
-        self.max_accum = max(max_accum or 4 * accum, accum)
+    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
+        super().__init__(model, comm, make_optimizer, accum, schedule, options)
+        self.deterministic = self.options.deterministic
+        self.max_accum = max(self.options.max_accum or 4 * accum, accum)
         self.rounds = OverlappedRounds(self.flat, self.shard_opt, comm)
+        self.starting = True           # the start-up micro-batch at θ_0 comes first
         self.estimate_next = True      # the first round is an estimate round
         self.holds_estimate = False    # does the model hold θ̃ rather than θ?
         self.local_count = 0           # micro-batches summed in G
         self.applied = 0               # global micro-batches in applied real updates
         self.real_rounds = 0
-        self.lr = None
+        self.lr = float("nan")
 
-    def step(self, next_batch, loss_fn):
-        tally = self.begin()
-        if self.steps_done == 0:  # start-up: one micro-batch at θ_0 fills G and B
+    @classmethod
+    def comm_plan(cls, num_params, world, options):
+        return OverlappedRounds.plan(cls.flat_bytes(num_params, world, options))  # per round = per step
+
+    def loss_scale(self):
+        return 1.0  # G sums micro-batch gradients; the round divides by the global count N
+
+    def begin_step(self):
+        if self.starting:  # G must hold ∇θ_0 before the first round can start
             self.flat.zero_grad()
-            self.forward_backward(self.model, next_batch, loss_fn, tally, scale=1.0)
-            self.local_count = 1
-            self.rounds.load_gradients(self.local_count)
+        else:
+            self.start_round()
+        self.micro = 0
 
+    def start_round(self):
         estimate = self.estimate_next
         if estimate:  # the estimate and the real round that follows share one lr
             self.lr = self.lr_for_step(self.shard_opt.optimizer,
@@ -66,29 +85,38 @@ class ACCO(ShardedStrategy):
         if not estimate:
             self.flat.zero_grad()
             self.local_count = 0
-        self.local_count += self.accumulate(next_batch, loss_fn, tally)
+
+    def after_backward(self):
+        self.flat.check_views()
+        if self.starting:  # start-up: one micro-batch at θ_0 fills G and B
+            self.starting = False
+            self.local_count = 1
+            self.rounds.load_gradients(self.local_count)
+            self.start_round()
+            return False
+        self.micro += 1
+        self.local_count += 1
+        # Keep computing while the round is in flight: at least accum, at most max_accum.
+        if self.micro < self.accum or (not self.deterministic and self.micro < self.max_accum
+                                       and self.rounds.in_flight()):
+            return False
+        self.end_round()
+        return True
+
+    def end_round(self):
         total = self.rounds.wait()
+        estimate = self.estimate_next
         if not estimate:
             self.applied += total
             self.real_rounds += 1
-
         self.rounds.swap_in()  # θ̃_{t+1} after an estimate round, θ_{t+1} after a real one
         self.rounds.load_gradients(self.local_count)
         self.holds_estimate = estimate
         self.estimate_next = not estimate
-        return self.finish(tally, self.lr)
-
-    def accumulate(self, next_batch, loss_fn, tally) -> int:
-        """Micro-batches while the round is in flight: at least accum, at most max_accum."""
-        n = 0
-        while n < self.accum or (not self.deterministic and n < self.max_accum and self.rounds.in_flight()):
-            self.forward_backward(self.model, next_batch, loss_fn, tally, scale=1.0)
-            n += 1
-        self.flat.check_views()
-        return n
+        self._tally.lr = self.lr
 
     @contextmanager
-    def evaluating(self):
+    def swapped_for_eval(self):
         """After an estimate round the model holds θ̃; evaluate the real θ (gathered
         from the master shards as bookkeeping traffic) and put θ̃ back after."""
         if not self.holds_estimate:
@@ -102,6 +130,19 @@ class ACCO(ShardedStrategy):
         finally:
             self.flat.params.copy_(estimate)
 
+    def extra_state(self):
+        return {**super().extra_state(), **self.rounds.state(), "starting": self.starting,
+                "estimate_next": self.estimate_next, "holds_estimate": self.holds_estimate,
+                "local_count": self.local_count, "applied": self.applied,
+                "real_rounds": self.real_rounds, "lr": self.lr}
+
+    def load_extra_state(self, sd):
+        super().load_extra_state(sd)
+        self.rounds.load_state(sd)
+        for key in ("starting", "estimate_next", "holds_estimate", "local_count", "applied",
+                    "real_rounds", "lr"):
+            setattr(self, key, sd[key])
+
     def extra_memory_bytes(self) -> int:
         """Bytes ACCO holds beyond ZeRO-1, measured on the live tensors: the
         communication buffer B, the separate fp32 master shard (ZeRO-1 aliases
@@ -112,7 +153,8 @@ class ACCO(ShardedStrategy):
         return (b.numel() * b.element_size() + (m.numel() * m.element_size() if zero1_aliases else 0)
                 + self.rounds.snapshot_bytes)
 
-    def close(self) -> None:
+    def release(self) -> None:
+        super().release()
         self.rounds.close()
 
     def report(self) -> dict:

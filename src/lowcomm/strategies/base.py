@@ -1,24 +1,37 @@
-"""The Strategy interface, its StepResult, and the registry by name.
+"""The Strategy interface: a push-style core, the pull-style `step()` over it, StepResult.
 
-A strategy owns one optimizer step end to end: it pulls micro-batches from
-`next_batch()` as it needs them (ACCO and DPU decide *when* gradients are
-computed relative to communication, so the strategy drives, not the
-trainer), runs `loss_fn(model, batch)`, communicates through `Comm`, and
-returns what happened as a StepResult. The trainer loop is then the same few
-lines for every strategy, and any `nn.Module` plus loss function works.
+The core is driven one micro-batch at a time. Whoever owns the loop (the
+user's script through `lowcomm.wrap()`, or `step()` below) runs a forward on
+`strategy.train_model` and hands the loss to `strategy.backward(loss)`; the
+strategy backpropagates it and then decides, in `after_backward()`, whether to
+keep accumulating, start or finish a communication round, swap parameters, or
+step the optimizer. ACCO keeps accepting micro-batches while its round is in
+flight, so fast workers contribute more. Each strategy implements three hooks:
+
+    begin_step()      before the first micro-batch of an optimizer step
+                      (set the lr, zero gradients, start a delayed round)
+    after_backward()  a micro-batch's gradients are in; True ends the step
+    loss_scale()      what each micro-batch's loss is multiplied by
+
+`step(next_batch, loss_fn)` is the same loop for every strategy: pull a
+batch, forward, backward, until the step ends.
 """
 from __future__ import annotations
 
 import random
 import time
-from contextlib import contextmanager, nullcontext
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 import torch.nn as nn
 
 from ..comm import Comm, CommStats
+from ..errors import UsageError
+from .options import Options
+from .plan import PlannedOp
 
 MakeOptimizer = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 Schedule = Callable[[int], float]  # optimizer step (0-based) -> learning rate
@@ -40,99 +53,185 @@ class StepResult:
 
 
 def batch_tokens(batch: Any) -> int:
-    """Tokens in a micro-batch: the input tensor's element count."""
-    first = batch[0] if isinstance(batch, (tuple, list)) else batch
+    """Tokens in a micro-batch: the input tensor's element count; for a dict batch
+    the attention mask's ones (padding is not a token), else its input_ids."""
+    if isinstance(batch, dict):
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            return int(mask.sum())
+        first = batch.get("input_ids", next((v for v in batch.values() if isinstance(v, torch.Tensor)), None))
+    else:
+        first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
     return first.numel() if isinstance(first, torch.Tensor) else 0
 
 
-class Strategy:
-    """One optimizer step of data-parallel training. Subclasses implement `step`."""
+@dataclass
+class Tally:
+    """Running totals of the optimizer step in progress."""
+    t0: float
+    comm_before: CommStats
+    lr: float = float("nan")
+    loss_sum: float = 0.0
+    micro_batches: int = 0
+    tokens: int = 0
+    compute_s: float = 0.0
+    last_compute_s: float = 0.0  # the latest micro-batch's compute (DDP's exposed tail)
 
-    name = ""
+
+class Strategy:
+    """Data-parallel training, one micro-batch at a time. Subclasses set `Options`
+    and implement begin_step / after_backward (and comm_plan)."""
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type[Options]] = Options
+    # Options under which a run depends only on its inputs, not on timing (the
+    # contract tests use them for bit-exact comparisons).
+    reproducible_options: ClassVar[dict] = {}
     pacer: "Pacer | None" = None  # emulated slow/straggling worker (set by the trainer)
 
     def __init__(self, model: nn.Module, comm: Comm, make_optimizer: MakeOptimizer,
-                 accum: int = 1, schedule: Schedule | None = None):
+                 accum: int = 1, schedule: Schedule | None = None, options: Options | None = None):
         if accum < 1:
-            raise ValueError(f"accum must be at least 1, got {accum}")
+            raise UsageError(f"accum must be at least 1, got {accum}")
         self.model, self.comm, self.accum = model, comm, accum
         self.make_optimizer, self.schedule = make_optimizer, schedule
+        self.options = (options or self.Options()).validate(self.name)
         self.steps_done = 0
+        self._tally: Tally | None = None    # the step in progress (None between steps)
+        self._compute_t0: float | None = None
+        self._last_loss = None              # weakref to the latest loss backpropagated
+        self._evaluating = False
+        self._hook = None
+        self._closed = False
 
-    # -- the interface ------------------------------------------------------
-    def step(self, next_batch: NextBatch, loss_fn: LossFn) -> StepResult:
+    def _watch_forward(self) -> None:
+        """Time a micro-batch from its forward: a pre-hook on the model the user calls."""
+        self._hook = self.train_model.register_forward_pre_hook(self._on_forward)
+
+    # -- what subclasses implement ---------------------------------------------
+    @property
+    def train_model(self) -> nn.Module:
+        """The module the training forward must call (ddp: the DDP wrapper)."""
+        return self.model
+
+    def loss_scale(self) -> float:
+        """Each micro-batch's loss is multiplied by this before backward (mean over accum)."""
+        return 1.0 / self.accum
+
+    def begin_step(self) -> None:
+        """Before the first micro-batch of an optimizer step; sets self._tally.lr."""
         raise NotImplementedError
+
+    def after_backward(self) -> bool:
+        """A micro-batch's gradients are in; return True when the optimizer step is done."""
+        raise NotImplementedError
+
+    @classmethod
+    def comm_plan(cls, num_params: int, world: int, options: Options) -> list[PlannedOp]:
+        """What one rank sends, per step or per sync period: [PlannedOp(collective, S, every)]."""
+        raise NotImplementedError
+
+    @classmethod
+    def plan_occurrences(cls, op: PlannedOp, steps: int, options: Options) -> int:
+        """How often `op` runs in a run of `steps` trainer steps (transients included)."""
+        return op.occurrences(steps)
+
+    def extra_state(self) -> dict:
+        """Strategy state beyond model, optimizers and step count (buffers, phase flags)."""
+        return {}
+
+    def load_extra_state(self, sd: dict) -> None:
+        pass
 
     def eval_model(self) -> nn.Module:
         """The parameters to evaluate (the plain model for synchronous strategies)."""
         return self.model
 
-    @contextmanager
-    def evaluating(self):
-        """`with strategy.evaluating() as model:` -- the model holding the parameters
-        to evaluate, for strategies that must swap them in (and back out) first."""
-        yield self.eval_model()
-
     def report(self) -> dict:
         """Strategy-specific fields for summary.json."""
         return {}
 
-    def close(self) -> None:
-        """Release threads and buffers the strategy holds (ACCO's communication thread)."""
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return []
 
     def optimizer_state_bytes(self) -> int:
         return sum(_tensor_bytes(opt.state) for opt in self.optimizers())
 
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return []
-
-    def state_dict(self) -> dict:
-        return {"steps_done": self.steps_done,
-                "optimizers": [opt.state_dict() for opt in self.optimizers()]}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.steps_done = sd["steps_done"]
-        for opt, osd in zip(self.optimizers(), sd["optimizers"]):
-            opt.load_state_dict(osd)
-
-    # -- shared pieces --------------------------------------------------------
-    def lr_for_step(self, optimizer: torch.optim.Optimizer, step: int) -> float:
-        """Apply the schedule (if any) to every param group; return the lr used."""
-        if self.schedule is not None:
-            lr = self.schedule(step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-        return float(optimizer.param_groups[0]["lr"])
-
-    def forward_backward(self, model: nn.Module, next_batch: NextBatch, loss_fn: LossFn,
-                         tally: "Tally", scale: float, context=None, pace: bool = True) -> None:
-        """One micro-batch: loss * scale backpropagated into the model's grads.
-        With a pacer, the emulated slowdown is slept here (pace=False: the
-        caller pays it itself, e.g. DDP's comm hook before issuing a bucket)."""
-        batch = next_batch()
-        t0 = time.perf_counter()
-        if self.pacer is not None:
+    # -- the push-style core ---------------------------------------------------
+    def backward(self, loss: torch.Tensor, tokens: int | None = None) -> StepResult | None:
+        """Backpropagate one micro-batch's loss; return the StepResult when this
+        backward finished an optimizer step, else None (keep feeding micro-batches)."""
+        self._check_open()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise UsageError(f"backward() needs a scalar loss tensor, got "
+                             f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        if self._last_loss is not None and self._last_loss() is loss:
+            raise UsageError("backward() was called twice on the same loss; compute a new loss for each micro-batch")
+        if not loss.requires_grad:
+            raise UsageError("the loss does not require grad: compute it from run.model's output with gradients enabled")
+        self.ensure_step_begun()
+        tally = self._tally
+        t0 = self._compute_t0 if self._compute_t0 is not None else time.perf_counter()
+        if self.pacer is not None and self._compute_t0 is None:
             self.pacer.start(t0)
-        with context if context is not None else nullcontext():
-            loss = loss_fn(model, batch)
-            (loss * scale).backward()
+        self._last_loss = weakref.ref(loss)
+        (loss * self.loss_scale()).backward()
         if loss.is_cuda:  # kernels run asynchronously: time the work, not its launch
             torch.cuda.current_stream(loss.device).synchronize()
-        if self.pacer is not None and pace:
+        if self.pacer is not None and self.paces_backward():
             self.pacer.pay(self.steps_done, self.comm.tracer)
         t1 = time.perf_counter()
         # The slowdown emulates a slower device, so its sleep counts as compute.
         tally.compute_s += t1 - t0
+        tally.last_compute_s = t1 - t0
         if self.comm.tracer is not None:
             self.comm.tracer.span("micro-batch", "compute", t0, t1)
         tally.loss_sum += float(loss.detach())
         tally.micro_batches += 1
-        tally.tokens += batch_tokens(batch)
+        tally.tokens += self._forward_tokens if tokens is None else tokens
+        self._compute_t0 = None
+        if not self.after_backward():
+            return None
+        return self._finish()
 
-    def begin(self) -> "Tally":
-        return Tally(time.perf_counter(), self.comm.snapshot())
+    def step(self, next_batch: NextBatch, loss_fn: LossFn) -> StepResult:
+        """One optimizer step, pulling micro-batches from `next_batch()` as the strategy needs them."""
+        self.ensure_step_begun()
+        while True:
+            batch = next_batch()
+            self.mark_compute_start()
+            result = self.backward(loss_fn(self.train_model, batch), tokens=batch_tokens(batch))
+            if result is not None:
+                return result
 
-    def finish(self, tally: "Tally", lr: float) -> StepResult:
+    def ensure_step_begun(self) -> None:
+        if self._tally is None:
+            self._tally = Tally(time.perf_counter(), self.comm.snapshot())
+            self.begin_step()
+
+    def mark_compute_start(self) -> None:
+        """A micro-batch's compute starts now (its forward is next)."""
+        if self._compute_t0 is None:
+            self._compute_t0 = time.perf_counter()
+            self._forward_tokens = 0
+            if self.pacer is not None:
+                self.pacer.start(self._compute_t0)
+
+    def _on_forward(self, module, args):
+        if self._evaluating or not torch.is_grad_enabled() or self._compute_t0 is not None:
+            return
+        self.ensure_step_begun()
+        self.mark_compute_start()
+        self._forward_tokens = batch_tokens(args)
+
+    _forward_tokens = 0
+
+    def paces_backward(self) -> bool:
+        """Whether backward() pays the emulated slowdown (ddp pays it in its comm hook instead)."""
+        return True
+
+    def _finish(self) -> StepResult:
+        tally, self._tally = self._tally, None
         spent: CommStats = self.comm.snapshot() - tally.comm_before
         self.steps_done += 1
         return StepResult(
@@ -144,8 +243,80 @@ class Strategy:
             comm_s=spent.busy_s,
             exposed_comm_s=spent.exposed_s,
             wall_s=time.perf_counter() - tally.t0,
-            lr=lr,
+            lr=tally.lr,
         )
+
+    # -- between steps -----------------------------------------------------------
+    @property
+    def mid_step(self) -> bool:
+        """True while an optimizer step is in progress (micro-batches accumulated, rounds in flight)."""
+        return self._tally is not None
+
+    def _check_safe_point(self, what: str) -> None:
+        self._check_open()
+        if self.mid_step:
+            raise UsageError(f"{what} must be called between optimizer steps, not in the middle of "
+                             f"accumulation (wait until a backward returns a step result)")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UsageError(f"strategy '{self.name}' was closed")
+
+    @contextmanager
+    def evaluating(self):
+        """`with strategy.evaluating() as model:` -- the model holding the parameters to
+        evaluate, swapped in (and back out) where needed. Only between optimizer steps."""
+        self._check_safe_point("evaluating()")
+        self._evaluating = True
+        try:
+            with self.swapped_for_eval() as model:
+                yield model
+        finally:
+            self._evaluating = False
+
+    @contextmanager
+    def swapped_for_eval(self):
+        yield self.eval_model()
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue bit-identically: parameters, optimizer state,
+        step count and the strategy's own buffers. Only between optimizer steps."""
+        self._check_safe_point("state_dict()")
+        return {"strategy": self.name, "steps_done": self.steps_done,
+                "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "optimizers": [opt.state_dict() for opt in self.optimizers()],
+                "extra": self.extra_state()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._check_safe_point("load_state_dict()")
+        if sd.get("strategy") != self.name:
+            raise UsageError(f"state of strategy '{sd.get('strategy')}' cannot be loaded into '{self.name}'")
+        self.steps_done = sd["steps_done"]
+        self.model.load_state_dict(sd["model"])
+        for opt, osd in zip(self.optimizers(), sd["optimizers"], strict=True):
+            opt.load_state_dict(osd)
+        self.load_extra_state(sd["extra"])
+
+    def close(self) -> None:
+        """Release the threads and hooks the strategy holds. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._hook is not None:
+            self._hook.remove()
+        self.release()
+
+    def release(self) -> None:
+        """Subclasses stop their threads here."""
+
+    # -- shared pieces ---------------------------------------------------------
+    def lr_for_step(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+        """Apply the schedule (if any) to every param group; return the lr used."""
+        if self.schedule is not None:
+            lr = self.schedule(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        return float(optimizer.param_groups[0]["lr"])
 
 
 class Pacer:
@@ -190,17 +361,6 @@ class Pacer:
         return max(extra, 0.0)
 
 
-@dataclass
-class Tally:
-    """Running totals of one step, filled by forward_backward and the strategy."""
-    t0: float
-    comm_before: CommStats
-    loss_sum: float = 0.0
-    micro_batches: int = 0
-    tokens: int = 0
-    compute_s: float = 0.0
-
-
 def _tensor_bytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
@@ -209,28 +369,3 @@ def _tensor_bytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(_tensor_bytes(v) for v in obj)
     return 0
-
-
-# -- registry ----------------------------------------------------------------
-_REGISTRY: dict[str, type[Strategy]] = {}
-
-
-def register(name: str):
-    def deco(cls: type[Strategy]) -> type[Strategy]:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-    return deco
-
-
-def available() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def make_strategy(name: str, model: nn.Module, comm: Comm, make_optimizer: MakeOptimizer,
-                  accum: int = 1, schedule: Schedule | None = None, **options) -> Strategy:
-    """Build a registered strategy by name. `options` are strategy-specific
-    (e.g. bucket_mb for ddp)."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown strategy '{name}' (choose from: {', '.join(available())})")
-    return _REGISTRY[name](model, comm, make_optimizer, accum=accum, schedule=schedule, **options)

@@ -1,5 +1,9 @@
 """DDP: torch's DistributedDataParallel, its bucketed all-reduce routed through Comm.
 
+    for each micro-batch but the last:  backward without sync (DDP's no_sync)
+    last micro-batch:                   backward; DDP all-reduces (mean) bucket by bucket
+    θ <- opt(θ; mean gradient)
+
 The comm hook keeps DDP's overlap of all-reduce with backward intact while
 Comm counts every bucket's bytes. The time a rank waits for the last buckets
 after its backward compute ends is DDP's exposed communication. (No `from __future__ import annotations` here: DDP
@@ -7,13 +11,22 @@ checks the comm hook's return annotation at runtime.)
 """
 import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import Comm
-from .base import Strategy, register
+from .base import Strategy
+from .options import Options, option
+from .plan import PlannedOp
+from .registry import register
+
+
+@dataclass
+class DDPOptions(Options):
+    bucket_mb: float = option(25.0, "DDP gradient bucket size in MB", above=0)
 
 
 def counted_allreduce_hook(comm: Comm, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -33,34 +46,61 @@ def paced_allreduce_hook(strategy: "DDP", bucket: dist.GradBucket) -> torch.futu
 
 @register("ddp")
 class DDP(Strategy):
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, bucket_mb=25.0):
-        super().__init__(model, comm, make_optimizer, accum, schedule)
-        self.ddp = DistributedDataParallel(model, process_group=comm.group, bucket_cap_mb=bucket_mb)
+    Options = DDPOptions
+
+    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
+        super().__init__(model, comm, make_optimizer, accum, schedule, options)
+        self.ddp = DistributedDataParallel(model, process_group=comm.group,
+                                           bucket_cap_mb=self.options.bucket_mb)
         # A proxy, not self: DDP's C++ reducer keeps the state alive, and a
         # strategy <-> reducer cycle left for the garbage collector at exit
         # tears DDP down in the wrong order (SIGABRT, 'terminate called').
         self.ddp.register_comm_hook(weakref.proxy(self), paced_allreduce_hook)
         self.optimizer = make_optimizer(model.parameters())
+        self.micro = 0
+        self._watch_forward()
+
+    @property
+    def train_model(self):
+        return self.ddp
 
     def optimizers(self):
         return [self.optimizer]
 
-    def step(self, next_batch, loss_fn):
-        tally = self.begin()
-        lr = self.lr_for_step(self.optimizer, self.steps_done)
-        for i in range(self.accum - 1):
-            self.forward_backward(self.ddp, next_batch, loss_fn, tally, 1.0 / self.accum,
-                                  context=self.ddp.no_sync())
-        # The last micro-batch all-reduces during its backward; whatever runs
-        # after its last bucket was issued is waiting on the network.
-        compute_before = tally.compute_s
-        self.forward_backward(self.ddp, next_batch, loss_fn, tally, 1.0 / self.accum,
-                              pace=False)  # the hook paces it, before each bucket is sent
+    @classmethod
+    def comm_plan(cls, num_params, world, options):
+        # One all-reduce of the fp32 gradients per step, split into buckets (each
+        # bucket's ring count is rounded down on its own, so at W=3 the total can be
+        # a few bytes under this line's).
+        return [PlannedOp("all_reduce", 4 * num_params, what="gradients (fp32, in buckets)")]
+
+    def _sync_next(self, last: bool) -> None:
+        """Whether the next micro-batch's backward all-reduces: what DDP's no_sync()
+        toggles, set here because the user's forward runs outside our code. DDP reads
+        it in forward, so it must be right before the next forward begins."""
+        self.ddp.require_backward_grad_sync = last
+
+    def begin_step(self):
+        self._tally.lr = self.lr_for_step(self.optimizer, self.steps_done)
+        self.micro = 0
+        self._sync_next(self.accum == 1)
+
+    def paces_backward(self):
+        return not self.ddp.require_backward_grad_sync  # the hook paces before each bucket
+
+    def after_backward(self):
+        self.micro += 1
+        if self.micro < self.accum:
+            self._sync_next(self.micro + 1 == self.accum)
+            return False
+        # The last micro-batch all-reduced during its backward; whatever ran
+        # after its last bucket was issued was waiting on the network.
         if self.comm.world > 1:
             waited = time.perf_counter() - self.comm.last_issue_s
-            exposed = max(0.0, min(waited, tally.compute_s - compute_before))
+            exposed = max(0.0, min(waited, self._tally.last_compute_s))
             self.comm.add_exposed(exposed)
-            tally.compute_s -= exposed
+            self._tally.compute_s -= exposed
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return self.finish(tally, lr)
+        self._sync_next(self.accum == 1)
+        return True

@@ -6,51 +6,78 @@ The round that reduces g(θ_{t-1}) and steps the shard runs on the
 communication thread while g(θ_t) is computed, so communication hides behind
 compute, at the price of a one-step-stale gradient. The first `warmup_steps`
 steps are synchronous ZeRO-1 steps; the first delayed step only computes the
-gradient that the next one applies.
+gradient that the next one applies (it sends nothing).
 """
 from __future__ import annotations
 
-from .base import register
-from .flat import ShardedStrategy
+from dataclasses import dataclass
+
+from .flat import ShardedOptions, ShardedStrategy
+from .options import option
 from .overlap import OverlappedRounds
+from .registry import register
+
+
+@dataclass
+class DpuOptions(ShardedOptions):
+    warmup_steps: int = option(10, "synchronous ZeRO-1 steps before updates become delayed",
+                               flag="--dpu-warmup", min=0)
 
 
 @register("dpu")
 class DPU(ShardedStrategy):
+    Options = DpuOptions
     separate_master = True  # the model keeps θ_t while the round computes θ_{t+1}
 
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, warmup_steps=0,
-                 param_dtype=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule, param_dtype)
-        self.warmup_steps = warmup_steps
+    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
+        super().__init__(model, comm, make_optimizer, accum, schedule, options)
+        self.warmup_steps = self.options.warmup_steps
         self.rounds = OverlappedRounds(self.flat, self.shard_opt, comm)
         self.updates = 0
 
-    def step(self, next_batch, loss_fn):
-        tally = self.begin()
-        lr = self.lr_for_step(self.shard_opt.optimizer, self.updates)
-        synchronous = self.steps_done < self.warmup_steps
-        delayed = not synchronous and self.rounds.buffer_count > 0  # g(θ_{t-1}) waits in B
-        if delayed:
+    @classmethod
+    def comm_plan(cls, num_params, world, options):
+        return OverlappedRounds.plan(cls.flat_bytes(num_params, world, options))
+
+    @classmethod
+    def plan_occurrences(cls, op, steps, options):
+        # A round every step, except the first delayed one (its gradient is applied a step later).
+        return steps - 1 if steps > options.warmup_steps else steps
+
+    def loss_scale(self):
+        return 1.0  # B sums micro-batch gradients; the round divides by the global count
+
+    def begin_step(self):
+        self._tally.lr = self.lr_for_step(self.shard_opt.optimizer, self.updates)
+        self.synchronous = self.steps_done < self.warmup_steps
+        self.delayed = not self.synchronous and self.rounds.buffer_count > 0  # g(θ_{t-1}) waits in B
+        if self.delayed:
             self.rounds.start(estimate=False)
-
         self.flat.zero_grad()
-        for _ in range(self.accum):
-            self.forward_backward(self.model, next_batch, loss_fn, tally, scale=1.0)
-        self.flat.check_views()
+        self.micro = 0
 
-        if synchronous:
+    def end_of_accumulation(self):
+        if self.synchronous:
             self.rounds.load_gradients(self.accum)
             self.rounds.start(estimate=False)
-        if synchronous or delayed:
+        if self.synchronous or self.delayed:
             self.rounds.wait()
             self.rounds.swap_in()
             self.updates += 1
-        if not synchronous:
+        if not self.synchronous:
             self.rounds.load_gradients(self.accum)  # g(θ_t), applied next step
-        return self.finish(tally, lr)
+        return True
 
-    def close(self) -> None:
+    def extra_state(self):
+        return {**super().extra_state(), **self.rounds.state(), "updates": self.updates}
+
+    def load_extra_state(self, sd):
+        super().load_extra_state(sd)
+        self.rounds.load_state(sd)
+        self.updates = sd["updates"]
+
+    def release(self) -> None:
+        super().release()
         self.rounds.close()
 
     def report(self) -> dict:

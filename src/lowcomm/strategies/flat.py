@@ -1,4 +1,4 @@
-"""ZeRO-1's building blocks, shared by zero1, acco and dpu.
+"""ZeRO-1's building blocks, shared by zero1, acco and dpu (not a strategy itself).
 
 FlatModel: all trainable parameters (and their gradients) become views into
 one contiguous buffer each, padded to a multiple of W, so a reduce-scatter
@@ -12,10 +12,17 @@ already fp32, so no memory is spent twice). Optimizer state therefore costs
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
+from ..errors import UsageError
 from .base import Strategy
+from .options import Options, option
+from .plan import flat_numel
+
+PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the model's own dtype
 
 
 class FlatModel:
@@ -47,8 +54,9 @@ class FlatModel:
         """Fail loudly if something replaced a .grad (e.g. model.zero_grad(set_to_none=True))."""
         for p in self.params_list:
             if p.grad is None or p.grad.untyped_storage().data_ptr() != self.grads.untyped_storage().data_ptr():
-                raise RuntimeError("a parameter's .grad no longer views the flat gradient buffer; "
-                                   "do not call model.zero_grad() on a sharded strategy's model")
+                raise UsageError("a parameter's .grad no longer views the flat gradient buffer: do not call "
+                                 "model.zero_grad() or optimizer.zero_grad() on a sharded strategy's model "
+                                 "(the strategy zeroes gradients itself)")
 
 
 class ShardOptimizer:
@@ -104,20 +112,74 @@ class ShardOptimizer:
         return master + sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass
+class ShardedOptions(Options):
+    param_dtype: str = option("fp32", "flat parameter/gradient buffers: fp32 or bf16 (fp32 master either way)",
+                              choices=tuple(PARAM_DTYPES))
+
+
 class ShardedStrategy(Strategy):
     """A strategy on ZeRO-1's layout (zero1, acco, dpu): flat θ and ∇θ, optimizer
     state and master copy for the own shard only. `separate_master` keeps the
-    master apart from the model's parameters (see ShardOptimizer)."""
+    master apart from the model's parameters (see ShardOptimizer).
 
+    Like DDP, it starts every rank from rank 0's parameters (a bookkeeping
+    broadcast), so a Python-API user who forgot to seed identically still trains
+    one model."""
+
+    Options = ShardedOptions
     separate_master = False
 
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, param_dtype=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule)
-        self.flat = FlatModel(model, comm.world, comm.rank, dtype=param_dtype)
+    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
+        super().__init__(model, comm, make_optimizer, accum, schedule, options)
+        self.flat = FlatModel(model, comm.world, comm.rank, dtype=PARAM_DTYPES[self.options.param_dtype])
+        comm.meta_broadcast(self.flat.params, src=0)
         self.shard_opt = ShardOptimizer(self.flat, make_optimizer, separate_master=self.separate_master)
+        self.micro = 0  # micro-batches accumulated in the step (or round) in progress
+        # model.zero_grad() would drop accumulated gradients (set_to_none=False) or cut
+        # .grad loose from the flat buffer (True): refuse it with a clear error instead.
+        model.zero_grad = self._refuse_zero_grad
+        self._watch_forward()
+
+    def _refuse_zero_grad(self, set_to_none: bool = True) -> None:
+        raise UsageError(f"do not call zero_grad() on a model trained with '{self.name}': the strategy "
+                         f"accumulates into a flat gradient buffer and zeroes it itself")
+
+    def release(self) -> None:
+        self.model.__dict__.pop("zero_grad", None)
+
+    @classmethod
+    def flat_bytes(cls, num_params: int, world: int, options) -> int:
+        """S of one full flat buffer (padded to a multiple of W) in parameter precision."""
+        itemsize = torch.empty((), dtype=PARAM_DTYPES[options.param_dtype]).element_size()
+        return flat_numel(num_params, world) * itemsize
 
     def optimizers(self):
         return [self.shard_opt.optimizer]
 
     def optimizer_state_bytes(self) -> int:
         return self.shard_opt.state_bytes()
+
+    def loss_scale(self) -> float:
+        return 1.0 / self.accum
+
+    def after_backward(self) -> bool:
+        # A model.zero_grad() between micro-batches would detach .grad from the flat
+        # buffer and silently drop gradients: say so at the backward that shows it.
+        self.flat.check_views()
+        self.micro += 1
+        return self.micro >= self.accum and self.end_of_accumulation()
+
+    def end_of_accumulation(self) -> bool:
+        """Called after each micro-batch from the accum-th on; True ends the step."""
+        raise NotImplementedError
+
+    def extra_state(self) -> dict:
+        master = self.shard_opt.master.detach().clone() if not self.shard_opt.aliased else None
+        return {"master": master, "grads": self.flat.grads.clone(), "micro": self.micro}
+
+    def load_extra_state(self, sd: dict) -> None:
+        if sd["master"] is not None:
+            self.shard_opt.master.data.copy_(sd["master"])
+        self.flat.grads.copy_(sd["grads"])
+        self.micro = sd["micro"]

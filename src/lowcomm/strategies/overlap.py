@@ -1,6 +1,14 @@
-"""ZeRO-1 rounds on a background thread, beside gradient accumulation (ACCO, DPU).
+"""Communication beside compute: a generic background engine, and ZeRO-1 rounds on it.
 
-One round, on the communication thread:
+`Background` runs one job at a time on a communication thread. Its waits are
+overlapped time, not exposed (Comm.overlapped); only the compute thread's own
+block in `wait()` is exposed. On GPU a job also runs on its own CUDA stream,
+ordered against the compute stream by events, so the compute thread never
+waits on the host for communication. The shape is prepare / perform / wait
+(torchft's Streaming DiLoCo has the same), so ACCO, DPU, Streaming DiLoCo's
+fragment syncs and compressed all-reduces can all be clients.
+
+`OverlappedRounds` is the ZeRO-1 round client (ACCO, DPU). One round:
     N    = all_reduce(count)          async, beside the reduce-scatter
     g_r  = reduce_scatter(B) / N      B holds a gradient *sum* over N micro-batches
     θ_r' = opt(θ_r; g_r)              an estimate round snapshots and restores the shard
@@ -8,22 +16,73 @@ One round, on the communication thread:
 while the compute thread keeps accumulating gradients into the model's flat
 gradient buffer G. Afterwards `swap_in()` loads B's parameters into the model
 and `load_gradients()` hands G over as the next round's B.
-
-CPU: a single worker thread runs the round with async collectives; waits there
-are overlapped time, not exposed (Comm.overlapped). GPU: the round also runs
-on its own CUDA stream, ordered against the compute stream by events, so the
-compute thread never waits on the host for communication.
 """
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
+from typing import Any, Callable
 
 import torch
 
 from ..comm import Comm
 from .flat import FlatModel, ShardOptimizer
+from .plan import PlannedOp
+
+
+class Background:
+    """One communication job at a time on its own thread (and CUDA stream)."""
+
+    def __init__(self, comm: Comm, device: torch.device):
+        self.comm, self.device = comm, device
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lowcomm-comm")
+        self._pending: Future | None = None
+        cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=device) if cuda else None
+        self._done = torch.cuda.Event() if cuda else None
+
+    def submit(self, job: Callable[..., Any], *args) -> None:
+        """Start `job(*args)` on the communication thread, after the compute stream's work so far."""
+        assert self._pending is None, "a background job is already in flight"
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._pending = self._pool.submit(self._run, job, args, ready)
+
+    def in_flight(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    @property
+    def pending(self) -> bool:
+        """A job was submitted and not yet waited for (done or not)."""
+        return self._pending is not None
+
+    def wait(self) -> Any:
+        """Block until the job is done (the block is exposed time); return its result."""
+        t0 = time.perf_counter()
+        result = self._pending.result()
+        self._pending = None
+        if self._done is not None:
+            torch.cuda.current_stream().wait_event(self._done)
+        self.comm.add_exposed(time.perf_counter() - t0)
+        return result
+
+    def _run(self, job, args, ready):
+        if self._stream is not None:  # the current device is per thread: set it here too
+            torch.cuda.set_device(self.device)
+        stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        with self.comm.overlapped(), stream_ctx:
+            if ready is not None:
+                self._stream.wait_event(ready)
+            result = job(*args)
+            if self._done is not None:
+                self._done.record(self._stream)
+            return result
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 class OverlappedRounds:
@@ -33,11 +92,7 @@ class OverlappedRounds:
         self.buffer_count = 0                        # micro-batches summed in B (0: nothing to send)
         self.shard_grad = torch.empty(flat.shard_size, dtype=flat.grads.dtype, device=flat.grads.device)
         self.snapshot_bytes = 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lowcomm-comm")
-        self._pending: Future | None = None
-        cuda = flat.params.is_cuda
-        self._stream = torch.cuda.Stream(device=flat.params.device) if cuda else None
-        self._done = torch.cuda.Event() if cuda else None
+        self.engine = Background(comm, flat.params.device)
 
     # -- compute-thread side --------------------------------------------------
     def load_gradients(self, count: int) -> None:
@@ -47,56 +102,52 @@ class OverlappedRounds:
 
     def start(self, estimate: bool) -> None:
         """Launch a round on B. An estimate round leaves the shard and its optimizer state untouched."""
-        assert self._pending is None and self.buffer_count > 0
-        ready = None
-        if self._stream is not None:
-            ready = torch.cuda.Event()
-            ready.record()
+        assert self.buffer_count > 0
         count, self.buffer_count = self.buffer_count, 0
-        self._pending = self._pool.submit(self._round, count, estimate, ready)
+        self.engine.submit(self._round, count, estimate)
 
     def in_flight(self) -> bool:
-        return self._pending is not None and not self._pending.done()
+        return self.engine.in_flight()
 
     def wait(self) -> int:
-        """Block until the round is done (the block is exposed time); return the global count N."""
-        t0 = time.perf_counter()
-        total = self._pending.result()
-        self._pending = None
-        if self._done is not None:
-            torch.cuda.current_stream().wait_event(self._done)
-        self.comm.add_exposed(time.perf_counter() - t0)
-        return total
+        """Block until the round is done; return the global micro-batch count N."""
+        return self.engine.wait()
 
     def swap_in(self) -> None:
         """Model parameters <- the parameters the round gathered into B."""
         self.flat.params.copy_(self.buffer)
 
+    def state(self) -> dict:
+        assert not self.engine.pending, "state taken while a round is in flight"
+        return {"buffer": self.buffer.clone(), "buffer_count": self.buffer_count}
+
+    def load_state(self, sd: dict) -> None:
+        self.buffer.copy_(sd["buffer"])
+        self.buffer_count = sd["buffer_count"]
+
     # -- communication-thread side -------------------------------------------
-    def _round(self, count: int, estimate: bool, ready) -> int:
-        if self._stream is not None:  # the current device is per thread: set it here too
-            torch.cuda.set_device(self.buffer.device)
-        stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
-        with self.comm.overlapped(), stream_ctx:
-            if ready is not None:
-                self._stream.wait_event(ready)
-            n = torch.tensor([float(count)], dtype=torch.float64, device=self.buffer.device)
-            counting = self.comm.all_reduce(n, op="sum", async_op=True)
-            reducing = self.comm.reduce_scatter(self.shard_grad, self.buffer, op="sum", async_op=True)
-            counting.wait()
-            reducing.wait()
-            self.shard_grad.div_(n)  # every micro-batch weighs the same, whoever computed it
-            saved = self.shard_opt.snapshot() if estimate else None
-            if saved is not None:
-                self.snapshot_bytes = max(self.snapshot_bytes, sum(t.numel() * t.element_size() for t in saved))
-            self.shard_opt.step(self.shard_grad)
-            self.comm.all_gather(self.buffer, self.shard_opt.own_params())
-            if saved is not None:
-                self.shard_opt.restore(saved)
-            if self._done is not None:
-                self._done.record(self._stream)
-            return int(n.item())
+    def _round(self, count: int, estimate: bool) -> int:
+        n = torch.tensor([float(count)], dtype=torch.float64, device=self.buffer.device)
+        counting = self.comm.all_reduce(n, op="sum", async_op=True)
+        reducing = self.comm.reduce_scatter(self.shard_grad, self.buffer, op="sum", async_op=True)
+        counting.wait()
+        reducing.wait()
+        self.shard_grad.div_(n)  # every micro-batch weighs the same, whoever computed it
+        saved = self.shard_opt.snapshot() if estimate else None
+        if saved is not None:
+            self.snapshot_bytes = max(self.snapshot_bytes, sum(t.numel() * t.element_size() for t in saved))
+        self.shard_opt.step(self.shard_grad)
+        self.comm.all_gather(self.buffer, self.shard_opt.own_params())
+        if saved is not None:
+            self.shard_opt.restore(saved)
+        return int(n.item())
+
+    @staticmethod
+    def plan(flat_bytes: int) -> list[PlannedOp]:
+        """One round's traffic: the count, the gradient sum, the gathered parameters."""
+        return [PlannedOp("all_reduce", 8, what="micro-batch count (float64)"),
+                PlannedOp("reduce_scatter", flat_bytes, what="gradient sum"),
+                PlannedOp("all_gather", flat_bytes, what="parameters")]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
+        self.engine.close()

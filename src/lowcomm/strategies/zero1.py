@@ -10,25 +10,31 @@ from __future__ import annotations
 
 import torch
 
-from .base import register
 from .flat import ShardedStrategy
+from .plan import PlannedOp
+from .registry import register
 
 
 @register("zero1")
 class Zero1(ShardedStrategy):
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, param_dtype=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule, param_dtype)
+    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
+        super().__init__(model, comm, make_optimizer, accum, schedule, options)
         self.shard_grad = torch.empty(self.flat.shard_size, dtype=self.flat.grads.dtype,
                                       device=self.flat.grads.device)
 
-    def step(self, next_batch, loss_fn):
-        tally = self.begin()
-        lr = self.lr_for_step(self.shard_opt.optimizer, self.steps_done)
+    @classmethod
+    def comm_plan(cls, num_params, world, options):
+        flat = cls.flat_bytes(num_params, world, options)
+        return [PlannedOp("reduce_scatter", flat, what="gradients"),
+                PlannedOp("all_gather", flat, what="parameters")]
+
+    def begin_step(self):
+        self._tally.lr = self.lr_for_step(self.shard_opt.optimizer, self.steps_done)
         self.flat.zero_grad()
-        for _ in range(self.accum):
-            self.forward_backward(self.model, next_batch, loss_fn, tally, scale=1.0 / self.accum)
-        self.flat.check_views()
+        self.micro = 0
+
+    def end_of_accumulation(self):
         self.comm.reduce_scatter(self.shard_grad, self.flat.grads, op="avg")
         self.shard_opt.step(self.shard_grad)
         self.comm.all_gather(self.flat.params, self.shard_opt.own_params())
-        return self.finish(tally, lr)
+        return True

@@ -1,0 +1,237 @@
+"""Causal language models from Hugging Face ``transformers``, built from a config.
+
+This is the optional ``hf`` extra (``pip install 'lowcomm[hf]'``). Nothing here
+downloads anything: a model is built *by config* only, with freshly initialised
+weights, from the same dimensions the CLI uses for lowcomm's own GPT::
+
+    torch.manual_seed(0)
+    model = build_hf_causal_lm("llama", vocab_size=256, seq_len=128,
+                               n_layer=4, n_head=4, d_model=144)
+    loss = lm_loss(model, (x, y))
+
+``transformers`` is imported lazily, inside :func:`build_hf_causal_lm`, so
+``import lowcomm`` never pays for (or requires) it.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import re
+from typing import Any
+
+import torch.nn as nn
+
+from ..errors import UsageError
+
+__all__ = ["build_hf_causal_lm", "hf_available"]
+
+_INSTALL_HINT = "pip install 'lowcomm[hf]' (or: pip install transformers)"
+
+# Architectures shown first when an error lists "known" ones.
+_SUGGESTED = ("gpt2", "llama", "gpt_neox", "qwen2", "mistral", "phi", "gemma", "opt")
+
+# Config fields (where a config has them) that hold the MLP width. Llama-like
+# defaults are huge (11008, 14336, ...), so they are set to 4 * d_model, the
+# width lowcomm's own GPT uses.
+_MLP_WIDTH_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size",
+                   "decoder_ffn_dim")
+# Key/value head counts: set to n_head (plain multi-head attention, like
+# lowcomm's GPT); many defaults (qwen2: 32, mistral: 8) would not divide a small n_head.
+_KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads")
+# Dropout-like probabilities: every float field whose name matches is set to 0.0.
+_DROPOUT_RE = re.compile(r"dropout|pdrop|layerdrop")
+# Special-token ids: byte-level data has none, so ids outside the vocabulary
+# (gpt2's 50256, ...) are cleared rather than left dangling.
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+# Accepted in **overrides even though a config does not expose them as attributes.
+_EXTRA_OVERRIDE_KEYS = frozenset({"attn_implementation"})
+
+
+def hf_available() -> bool:
+    """True when ``transformers`` is installed (checked without importing it)."""
+    try:
+        return importlib.util.find_spec("transformers") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _import_transformers():
+    try:
+        import transformers  # noqa: F401
+        from transformers import AutoModelForCausalLM
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError as e:
+        raise UsageError(f"Hugging Face models need transformers, which is not installed "
+                         f"or failed to import ({e}); {_INSTALL_HINT}") from None
+    return transformers, AutoModelForCausalLM, CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def _known(causal: dict) -> str:
+    first = [a for a in _SUGGESTED if a in causal]
+    rest = sorted(a for a in causal if a not in first)
+    shown = first + rest[: max(0, 8 - len(first))]
+    return f"{', '.join(shown)}, ... ({len(causal)} in all)"
+
+
+def _resolve_architecture(architecture: str, config_mapping, causal: dict) -> str:
+    """The ``model_type`` for ``architecture``: a model type ("gpt2", "llama"),
+    case-insensitively, or a causal-LM class name ("LlamaForCausalLM")."""
+    if not isinstance(architecture, str) or not architecture.strip():
+        raise UsageError(f"Hugging Face architecture must be a non-empty name such as "
+                         f"'gpt2' or 'llama', got {architecture!r}")
+    name = architecture.strip()
+    model_types = list(config_mapping.keys())
+    if name in model_types:
+        resolved = name
+    else:
+        by_lower = {t.lower(): t for t in model_types}
+        by_class = {cls.lower(): t for t, cls in causal.items() if isinstance(cls, str)}
+        key = name.lower()
+        resolved = by_lower.get(key) or by_lower.get(key.replace("-", "_")) \
+            or by_lower.get(key.replace("_", "-")) or by_class.get(key)
+    if resolved is None:
+        close = difflib.get_close_matches(name.lower(), model_types, n=3, cutoff=0.6)
+        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+        raise UsageError(f"unknown Hugging Face architecture {architecture!r}{hint}; "
+                         f"known causal LMs include {_known(causal)}")
+    if resolved not in causal:
+        raise UsageError(f"Hugging Face architecture {resolved!r} is not a causal language "
+                         f"model (transformers has no AutoModelForCausalLM for it); "
+                         f"causal LMs include {_known(causal)}")
+    return resolved
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    # Strict-dataclass validation errors put the useful part on a later line.
+    text = " ".join(lines[:3]) if lines else type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def build_hf_causal_lm(architecture: str, *, vocab_size: int, seq_len: int, n_layer: int,
+                       n_head: int, d_model: int, **overrides: Any) -> nn.Module:
+    """Build a freshly initialised ``transformers`` causal LM from a config.
+
+    ``architecture`` is a transformers model type (``"gpt2"``, ``"llama"``,
+    ``"gpt_neox"``, ``"qwen2"``, ...; case-insensitive) or a causal-LM class name
+    (``"LlamaForCausalLM"``). No weights are loaded and nothing is downloaded:
+    the model comes from ``AutoConfig.for_model(...)`` and
+    ``AutoModelForCausalLM.from_config(...)``.
+
+    The dimensions are those of lowcomm's own GPT and are passed under the
+    standard config names (transformers' ``attribute_map`` translates them, e.g.
+    to GPT-2's ``n_embd``/``n_layer``/``n_head``/``n_positions``):
+
+    * ``vocab_size`` -> ``vocab_size`` (256 for lowcomm's byte-level data),
+    * ``seq_len`` -> ``max_position_embeddings``,
+    * ``n_layer`` -> ``num_hidden_layers``, ``n_head`` -> ``num_attention_heads``,
+      ``d_model`` -> ``hidden_size``.
+
+    Where the architecture's config has them, these are also set so that the
+    model's size reflects the dims rather than the (large) published defaults:
+    the MLP width (``intermediate_size``, ``n_inner``, ``ffn_dim``, ...) to
+    ``4 * d_model``; key/value heads (``num_key_value_heads``) to ``n_head``;
+    ``head_dim`` to ``d_model // n_head``. Special-token ids outside the
+    vocabulary are cleared, and ``use_cache=False``.
+
+    **Dropout is off**: every dropout probability the config has
+    (``resid_pdrop``, ``embd_pdrop``, ``attn_pdrop``, ``hidden_dropout``,
+    ``attention_dropout``, ``dropout``, ``layerdrop``, ...) is set to 0.0, so
+    training is deterministic and comparable with lowcomm's GPT, which has no
+    dropout. Whether the model is in train or eval mode is the caller's
+    business (transformers returns it in train mode).
+
+    Any other config-level value can be given in ``overrides`` (e.g.
+    ``tie_word_embeddings=True``, ``intermediate_size=512``,
+    ``attn_pdrop=0.1``, ``attn_implementation="eager"``); overrides win over the
+    values above. The core dims must be given through the keyword arguments,
+    not overrides.
+
+    Weights are initialised with torch's global RNG: seed it
+    (``torch.manual_seed``) before calling, and two builds give identical
+    parameters. Parameters are float32 (torch's default dtype).
+
+    Every failure is a one-line :class:`lowcomm.errors.UsageError`:
+    transformers missing, unknown or non-causal architecture, dims or
+    overrides the model rejects.
+    """
+    dims = {"vocab_size": vocab_size, "seq_len": seq_len, "n_layer": n_layer,
+            "n_head": n_head, "d_model": d_model}
+    for name, value in dims.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"Hugging Face model: {name} must be a positive integer, got {value!r}")
+    if d_model % n_head:
+        raise UsageError(f"Hugging Face model: d_model={d_model} is not divisible by "
+                         f"n_head={n_head}")
+
+    _, auto_model, config_mapping, causal = _import_transformers()
+    model_type = _resolve_architecture(architecture, config_mapping, causal)
+    config_cls = config_mapping[model_type]
+    where = f"Hugging Face {model_type!r} model"
+    try:
+        defaults = config_cls()
+    except Exception as e:  # a config class that cannot even build its defaults
+        raise UsageError(f"cannot build a {where}: its default config fails: "
+                         f"{_one_line(e)}") from None
+    amap = dict(getattr(defaults, "attribute_map", {}) or {})
+    default_values = defaults.to_dict()
+
+    def has(key: str) -> bool:
+        return amap.get(key, key) in default_values or hasattr(defaults, key)
+
+    core = {"vocab_size": vocab_size, "max_position_embeddings": seq_len,
+            "num_hidden_layers": n_layer, "num_attention_heads": n_head,
+            "hidden_size": d_model}
+    core_fields = {amap.get(k, k): k for k in core}
+    arg_of = {"vocab_size": "vocab_size", "max_position_embeddings": "seq_len",
+              "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
+              "hidden_size": "d_model"}
+    for key in overrides:
+        field = amap.get(key, key)
+        if field in core_fields or key in core:
+            std = core_fields.get(field, key)
+            raise UsageError(f"{where}: set {std} through {arg_of[std]}=..., not as an "
+                             f"override ({key}={overrides[key]!r})")
+        if not has(key) and key not in _EXTRA_OVERRIDE_KEYS:
+            close = difflib.get_close_matches(key, list(default_values) + list(amap), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UsageError(f"{where}: unknown config override {key!r}{hint}")
+
+    kwargs: dict[str, Any] = dict(core)
+    for key in _MLP_WIDTH_KEYS:
+        if has(key):
+            kwargs[key] = 4 * d_model
+    for key in _KV_HEAD_KEYS:
+        if has(key):
+            kwargs[key] = n_head
+    if has("head_dim"):
+        kwargs["head_dim"] = d_model // n_head
+    for key, value in default_values.items():
+        if _DROPOUT_RE.search(key) and isinstance(value, float) and not isinstance(value, bool):
+            kwargs[key] = 0.0
+    for key in _TOKEN_ID_KEYS:
+        value = default_values.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < vocab_size:
+            kwargs[key] = None
+    kwargs["use_cache"] = False
+    for key in overrides:  # an override replaces the value set above under any alias
+        field = amap.get(key, key)
+        for k in [k for k in kwargs if k != key and amap.get(k, k) == field]:
+            del kwargs[k]
+    kwargs.update(overrides)
+
+    shown = ", ".join(f"{k}={v}" for k, v in dims.items())
+    try:
+        config = config_cls(**kwargs)
+    except Exception as e:
+        raise UsageError(f"{where} rejects its config ({shown}): {_one_line(e)}") from None
+    for key in _KV_HEAD_KEYS:
+        kv = getattr(config, key, None)
+        if isinstance(kv, int) and kv > 0 and n_head % kv:
+            raise UsageError(f"{where}: n_head={n_head} is not divisible by {key}={kv}")
+    try:
+        model = auto_model.from_config(config)
+    except Exception as e:
+        raise UsageError(f"cannot build a {where} ({shown}): {_one_line(e)}") from None
+    return model

@@ -1,0 +1,96 @@
+"""The registry: strategies by name, discovered from the files under strategies/.
+
+A strategy is one file: `@register("name")` on a Strategy subclass whose
+`Options` dataclass declares its knobs. Every module in this package is
+imported on first use, so adding or deleting a strategy's file needs no other
+edit; the CLI flags, TOML tables and `--help` lines come from `option_table()`.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, fields
+
+import torch.nn as nn
+
+from ..comm import Comm
+from ..errors import UsageError
+from .base import MakeOptimizer, Schedule, Strategy
+from .options import build_options, cli_flag, type_name
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+_discovered = False
+
+
+def register(name: str):
+    def deco(cls: type[Strategy]) -> type[Strategy]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return deco
+
+
+def unregister(name: str) -> None:
+    """Remove a strategy (tests that register a toy one clean up with this)."""
+    _REGISTRY.pop(name, None)
+
+
+def _discover() -> None:
+    """Import every module of this package once: each strategy file registers itself."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    package = importlib.import_module(__package__)
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{__package__}.{info.name}")
+
+
+def available() -> list[str]:
+    _discover()
+    return sorted(_REGISTRY)
+
+
+def get(name: str) -> type[Strategy]:
+    _discover()
+    if name not in _REGISTRY:
+        raise UsageError(f"unknown strategy '{name}' (choose from: {', '.join(available())})")
+    return _REGISTRY[name]
+
+
+def make_strategy(name: str, model: nn.Module, comm: Comm, make_optimizer: MakeOptimizer,
+                  accum: int = 1, schedule: Schedule | None = None, **options) -> Strategy:
+    """Build a registered strategy by name. `options` are its Options fields as
+    keywords (e.g. max_accum=8 for acco); defaults equal the CLI's."""
+    cls = get(name)
+    return cls(model, comm, make_optimizer, accum=accum, schedule=schedule,
+               options=build_options(cls.Options, options, name))
+
+
+@dataclass
+class OptionFlag:
+    """One CLI flag of the strategy options: which strategies have it and how it reads."""
+    flag: str
+    field: str
+    type: str
+    help: str
+    default: object
+    strategies: list[str]
+
+
+def option_table() -> dict[str, OptionFlag]:
+    """flag -> OptionFlag over every registered strategy. Strategies may share a
+    flag (e.g. --sync-every) as long as it means the same type."""
+    table: dict[str, OptionFlag] = {}
+    for name in available():
+        for f in fields(_REGISTRY[name].Options):
+            flag = cli_flag(f)
+            entry = table.get(flag)
+            if entry is None:
+                table[flag] = OptionFlag(flag, f.name, type_name(f), f.metadata.get("help", ""),
+                                         f.default, [name])
+            elif entry.field != f.name or entry.type != type_name(f):
+                raise RuntimeError(f"strategies {entry.strategies} and '{name}' declare {flag} differently")
+            else:
+                entry.strategies.append(name)
+    return table

@@ -1,0 +1,266 @@
+"""The contract every registered strategy keeps, checked over `available()`.
+
+A new strategy is covered the moment its file registers it:
+- it trains through the CLI at W=1 and W=2, and the bytes Comm counted equal its
+  declared `comm_plan` (priced with the ring formulas of comm/wire.py);
+- `state_dict()` -> a fresh process -> `load_state_dict()` -> the next steps are
+  bit-identical to a run that never stopped (parameters and the whole state);
+- `close()` leaves no thread of its own alive;
+- a bad value of each of its options exits 2 with one `error:` line naming it;
+- driving it push-style (`backward(loss)` in a plain loop) equals the pull-style `step()`.
+Strategies whose rounds adapt to timing (acco) run with their `reproducible_options`.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+
+import lowcomm
+from lowcomm.cli import main
+from lowcomm.strategies import available, get, make_strategy
+from lowcomm.strategies.options import cli_flag, type_name
+
+from dist_utils import run_dist
+
+STRATEGIES = available()
+ACCUM = 2
+SEQ, MICRO = 16, 2
+
+
+def make_model() -> torch.nn.Module:
+    return lowcomm.GPT(vocab_size=256, seq_len=SEQ, n_layer=1, n_head=2, d_model=16)
+
+
+def batch(step: int, rank: int, micro: int):
+    g = torch.Generator().manual_seed(100_000 * step + 100 * rank + micro)
+    seq = torch.randint(0, 256, (MICRO, SEQ + 1), generator=g)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def make_optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def schedule(step: int) -> float:
+    return 1e-2 * min(1.0, (step + 1) / 3)
+
+
+def build(name: str, seed: int = 1234):
+    torch.manual_seed(seed)
+    model = make_model()
+    strategy = make_strategy(name, model, lowcomm.Comm(), make_optimizer, accum=ACCUM,
+                             schedule=schedule, **get(name).reproducible_options)
+    return model, strategy
+
+
+def pull_steps(strategy, rank: int, n: int) -> None:
+    for _ in range(n):
+        step, micro = strategy.steps_done, iter(range(1000))
+        strategy.step(lambda: batch(step, rank, next(micro)), lowcomm.lm_loss)
+
+
+def flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def tensors(obj, prefix=""):
+    """Every tensor in a nested state, by path (to compare two states entry by entry)."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from tensors(v, f"{prefix}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from tensors(v, f"{prefix}/{i}")
+
+
+# -- W=1 and W=2 through the CLI: counted bytes = the declared plan ---------------------------
+
+def plan_bytes(name: str, params: int, world: int, steps: int, options: dict) -> int:
+    cls = get(name)
+    opts = cls.Options(**options).validate(name)
+    return sum(op.wire_bytes(world) * cls.plan_occurrences(op, steps, opts)
+               for op in cls.comm_plan(params, world, opts))
+
+
+def cli_option_flags(options: dict) -> list[str]:
+    out = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        out += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("data") / "text.txt"
+    p.write_text("It is a truth universally acknowledged, that a single man in possession "
+                 "of a good fortune, must be in want of a wife.\n" * 80)
+    return p
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_cli_run_sends_exactly_its_comm_plan(name, world, tmp_path, text_file):
+    steps = 5  # odd, and past dpu's warmup below, so transients are part of the count
+    options = {**get(name).reproducible_options}
+    extra = ["--dpu-warmup", "2"] if name == "dpu" else []  # the only strategy with a warmup today
+    if name == "dpu":
+        options["warmup_steps"] = 2
+    out = tmp_path / "run"
+    rc = main(["train", "--strategy", name, "--workers", str(world), "--steps", str(steps),
+               "--accum", str(ACCUM), "--n-layer", "1", "--n-head", "2", "--d-model", "16",
+               "--seq-len", str(SEQ), "--micro-batch", str(MICRO), "--eval-every", "0",
+               "--eval-batches", "1", "--data", str(text_file), "--out", str(out), "--quiet",
+               *cli_option_flags(get(name).reproducible_options), *extra])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    want = world * plan_bytes(name, summary["params"], world, steps, options)
+    assert summary["wire_bytes_total"] == want, (summary["wire_bytes_total"], want)
+    if world > 1:
+        assert want > 0
+
+
+# -- in two W=2 process groups for all strategies at once (spawning is the expensive part) ---
+
+def _first_life(rank, world, names, path):
+    """Per strategy: 10 steps pulled vs pushed; 3 steps, state saved, 3 more; threads after close()."""
+    out = {}
+    for name in names:
+        before = set(threading.enumerate())
+        model_pull, pull = build(name)
+        pull_steps(pull, rank, 10)
+        model_push, push = build(name)
+        tokens = push_steps(push, rank, 10)
+        model, strategy = build(name)
+        pull_steps(strategy, rank, 3)
+        torch.save(strategy.state_dict(), Path(path) / f"{name}-rank{rank}.pt")
+        pull_steps(strategy, rank, 3)
+        state = strategy.state_dict()
+        for s in (pull, push, strategy):
+            s.close()
+        left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+        out[name] = {"pull": flat(model_pull), "push": flat(model_push), "tokens": tokens,
+                     "straight": (flat(model), state), "threads_left": left}
+    return out
+
+
+def _second_life(rank, world, names, path):
+    """Per strategy: a fresh process loads the saved state and takes the same 3 steps."""
+    out = {}
+    for name in names:
+        model, strategy = build(name, seed=99)  # other parameters: the load must replace them
+        strategy.load_state_dict(torch.load(Path(path) / f"{name}-rank{rank}.pt", weights_only=False))
+        pull_steps(strategy, rank, 3)
+        out[name] = (flat(model), strategy.state_dict())
+        strategy.close()
+    return out
+
+
+def push_steps(strategy, rank: int, n: int) -> list[int]:
+    """n optimizer steps driven push-style, as a `lowcomm.wrap()` user's loop does."""
+    tokens = []
+    while strategy.steps_done < n:
+        step, micro = strategy.steps_done, 0
+        while True:
+            loss = lowcomm.lm_loss(strategy.train_model, batch(step, rank, micro))
+            micro += 1
+            result = strategy.backward(loss)
+            if result is not None:
+                tokens.append(result.tokens)
+                break
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def lives(tmp_path_factory):
+    path = tmp_path_factory.mktemp("states")
+    first = run_dist(_first_life, 2, STRATEGIES, str(path), timeout=600)
+    second = run_dist(_second_life, 2, STRATEGIES, str(path), timeout=600)
+    return first, second
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_state_round_trip_continues_bit_identically(name, lives):
+    first, second = lives
+    for rank in range(2):
+        params_a, state_a = first[rank][name]["straight"]
+        params_b, state_b = second[rank][name]
+        assert torch.equal(params_a, params_b), f"rank {rank}: parameters differ after resuming"
+        a, b = dict(tensors(state_a)), dict(tensors(state_b))
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"rank {rank}: state entry {key} differs after resuming"
+        assert state_a["steps_done"] == state_b["steps_done"] == 6
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_push_style_equals_step(name, lives):
+    for rank_out in lives[0]:
+        r = rank_out[name]
+        err = float((r["push"] - r["pull"]).norm() / r["pull"].norm())
+        assert err <= 1e-6, f"{name}: a wrap()-style loop differs from step() by {err:.2e}"
+        assert all(t >= ACCUM * MICRO * SEQ for t in r["tokens"]), r["tokens"]  # counted by the forward hook
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_close_leaves_no_thread(name, lives):
+    for rank_out in lives[0]:
+        assert rank_out[name]["threads_left"] == [], f"threads left after close(): {rank_out[name]['threads_left']}"
+
+
+# -- options: bad values exit 2 with one line; flags of other strategies are refused ---------
+
+def bad_values(f) -> list[str]:
+    meta, typ = f.metadata, type_name(f)
+    bad = {"bool": ["maybe"], "int": ["1.5x"], "float": ["fast"], "str": []}[typ]
+    if meta.get("choices"):
+        bad.append("bogus")
+    if meta.get("min") is not None:
+        bad.append(str(meta["min"] - 1))
+    if meta.get("above") is not None:
+        bad.append(str(meta["above"]))
+    return bad
+
+
+OPTION_CASES = [(name, f, value) for name in STRATEGIES for f in fields(get(name).Options)
+                for value in bad_values(f)]
+
+
+@pytest.mark.parametrize("name,f,value", OPTION_CASES,
+                         ids=[f"{n}{cli_flag(f)}={v}" for n, f, v in OPTION_CASES])
+def test_bad_option_value_exits_2_with_one_line(name, f, value, tmp_path, capsys):
+    out = tmp_path / "run"
+    flag = cli_flag(f)
+    argv = [f"{flag}={value}"] if type_name(f) != "bool" else []
+    if type_name(f) == "bool":  # a switch on the CLI: the bad value comes from TOML
+        toml = tmp_path / "run.toml"
+        toml.write_text(f'[{name}]\n{f.name} = "{value}"\n')
+        argv = ["--config", str(toml)]
+    rc = main(["train", "--strategy", name, "--steps", "1", "--out", str(out), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert value in err[0] and (flag in err[0] or f.name in err[0]), err[0]
+    assert not out.exists()
+
+
+def test_an_option_of_another_strategy_is_refused(tmp_path, capsys):
+    ddp_flag = cli_flag(fields(get("ddp").Options)[0])
+    other = next(s for s in STRATEGIES if ddp_flag not in {cli_flag(f) for f in fields(get(s).Options)})
+    rc = main(["train", "--strategy", other, ddp_flag, "1", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and f"{ddp_flag} does not apply to strategy '{other}'" in err and "ddp" in err
+
+
+def test_python_api_defaults_are_the_cli_defaults():
+    from lowcomm import config as C
+    for name in STRATEGIES:
+        cfg = C.RunConfig(strategy=name)
+        C.validate(cfg)
+        assert cfg.strategy_options() == get(name).Options().validate(name)
