@@ -147,6 +147,7 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
     options = C.resolve_options(cfg)
     strategy = get_strategy(cfg.strategy)(model, comm, adamw_factory(cfg.optim), accum=cfg.accum,
                                           schedule=lr_schedule(cfg.optim, cfg.steps), options=options)
+    strategy.total_steps = cfg.steps
     slowdown = cfg.slowdown[rank] if cfg.slowdown else 1.0
     straggle_p, straggle_f = cfg.stragglers or (0.0, 1.0)
     if slowdown != 1.0 or straggle_p > 0:

@@ -97,6 +97,9 @@ class Strategy:
         self.make_optimizer, self.schedule = make_optimizer, schedule
         self.options = (options or self.Options()).validate(self.name)
         self.steps_done = 0
+        # The run's length in trainer steps when known (the trainer sets it): a strategy
+        # with sync periods (DiLoCo) ends a run that stops mid-period with one last sync.
+        self.total_steps: int | None = None
         self._tally: Tally | None = None    # the step in progress (None between steps)
         self._compute_t0: float | None = None
         self._last_loss = None              # weakref to the latest loss backpropagated
