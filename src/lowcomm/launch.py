@@ -17,7 +17,7 @@ from . import config as C
 from .data import check_sizes, load_bytes
 from .errors import RunError, UsageError
 from .strategies import available
-from .worker import pick_backend, run_rank, spawned_entry
+from .worker import check_model, pick_backend, run_rank, spawned_entry
 
 
 def under_torchrun() -> bool:
@@ -37,6 +37,7 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False) -> P
     backend = pick_backend(cfg)
     if (backend == "nccl" or cfg.device == "cuda") and not torch.cuda.is_available():
         raise UsageError(f"backend '{backend}' on device '{cfg.device}' needs CUDA, and no GPU is visible")
+    check_model(cfg)
     tokens, label = load_bytes(cfg.data.source, quiet=True)
     check_sizes(tokens, cfg.data.val_fraction, cfg.model.seq_len, cfg.workers, label)
     if not cfg.out:

@@ -84,6 +84,14 @@ def build_model(cfg: C.RunConfig, device: torch.device) -> torch.nn.Module:
     return model.to(device)
 
 
+def check_model(cfg: C.RunConfig) -> None:
+    """Build the model on the meta device (no memory, no compute) so a bad architecture
+    or dimensions fail as a usage error before any worker starts or any file is written."""
+    if cfg.model.hf_architecture is not None:
+        with torch.device("meta"):
+            build_model(cfg, torch.device("meta"))
+
+
 @dataclass
 class Trainer:
     """Everything one rank trains with, built once by `build`."""

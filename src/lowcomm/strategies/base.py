@@ -109,7 +109,7 @@ class Strategy:
 
     def _watch_forward(self) -> None:
         """Time a micro-batch from its forward: a pre-hook on the model the user calls."""
-        self._hook = self.train_model.register_forward_pre_hook(self._on_forward)
+        self._hook = self.train_model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
 
     # -- what subclasses implement ---------------------------------------------
     @property
@@ -220,12 +220,13 @@ class Strategy:
             if self.pacer is not None:
                 self.pacer.start(self._compute_t0)
 
-    def _on_forward(self, module, args):
+    def _on_forward(self, module, args, kwargs):
         if self._evaluating or not torch.is_grad_enabled() or self._compute_t0 is not None:
-            return
+            return None
         self.ensure_step_begun()
         self.mark_compute_start()
-        self._forward_tokens = batch_tokens(args)
+        self._forward_tokens = batch_tokens(args if args else kwargs)
+        return None
 
     _forward_tokens = 0
 

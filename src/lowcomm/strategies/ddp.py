@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import Comm
+from ..errors import UsageError
 from .base import Strategy
 from .options import Options, option
 from .plan import PlannedOp
@@ -41,6 +42,7 @@ def paced_allreduce_hook(strategy: "DDP", bucket: dist.GradBucket) -> torch.futu
     peers must wait for it inside the all-reduce, not at some later sync point."""
     if strategy.pacer is not None:
         strategy.pacer.pay(strategy.steps_done, strategy.comm.tracer)
+    strategy.buckets_sent += 1
     return counted_allreduce_hook(strategy.comm, bucket)
 
 
@@ -58,6 +60,7 @@ class DDP(Strategy):
         self.ddp.register_comm_hook(weakref.proxy(self), paced_allreduce_hook)
         self.optimizer = make_optimizer(model.parameters())
         self.micro = 0
+        self.buckets_sent = 0  # in the current step: none after a synced backward means DDP was bypassed
         self._watch_forward()
 
     @property
@@ -83,6 +86,7 @@ class DDP(Strategy):
     def begin_step(self):
         self._tally.lr = self.lr_for_step(self.optimizer, self.steps_done)
         self.micro = 0
+        self.buckets_sent = 0
         self._sync_next(self.accum == 1)
 
     def paces_backward(self):
@@ -93,6 +97,10 @@ class DDP(Strategy):
         if self.micro < self.accum:
             self._sync_next(self.micro + 1 == self.accum)
             return False
+        if self.buckets_sent == 0:
+            raise UsageError("the loss was not computed through the DDP wrapper, so no gradient was "
+                             "all-reduced: run the forward on run.model (strategy.train_model), not on "
+                             "the model you passed in")
         # The last micro-batch all-reduced during its backward; whatever ran
         # after its last bucket was issued was waiting on the network.
         if self.comm.world > 1:
