@@ -36,13 +36,15 @@ def unregister(name: str) -> None:
 
 
 def _discover() -> None:
-    """Import every module of this package once: each strategy file registers itself."""
+    """Import every public module of this package once: each strategy file registers itself."""
     global _discovered
     if _discovered:
         return
     _discovered = True
     package = importlib.import_module(__package__)
     for info in pkgutil.iter_modules(package.__path__):
+        if info.name.startswith("_"):  # private helpers, imported by the strategies that use them
+            continue
         importlib.import_module(f"{__package__}.{info.name}")
 
 
