@@ -1,4 +1,4 @@
-"""lowcomm's Python API on your own model and loss: torchrun --nproc-per-node 2 examples/python_api.py"""
+"""The pull-style convenience: the strategy pulls micro-batches from next_batch(). torchrun --nproc-per-node 2 examples/pull_step.py"""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
