@@ -148,6 +148,7 @@ def _first_life(rank, world, names, path):
         left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
         out[name] = {"pull": flat(model_pull), "push": flat(model_push), "tokens": tokens,
                      "straight": (flat(model), state), "threads_left": left}
+    out["trainer"] = trainer_life(rank, world, path, resume=False)
     return out
 
 
@@ -160,7 +161,37 @@ def _second_life(rank, world, names, path):
         pull_steps(strategy, rank, 3)
         out[name] = (flat(model), strategy.state_dict())
         strategy.close()
+    out["trainer"] = trainer_life(rank, world, path, resume=True)
     return out
+
+
+def trainer_life(rank, world, path, resume: bool):
+    """The trainer-level state (strategy + data position + RNG) of a real `lowcomm train`
+    worker, for the most stateful strategy: resumed, its next steps equal the straight run's."""
+    from lowcomm import config as C
+    from lowcomm.worker import build
+    cfg = C.RunConfig(strategy="acco", workers=world, micro_batch=MICRO, accum=ACCUM, steps=6,
+                      data=C.DataConfig(source="pydoc"),
+                      model=C.ModelConfig(n_layer=1, n_head=2, d_model=16, seq_len=SEQ))
+    C.set_value(cfg, "acco.deterministic", True)
+    C.validate(cfg)
+    if resume:
+        cfg.seed = 5  # other initial parameters and data order: the load must restore both
+    t = build(cfg, rank, world, local_rank=0)
+    file = Path(path) / f"trainer-rank{rank}.pt"
+    if resume:
+        t.load_state_dict(torch.load(file, weights_only=False))
+    else:
+        for _ in range(3):
+            t.strategy.step(t.next_batch, lowcomm.lm_loss)
+            t.step += 1
+        torch.save(t.state_dict(), file)
+    losses = []
+    for _ in range(3):
+        losses.append(t.strategy.step(t.next_batch, lowcomm.lm_loss).loss)
+        t.step += 1
+    t.strategy.close()
+    return losses, flat(t.model), t.loader.state_dict()
 
 
 def push_steps(strategy, rank: int, n: int) -> list[int]:
@@ -198,6 +229,14 @@ def test_state_round_trip_continues_bit_identically(name, lives):
         for key in a:
             assert torch.equal(a[key], b[key]), f"rank {rank}: state entry {key} differs after resuming"
         assert state_a["steps_done"] == state_b["steps_done"] == 6
+
+
+def test_trainer_state_resumes_data_position_and_strategy(lives):
+    first, second = lives
+    for rank in range(2):
+        straight, resumed = first[rank]["trainer"], second[rank]["trainer"]
+        assert straight[0] == resumed[0], "losses of the 3 steps after resuming differ"
+        assert torch.equal(straight[1], resumed[1]) and straight[2] == resumed[2]
 
 
 @pytest.mark.parametrize("name", STRATEGIES)

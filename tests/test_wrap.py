@@ -188,3 +188,13 @@ def test_wrap_takes_options_and_emulation_by_name():
                        ({"max_accum": -1}, "--max-accum \\(acco.max_accum\\) must be at least 0")):
         with pytest.raises(UsageError, match=needle):
             _run("acco", **kw)
+
+
+def test_tokens_are_counted_for_tuple_and_dict_batches():
+    from lowcomm.strategies.base import batch_tokens
+    ids = torch.zeros(4, 32, dtype=torch.long)
+    assert batch_tokens((ids, ids)) == 128
+    assert batch_tokens({"input_ids": ids, "labels": ids}) == 128
+    mask = torch.ones(4, 32, dtype=torch.long)
+    mask[:, 20:] = 0  # padding is not a token
+    assert batch_tokens({"input_ids": ids, "attention_mask": mask}) == 80

@@ -68,10 +68,12 @@ class ShardedBatches:
     __call__ = next
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
+        """The reading position, and the seed that orders each epoch's windows."""
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
 
     def load_state_dict(self, sd: dict) -> None:
         self.epoch, self.index = int(sd["epoch"]), int(sd["index"])
+        self.seed = int(sd.get("seed", self.seed))
         self._order = self._permutation(self.epoch)
 
 
