@@ -90,25 +90,25 @@ def format_bandwidth(bytes_per_s: float | None) -> str:
         return ""
     if math.isinf(bytes_per_s):
         return "inf"
-    bits = bytes_per_s * 8
-    for unit in ("tbit", "gbit", "mbit", "kbit"):
-        value = bits / _BIT_UNITS[unit]
-        text = f"{round(value, 6):g}{unit}"
-        if value >= 1 and parse_bandwidth(text) == bytes_per_s:  # reads back exactly
-            return text
-    return f"{bytes_per_s!r}B/s"
+    units = {u: _BIT_UNITS[u] / 8 for u in ("tbit", "gbit", "mbit", "kbit")}
+    return _in_largest_unit(bytes_per_s, units, parse_bandwidth, f"{bytes_per_s!r}B/s")
 
 
 def format_duration(seconds: float) -> str:
     """0.02 -> '20ms'; 0 -> '0'."""
     if seconds == 0:
         return "0"
-    for unit in ("s", "ms", "us", "ns"):
-        value = seconds / _TIME_UNITS[unit]
-        text = f"{round(value, 6):g}{unit}"
-        if value >= 1 and parse_duration(text) == seconds:  # reads back exactly
+    units = {u: _TIME_UNITS[u] for u in ("s", "ms", "us", "ns")}
+    return _in_largest_unit(seconds, units, parse_duration, f"{seconds!r}s")
+
+
+def _in_largest_unit(value: float, units: dict[str, float], parse, fallback: str) -> str:
+    """The first unit (largest first) in which `value` reads >= 1 and parses back exactly."""
+    for unit, scale in units.items():
+        text = f"{round(value / scale, 6):g}{unit}"
+        if value / scale >= 1 and parse(text) == value:
             return text
-    return f"{seconds!r}s"
+    return fallback
 
 
 def split_link_spec(spec: str, what: str = "--link") -> tuple[str, str, str]:
