@@ -14,6 +14,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("transformers", reason="needs the optional extra: pip install 'lowcomm[hf]'")
 
+# `import lowcomm` must not import transformers. Checked in a fresh interpreter,
+# started now so that its (torch) import overlaps with this module's.
+_IMPORT_CHECK = subprocess.Popen(
+    [sys.executable, "-c",
+     "import lowcomm, lowcomm.models, sys; assert 'transformers' not in sys.modules, "
+     "'import lowcomm imported transformers'"],
+    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
 import lowcomm  # noqa: E402
 from lowcomm.errors import UsageError  # noqa: E402
 from lowcomm.models import build_hf_causal_lm, hf_available, lm_loss  # noqa: E402
@@ -21,6 +29,19 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 SMALL = dict(vocab_size=256, seq_len=32, n_layer=2, n_head=4, d_model=64)
 ARCHS = [a for a in ("gpt2", "llama", "gpt_neox", "qwen2") if a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is fastest, and keeps the tests fast on a
+    busy machine (spinning OpenMP threads made AdamW steps ~50x slower there)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    if _IMPORT_CHECK.poll() is None:  # test deselected: do not leave it behind
+        _IMPORT_CHECK.kill()
+        _IMPORT_CHECK.communicate()
 
 
 def build(arch, seed=0, **kw):
@@ -42,8 +63,8 @@ def test_hf_available():
 
 
 def test_import_lowcomm_does_not_import_transformers():
-    code = "import lowcomm, lowcomm.models, sys; assert 'transformers' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    out, _ = _IMPORT_CHECK.communicate(timeout=300)
+    assert _IMPORT_CHECK.returncode == 0, out
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -71,15 +92,27 @@ def test_param_count_scales_with_dims(arch):
     three = n_params(build(arch, n_layer=3))
     four = n_params(build(arch, n_layer=4))
     assert base < three < four and four - three == three - base
-    # The transformer blocks are ~12 d^2 per layer (attention 4 d^2 + MLP 8 d^2,
-    # i.e. MLP width 4 d), like lowcomm's own GPT.
-    assert 12 * 64 ** 2 <= three - base <= 13 * 64 ** 2
+    # A block is attention 4 d^2 + MLP with width 4 d: 8 d^2 (gpt2, gpt_neox, like
+    # lowcomm's GPT) or 12 d^2 when gated (llama, qwen2: gate, up and down), plus
+    # norms and biases.
+    per_layer = (three - base) / 64 ** 2
+    gated = arch in ("llama", "qwen2")
+    assert (16 <= per_layer < 16.5) if gated else (12 <= per_layer < 12.5), per_layer
     # Wider model: per-layer cost grows ~4x when d_model doubles.
     wide = n_params(build(arch, d_model=128))
     wide3 = n_params(build(arch, d_model=128, n_layer=3))
     assert 3.9 < (wide3 - wide) / (three - base) < 4.1
     # Vocabulary: input (and, if untied, output) embedding rows.
     assert n_params(build(arch, vocab_size=512)) - base in (256 * 64, 2 * 256 * 64)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_builds_on_the_meta_device(arch):
+    """lowcomm checks a model's config by building it on the meta device."""
+    with torch.device("meta"):
+        model = build(arch)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert n_params(model) == n_params(build(arch))
 
 
 def test_gpt2_ties_embeddings_llama_does_not():
@@ -122,7 +155,7 @@ def test_adamw_steps_reduce_loss(arch):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.3, losses
 
 
@@ -131,14 +164,14 @@ def test_training_is_deterministic_without_dropout():
     model = build("gpt2")
     assert model.training
     x = random_bytes(2)
-    l1, l2 = (float(lm_loss(model, (x[:, :-1], x[:, 1:]))) for _ in range(2))
+    l1, l2 = (lm_loss(model, (x[:, :-1], x[:, 1:])).item() for _ in range(2))
     assert l1 == l2
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_dict_batch_uses_hf_loss(arch):
     model = build(arch)
-    x = random_bytes(3)
+    x = random_bytes(3)[:, :SMALL["seq_len"]]
     with torch.no_grad():
         hf_loss = model(input_ids=x, labels=x).loss
         # HF shifts labels itself; the tuple form takes pre-shifted targets.
@@ -152,7 +185,7 @@ def test_dict_batch_uses_hf_loss(arch):
 def test_dict_batch_without_labels_is_a_clear_error():
     model = build("gpt2")
     with pytest.raises(ValueError, match="no loss.*include 'labels'"):
-        lm_loss(model, {"input_ids": random_bytes(4)})
+        lm_loss(model, {"input_ids": random_bytes(4)[:, :-1]})
 
 
 def test_lm_loss_unchanged_for_lowcomm_gpt():
@@ -189,6 +222,7 @@ def test_overrides_pass_through():
     assert model.config.num_key_value_heads == 2
     assert model.config.attention_dropout == 0.1
     assert model.model.layers[0].mlp.up_proj.out_features == 96
+    assert build("llama", attn_implementation="eager").config._attn_implementation == "eager"
     # GPT-2 spells the MLP width n_inner.
     assert build("gpt2", n_inner=100).transformer.h[0].mlp.c_fc.nf == 100
 
@@ -217,6 +251,14 @@ def test_unknown_architecture_is_named_with_known_ones():
 def test_non_causal_architecture_is_refused():
     with pytest.raises(UsageError, match=r"'t5' is not a causal language model") as e:
         build("t5")
+    one_line(e)
+
+
+def test_composite_model_points_to_its_text_model():
+    if "gemma3_text" not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip("this transformers has no gemma3")
+    with pytest.raises(UsageError, match=r"'gemma3' is a composite .*use 'gemma3_text'") as e:
+        build("gemma3")
     one_line(e)
 
 
@@ -270,3 +312,16 @@ def test_missing_transformers_says_how_to_install(monkeypatch):
     with pytest.raises(UsageError, match=r"pip install 'lowcomm\[hf\]'") as e:
         build("gpt2")
     one_line(e)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
+def test_built_models_are_causal(arch):
+    """No position sees a later token -- bert too, which transformers also maps to a causal LM
+    but which attends both ways unless its config says is_decoder."""
+    torch.manual_seed(0)
+    model = build_hf_causal_lm(arch, vocab_size=256, seq_len=32, n_layer=1, n_head=2, d_model=32)
+    x = torch.randint(0, 256, (1, 16))
+    changed = x.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % 256
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=x).logits[0, :-1], model(input_ids=changed).logits[0, :-1])

@@ -41,8 +41,16 @@ _KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads")
 # Dropout-like probabilities: every float field whose name matches is set to 0.0.
 _DROPOUT_RE = re.compile(r"dropout|pdrop|layerdrop")
 # Special-token ids: byte-level data has none, so ids outside the vocabulary
-# (gpt2's 50256, ...) are cleared rather than left dangling.
+# (gpt2's 50256, ...) are cleared rather than left dangling, and so is any
+# pad_token_id: it becomes the embedding's padding_idx, whose row is zero and
+# never trained (opt, bart: byte 0x01; gemma: byte 0x00).
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+# Encoder-decoder families (bart, mbart, ...) whose causal LM is the decoder.
+_DECODER_DIM_KEYS = {"decoder_layers": "n_layer", "decoder_attention_heads": "n_head"}
+# Sub-configs that only describe parts of a layer (mpt, dbrx); any other
+# sub-config (text_config, vision_config, ...) marks a composite (multimodal)
+# model, whose text model the dims would not reach.
+_LAYER_PART_SUBCONFIGS = frozenset({"attn_config", "ffn_config"})
 # Accepted in **overrides even though a config does not expose them as attributes.
 _EXTRA_OVERRIDE_KEYS = frozenset({"attn_implementation"})
 
@@ -57,14 +65,13 @@ def hf_available() -> bool:
 
 def _import_transformers():
     try:
-        import transformers  # noqa: F401
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError as e:
         raise UsageError(f"Hugging Face models need transformers, which is not installed "
                          f"or failed to import ({e}); {_INSTALL_HINT}") from None
-    return transformers, AutoModelForCausalLM, CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def _known(causal: dict) -> str:
@@ -132,8 +139,13 @@ def build_hf_causal_lm(architecture: str, *, vocab_size: int, seq_len: int, n_la
     model's size reflects the dims rather than the (large) published defaults:
     the MLP width (``intermediate_size``, ``n_inner``, ``ffn_dim``, ...) to
     ``4 * d_model``; key/value heads (``num_key_value_heads``) to ``n_head``;
-    ``head_dim`` to ``d_model // n_head``. Special-token ids outside the
-    vocabulary are cleared, and ``use_cache=False``.
+    ``head_dim`` to ``d_model // n_head``; for encoder-decoder families
+    (bart, ...) ``decoder_layers``/``decoder_attention_heads``; ``rotary_dim``
+    (gptj, codegen) scaled to the new head size. Special-token ids outside the
+    vocabulary are cleared, as is ``pad_token_id`` (it would become an
+    embedding ``padding_idx``: one byte's embedding fixed at zero); and
+    ``use_cache=False``. Composite (multimodal) models are refused; use
+    their ``*_text`` architecture.
 
     **Dropout is off**: every dropout probability the config has
     (``resid_pdrop``, ``embd_pdrop``, ``attn_pdrop``, ``hidden_dropout``,
@@ -165,7 +177,7 @@ def build_hf_causal_lm(architecture: str, *, vocab_size: int, seq_len: int, n_la
         raise UsageError(f"Hugging Face model: d_model={d_model} is not divisible by "
                          f"n_head={n_head}")
 
-    _, auto_model, config_mapping, causal = _import_transformers()
+    auto_config, auto_model, config_mapping, causal = _import_transformers()
     model_type = _resolve_architecture(architecture, config_mapping, causal)
     config_cls = config_mapping[model_type]
     where = f"Hugging Face {model_type!r} model"
@@ -174,11 +186,23 @@ def build_hf_causal_lm(architecture: str, *, vocab_size: int, seq_len: int, n_la
     except Exception as e:  # a config class that cannot even build its defaults
         raise UsageError(f"cannot build a {where}: its default config fails: "
                          f"{_one_line(e)}") from None
+    sub_configs = set(getattr(config_cls, "sub_configs", None) or ())
+    if hasattr(defaults, "text_config"):
+        sub_configs.add("text_config")
+    if sub_configs - _LAYER_PART_SUBCONFIGS:
+        text = [t for t in (f"{model_type}_text", f"{model_type}_text_model") if t in causal]
+        hint = f"; use {text[0]!r} for its text model" if text else ""
+        raise UsageError(f"Hugging Face architecture {model_type!r} is a composite "
+                         f"(multimodal) model whose text model the dims would not reach"
+                         f"{hint}")
     amap = dict(getattr(defaults, "attribute_map", {}) or {})
     default_values = defaults.to_dict()
 
+    def is_field(key: str) -> bool:  # a plain config field (not a computed property)
+        return amap.get(key, key) in default_values
+
     def has(key: str) -> bool:
-        return amap.get(key, key) in default_values or hasattr(defaults, key)
+        return is_field(key) or hasattr(defaults, key)
 
     core = {"vocab_size": vocab_size, "max_position_embeddings": seq_len,
             "num_hidden_layers": n_layer, "num_attention_heads": n_head,
@@ -188,9 +212,9 @@ def build_hf_causal_lm(architecture: str, *, vocab_size: int, seq_len: int, n_la
               "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
               "hidden_size": "d_model"}
     for key in overrides:
-        field = amap.get(key, key)
-        if field in core_fields or key in core:
-            std = core_fields.get(field, key)
+        target = amap.get(key, key)
+        if target in core_fields or key in core:
+            std = core_fields.get(target, key)
             raise UsageError(f"{where}: set {std} through {arg_of[std]}=..., not as an "
                              f"override ({key}={overrides[key]!r})")
         if not has(key) and key not in _EXTRA_OVERRIDE_KEYS:
@@ -200,30 +224,55 @@ def build_hf_causal_lm(architecture: str, *, vocab_size: int, seq_len: int, n_la
 
     kwargs: dict[str, Any] = dict(core)
     for key in _MLP_WIDTH_KEYS:
-        if has(key):
+        if is_field(key):
             kwargs[key] = 4 * d_model
     for key in _KV_HEAD_KEYS:
-        if has(key):
+        if is_field(key):
             kwargs[key] = n_head
-    if has("head_dim"):
-        kwargs["head_dim"] = d_model // n_head
+    for key, arg in _DECODER_DIM_KEYS.items():
+        if is_field(key):
+            kwargs[key] = dims[arg]
+    head_dim = d_model // n_head
+    if is_field("head_dim"):
+        kwargs["head_dim"] = head_dim
+    rotary_dim = default_values.get("rotary_dim")
+    if isinstance(rotary_dim, int) and rotary_dim > 0:
+        # gptj/codegen rotate a fixed number of dims per head (64 of 256 by
+        # default); keep the published fraction of the new head_dim.
+        d_hidden = default_values.get(amap.get("hidden_size", "hidden_size"))
+        d_heads = default_values.get(amap.get("num_attention_heads", "num_attention_heads"))
+        frac = rotary_dim * d_heads / d_hidden if d_hidden and d_heads else 1.0
+        kwargs["rotary_dim"] = max(2, min(head_dim, 2 * round(frac * head_dim / 2)))
     for key, value in default_values.items():
         if _DROPOUT_RE.search(key) and isinstance(value, float) and not isinstance(value, bool):
             kwargs[key] = 0.0
+    cleared = []
     for key in _TOKEN_ID_KEYS:
         value = default_values.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < vocab_size:
+        if isinstance(value, int) and not isinstance(value, bool) and (
+                key == "pad_token_id" or not 0 <= value < vocab_size):
             kwargs[key] = None
+            cleared.append(key)
     kwargs["use_cache"] = False
+    # Encoder families that transformers also maps to causal LMs (bert, roberta, ...) attend
+    # both ways unless told they are decoders: a "causal" LM that sees the next token.
+    kwargs["is_decoder"] = True
     for key in overrides:  # an override replaces the value set above under any alias
-        field = amap.get(key, key)
-        for k in [k for k in kwargs if k != key and amap.get(k, k) == field]:
+        target = amap.get(key, key)
+        for k in [k for k in kwargs if k != key and amap.get(k, k) == target]:
             del kwargs[k]
     kwargs.update(overrides)
 
     shown = ", ".join(f"{k}={v}" for k, v in dims.items())
     try:
-        config = config_cls(**kwargs)
+        try:
+            config = auto_config.for_model(model_type, **kwargs)
+        except Exception:
+            # Some configs insist on integer token ids; then keep the defaults.
+            retry = {k: v for k, v in kwargs.items() if k not in cleared or k in overrides}
+            if len(retry) == len(kwargs):
+                raise
+            config = auto_config.for_model(model_type, **retry)
     except Exception as e:
         raise UsageError(f"{where} rejects its config ({shown}): {_one_line(e)}") from None
     for key in _KV_HEAD_KEYS:
