@@ -13,6 +13,7 @@ Strategies whose rounds adapt to timing (acco) run with their `reproducible_opti
 from __future__ import annotations
 
 import json
+import math
 import threading
 from dataclasses import fields
 from pathlib import Path
@@ -85,8 +86,10 @@ def tensors(obj, prefix=""):
 def plan_bytes(name: str, params: int, world: int, steps: int, options: dict) -> int:
     cls = get(name)
     opts = cls.Options(**options).validate(name)
+    shapes = [tuple(p.shape) for p in make_model().parameters()]  # the CLI run's model (same dims)
+    assert sum(math.prod(s) for s in shapes) == params
     return sum(op.wire_bytes(world) * cls.plan_occurrences(op, steps, opts)
-               for op in cls.comm_plan(params, world, opts))
+               for op in cls.comm_plan(params, world, opts, shapes=shapes))
 
 
 def cli_option_flags(options: dict) -> list[str]:

@@ -246,12 +246,17 @@ def summarize(t: Trainer, run: LoopResult, out_dir: Path | None, quiet: bool) ->
                                                      "link": C.to_dict(t.cfg)["link"]})
     if not lead:
         return None
+    cls = type(strategy)
+    shapes = [tuple(p.shape) for p in t.model.parameters() if p.requires_grad]
+    plan = cls.comm_plan(sum(math.prod(s) for s in shapes), t.world, strategy.options, shapes=shapes)
+    planned = t.world * sum(op.wire_bytes(t.world) * cls.plan_occurrences(op, t.cfg.steps, strategy.options)
+                            for op in plan)
     summary = build_summary(
         t.cfg, world=t.world, backend=t.backend, params=num_params(t.model), source=t.source,
         totals=run.totals, train_loss=run.train_loss, val_loss=run.val_loss, wall_s=run.wall_s,
         optimizer_state_bytes=strategy.optimizer_state_bytes(), peak_mem_bytes=int(peak),
         link=comm.link.describe() if comm.link is not None else None, link_times=link_times,
-        traced=t.tracer is not None, strategy_report=strategy.report())
+        traced=t.tracer is not None, strategy_report=strategy.report(), plan=plan, planned_wire_bytes=planned)
     write_json_atomic(out_dir / "summary.json", summary)
     if not quiet:
         print(describe(summary), flush=True)

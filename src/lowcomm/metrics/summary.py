@@ -27,9 +27,11 @@ class Totals:
 def build_summary(cfg, *, world: int, backend: str, params: int, source: str, totals: Totals,
                   train_loss: float, val_loss: float, wall_s: float, optimizer_state_bytes: int,
                   peak_mem_bytes: int, link: dict | None, link_times, traced: bool,
-                  strategy_report: dict) -> dict:
+                  strategy_report: dict, plan: list, planned_wire_bytes: int) -> dict:
     """summary.json. `link_times` is a (W, 3) tensor of each rank's comm busy,
-    emulated and slowdown-sleep seconds; `link` the LinkModel's description."""
+    emulated and slowdown-sleep seconds; `link` the LinkModel's description; `plan`
+    the strategy's declared communication plan and `planned_wire_bytes` what it
+    predicts for this run, all ranks (to set beside the counted wire_bytes_total)."""
     from ..config import to_dict
     shown = to_dict(cfg)
     busy = float(link_times[:, 0].sum())
@@ -48,6 +50,9 @@ def build_summary(cfg, *, world: int, backend: str, params: int, source: str, to
         "wall_s": wall_s,
         "tokens_per_s": totals.tokens / wall_s,
         "wire_bytes_total": totals.wire,
+        "planned_wire_bytes_total": planned_wire_bytes,
+        "comm_plan": [{"collective": op.collective, "bytes": op.nbytes, "every": op.every,
+                       "offset": op.offset, "what": op.what} for op in plan],
         "wire_bytes_per_step": totals.wire / cfg.steps,
         "wire_bytes_per_rank_per_step": totals.wire / cfg.steps / world,
         "exposed_comm_s": totals.exposed,
@@ -72,14 +77,8 @@ def build_summary(cfg, *, world: int, backend: str, params: int, source: str, to
         **strategy_report,
         "notes": ["wire bytes follow the ring model of ALGORITHMS.md; on gloo a reduce_scatter "
                   "runs as a full all-reduce, so its real transport is twice the counted bytes"]
-                 if backend == "gloo" and "reduce_scatter" in _planned_collectives(cfg, params, world) else [],
+                 if backend == "gloo" and any(op.collective == "reduce_scatter" for op in plan) else [],
     }
-
-
-def _planned_collectives(cfg, params: int, world: int) -> set[str]:
-    from ..strategies import get
-    cls = get(cfg.strategy)
-    return {op.collective for op in cls.comm_plan(params, world, cfg.strategy_options())}
 
 
 def describe(s: dict) -> str:

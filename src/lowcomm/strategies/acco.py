@@ -63,7 +63,7 @@ class ACCO(ShardedStrategy):
         self.lr = float("nan")
 
     @classmethod
-    def comm_plan(cls, num_params, world, options):
+    def comm_plan(cls, num_params, world, options, shapes=None):
         return OverlappedRounds.plan(cls.flat_bytes(num_params, world, options))  # per round = per step
 
     def loss_scale(self):

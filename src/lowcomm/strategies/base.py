@@ -130,8 +130,12 @@ class Strategy:
         raise NotImplementedError
 
     @classmethod
-    def comm_plan(cls, num_params: int, world: int, options: Options) -> list[PlannedOp]:
-        """What one rank sends, per step or per sync period: [PlannedOp(collective, S, every)]."""
+    def comm_plan(cls, num_params: int, world: int, options: Options,
+                  shapes: list[tuple[int, ...]] | None = None) -> list[PlannedOp]:
+        """What one rank sends, per step or per sync period: [PlannedOp(collective, S, every)].
+        `shapes` are the trainable parameters' shapes in model.parameters() order, for
+        strategies whose traffic depends on more than the count (DeMo's chunks, PowerSGD's
+        matrices, Streaming DiLoCo's fragments); the others ignore them."""
         raise NotImplementedError
 
     @classmethod

@@ -71,7 +71,7 @@ class DDP(Strategy):
         return [self.optimizer]
 
     @classmethod
-    def comm_plan(cls, num_params, world, options):
+    def comm_plan(cls, num_params, world, options, shapes=None):
         # One all-reduce of the fp32 gradients per step, split into buckets (each
         # bucket's ring count is rounded down on its own, so at W=3 the total can be
         # a few bytes under this line's).

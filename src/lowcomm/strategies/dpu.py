@@ -36,7 +36,7 @@ class DPU(ShardedStrategy):
         self.updates = 0
 
     @classmethod
-    def comm_plan(cls, num_params, world, options):
+    def comm_plan(cls, num_params, world, options, shapes=None):
         return OverlappedRounds.plan(cls.flat_bytes(num_params, world, options))
 
     @classmethod

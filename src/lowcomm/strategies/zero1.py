@@ -23,7 +23,7 @@ class Zero1(ShardedStrategy):
                                       device=self.flat.grads.device)
 
     @classmethod
-    def comm_plan(cls, num_params, world, options):
+    def comm_plan(cls, num_params, world, options, shapes=None):
         flat = cls.flat_bytes(num_params, world, options)
         return [PlannedOp("reduce_scatter", flat, what="gradients"),
                 PlannedOp("all_gather", flat, what="parameters")]
