@@ -1,0 +1,37 @@
+"""Error feedback: what a compressor dropped is added to the next input.
+
+    ef = ErrorFeedback(IntQuantizer(8))
+    payload, sent = ef.compress("grad", g)     # compresses g + residual["grad"]
+    # residual["grad"] is now (g + old residual) - sent, so sent + residual = input
+
+One residual per key (a tensor, a shard, a stage) on this worker; `state_dict()` /
+`load_state_dict()` carry them bit-exactly (strategies put them in their own state).
+"""
+from __future__ import annotations
+
+import torch
+
+from .core import Compressor, Payload
+
+
+class ErrorFeedback:
+    def __init__(self, compressor: Compressor, enabled: bool = True):
+        self.compressor, self.enabled = compressor, enabled
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def compress(self, key: str, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
+        """(payload of x + residual, its decompressed value); updates the residual."""
+        inp = x.float()
+        if self.enabled and key in self.residuals:
+            inp = inp + self.residuals[key]
+        payload = self.compressor.compress(inp)
+        sent = self.compressor.decompress(payload)
+        if self.enabled:
+            self.residuals[key] = inp - sent
+        return payload, sent
+
+    def state_dict(self) -> dict:
+        return {k: v.clone() for k, v in self.residuals.items()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.residuals = {k: v.clone() for k, v in sd.items()}

@@ -1,0 +1,221 @@
+"""lowcomm.compress: round-trip error within each compressor's stated bound, packed sizes
+equal to their formulas, the error-feedback identity, lossless top-k, DeMo's DCT blocks."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lowcomm.compress import (Compressor, DCTTopK, ErrorFeedback, IntQuantizer, SignQuantizer, TopK,
+                              block_dims, dct_matrix, largest_divisor_at_most, make_compressor,
+                              pack_bits, quantizer_for_bits, unpack_bits)
+
+
+def data(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * torch.logspace(-4, 0, shape[-1])[torch.randperm(shape[-1], generator=g)]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000])
+def test_bit_packing_round_trips_at_its_size(bits, n):
+    codes = torch.randint(0, 2 ** bits, (3, n), dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, math.ceil(n * bits / 8))
+    assert torch.equal(unpack_bits(packed, bits, n), codes)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("block", [1, 64, 100])
+def test_int_quantizer_error_within_half_a_step(bits, block):
+    x = data(4, 1003)
+    q = IntQuantizer(bits, block)
+    y = q.roundtrip(x)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert ((x - y).abs() <= q.bound(x) * (1 + 1e-5) + 1e-12).all()
+    zero = torch.zeros(2, 50)
+    assert torch.equal(q.roundtrip(zero), zero)  # a zero block has scale 0, not NaN
+
+
+def test_sign_quantizer_error_is_the_stated_identity():
+    x = data(3, 1000)
+    q = SignQuantizer(block=64)
+    y = q.roundtrip(x)
+    for r in range(3):
+        for b in range(0, 1000, 64):
+            xb, yb = x[r, b:b + 64].double(), y[r, b:b + 64].double()
+            s = xb.abs().mean()
+            assert torch.allclose(yb.abs(), s.expand_as(yb), rtol=1e-6)
+            assert torch.equal(yb >= 0, xb >= 0)
+            err, bound = float((xb - yb).pow(2).sum()), float(xb.pow(2).sum() - xb.numel() * s ** 2)
+            assert err == pytest.approx(bound, rel=1e-5, abs=1e-12) and err <= float(xb.pow(2).sum())
+
+
+@pytest.mark.parametrize("n,block", [(1000, 64), (1024, 256), (1, 256), (513, 7)])
+def test_packed_sizes_equal_the_formulas(n, block):
+    x = data(2, n)
+    nb = math.ceil(n / block)
+    want = {"int8": n + 4 * nb, "int4": math.ceil(n / 2) + 4 * nb, "int2": math.ceil(n / 4) + 4 * nb,
+            "sign": math.ceil(n / 8) + 4 * nb, "none": 4 * n}
+    for kind, size in want.items():
+        c = make_compressor(kind, block)
+        assert c.nbytes(n) == size, kind
+        buf = c.to_bytes(c.compress(x))
+        assert buf.dtype == torch.uint8 and buf.shape == (2, size), kind
+        assert torch.equal(c.decompress(c.from_bytes(buf, n)), c.roundtrip(x)), kind
+    assert quantizer_for_bits(4, block).nbytes(n) == want["int4"]
+    with pytest.raises(ValueError):
+        quantizer_for_bits(3)
+
+
+@pytest.mark.parametrize("chunk,idx_bytes", [(256, 1), (257, 2), (65536, 2), (70000, 4)])
+def test_topk_indices_use_the_smallest_type(chunk, idx_bytes):
+    t = TopK(chunk, k=3, value_bits=16)
+    n = 2 * chunk + 1
+    chunks = 3
+    assert t.nbytes(n) == chunks * 3 * (idx_bytes + 2)
+    x = data(1, n)
+    assert t.to_bytes(t.compress(x)).shape == (1, t.nbytes(n))
+
+
+@pytest.mark.parametrize("value_bits", [32, 16, 8, 4, 2])
+def test_topk_keeps_the_largest_and_sizes_match(value_bits):
+    chunk, k, n = 64, 8, 1000
+    x = data(2, n)
+    t = TopK(chunk, k=k, value_bits=value_bits)
+    chunks = math.ceil(n / chunk)
+    vals = {32: 4 * chunks * k, 16: 2 * chunks * k}.get(value_bits, math.ceil(chunks * k * value_bits / 8) + 4 * chunks)
+    assert t.nbytes(n) == chunks * k * 1 + vals
+    y = t.roundtrip(x)
+    padded = torch.nn.functional.pad(x, (0, chunks * chunk - n)).view(2, chunks, chunk)
+    kept = torch.nn.functional.pad(y, (0, chunks * chunk - n)).view(2, chunks, chunk) != 0
+    top = padded.abs().topk(k, dim=-1).indices
+    assert kept.sum() <= 2 * chunks * k
+    if value_bits in (32, 16):  # every value is kept at its place (bf16 rounds it)
+        assert torch.equal(kept.gather(-1, top), torch.ones_like(top, dtype=torch.bool))
+        rel = 0 if value_bits == 32 else 2 ** -8
+        sel = torch.zeros_like(padded).scatter(-1, top, padded.gather(-1, top)).view(2, -1)[:, :n]
+        assert ((y - sel).abs() <= sel.abs() * rel).all()
+    else:  # per-chunk absmax step over the kept values
+        qmax = 2 ** (value_bits - 1) - 1
+        step = padded.gather(-1, top).abs().amax(-1, keepdim=True) / qmax
+        sel = torch.zeros_like(padded).scatter(-1, top, padded.gather(-1, top))
+        err = (torch.nn.functional.pad(y, (0, chunks * chunk - n)).view(2, chunks, chunk) - sel).abs()
+        assert (err <= step / 2 * (1 + 1e-5) + 1e-12).all()
+    assert TopK(64, fraction=0.25).k == 16
+
+
+def test_topk_with_k_equal_to_the_chunk_at_32_bits_is_lossless():
+    x = data(3, 1001)
+    for chunk in (1, 64, 1001, 2000):
+        t = TopK(chunk, k=chunk, value_bits=32)
+        assert torch.equal(t.decompress(t.from_bytes(t.to_bytes(t.compress(x)), 1001)), x)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "int2", "topk"])
+def test_error_feedback_identity_is_exact(kind):
+    """sent + new residual = input, bit for bit, over several steps (the residual carries over)."""
+    kw = {"k": 5} if kind == "topk" else {}
+    ef = ErrorFeedback(make_compressor(kind, 64, **kw))
+    residual = torch.zeros(4, 999)
+    for step in range(5):
+        g = data(4, 999, seed=step)
+        inp = g + residual
+        payload, sent = ef.compress("g", g)
+        residual = ef.residuals["g"]
+        assert torch.equal(sent, ef.compressor.decompress(payload))
+        assert torch.equal(sent + residual, inp), f"step {step}"
+    state = ef.state_dict()
+    fresh = ErrorFeedback(make_compressor(kind, 64, **kw))
+    fresh.load_state_dict(state)
+    g = data(4, 999, seed=99)
+    assert torch.equal(fresh.compress("g", g)[1], ef.compress("g", g)[1])
+
+
+def test_error_feedback_with_sign_carries_exactly_what_was_not_sent():
+    """1 bit: the residual is input - sent exactly as computed in fp32 (sent + residual can
+    differ from the input by rounding when |x| is far below the block's scale)."""
+    ef = ErrorFeedback(SignQuantizer(64))
+    g = data(2, 500)
+    _, sent = ef.compress("g", g)
+    assert torch.equal(ef.residuals["g"], g - sent)
+    assert torch.allclose(sent + ef.residuals["g"], g, rtol=0, atol=1e-6)
+    off = ErrorFeedback(SignQuantizer(64), enabled=False)
+    off.compress("g", g)
+    assert off.residuals == {}
+
+
+def test_identity_compressor_and_names():
+    x = data(2, 10)
+    assert torch.equal(Compressor().roundtrip(x), x)
+    with pytest.raises(ValueError):
+        make_compressor("int3")
+
+
+# -- DeMo's DCT ------------------------------------------------------------------------------
+
+def test_chunk_is_the_largest_divisor_not_above_the_target():
+    assert largest_divisor_at_most(256, 64) == 64
+    assert largest_divisor_at_most(48, 64) == 48
+    assert largest_divisor_at_most(144, 64) == 48
+    assert largest_divisor_at_most(432, 64) == 54
+    assert largest_divisor_at_most(97, 64) == 1
+    assert block_dims((576, 144), 64) == (64, 48)
+    assert block_dims((144,), 64) == (48,)
+
+
+def test_dct_matrix_is_orthonormal_dct_ii():
+    for n in (1, 5, 16, 64):
+        F = dct_matrix(n, dtype=torch.float64)
+        assert torch.allclose(F.T @ F, torch.eye(n, dtype=torch.float64), atol=1e-12)
+        x = torch.randn(n, dtype=torch.float64)
+        k = torch.arange(n, dtype=torch.float64)
+        i = torch.arange(n, dtype=torch.float64)
+        ref = (x[:, None] * torch.cos(math.pi * (2 * i[:, None] + 1) * k[None, :] / (2 * n))).sum(0)
+        ref = ref * torch.where(k == 0, math.sqrt(1 / n), math.sqrt(2 / n))
+        assert torch.allclose(x @ F, ref, atol=1e-10)
+
+
+@pytest.mark.parametrize("shape", [(256, 16), (48, 16), (16,), (144, 576), (7, 3)])
+def test_dct_topk_with_every_coefficient_is_lossless(shape):
+    x = torch.randn(shape)
+    enc = DCTTopK(shape, chunk=64, k=10 ** 9)
+    idx, val = enc.compress(x)
+    assert idx.dtype == torch.int64 and val.dtype == torch.float32
+    assert enc.nbytes() == 12 * x.numel()
+    assert torch.allclose(enc.decompress([idx], [val]), x, atol=1e-5)
+
+
+def test_dct_topk_sizes_and_index_types():
+    enc = DCTTopK((256, 144), chunk=64, k=32)              # blocks 64 x 48: 4 x 3 blocks
+    assert enc.dims == (64, 48) and enc.blocks == 12 and enc.block == 3072
+    assert enc.nbytes() == 12 * 32 * 12
+    compact = DCTTopK((256, 144), chunk=64, k=32, compact_index=True)
+    assert compact.nbytes() == 12 * 32 * (2 + 4)
+    assert DCTTopK((16, 16), chunk=64, k=32, compact_index=True).nbytes() == 32 * (1 + 4)   # 256 -> uint8
+    assert DCTTopK((256, 144), chunk=64, k=32, values="bf16").nbytes() == 12 * 32 * (8 + 2)
+    assert DCTTopK((256, 144), chunk=64, k=32, values="sign", compact_index=True).nbytes() == \
+        12 * 32 * 2 + 12 * 32 // 8 + 4 * 12
+    for values in ("fp32", "bf16", "sign"):
+        e = DCTTopK((256, 144), chunk=64, k=32, values=values, compact_index=True)
+        i, v = e.compress(torch.randn(256, 144))
+        assert i.numel() * i.element_size() + v.numel() * v.element_size() == e.nbytes()
+
+
+def test_dct_topk_keeps_the_largest_coefficients_and_averages_over_senders():
+    shape = (128, 32)
+    enc = DCTTopK(shape, chunk=64, k=4)
+    a, b = torch.randn(shape), torch.randn(shape)
+    ia, va = enc.compress(a)
+    coeffs = enc.encode(a)
+    assert torch.equal(coeffs.abs().gather(-1, ia).min(-1).values >= coeffs.abs().topk(4, dim=-1).values[:, -1],
+                       torch.ones(enc.blocks, dtype=torch.bool))
+    ib, vb = enc.compress(b)
+    both = torch.zeros(enc.blocks, enc.block)
+    count = torch.zeros(enc.blocks, enc.block)
+    for i, v in ((ia, va), (ib, vb)):
+        both.scatter_add_(-1, i, v)
+        count.scatter_add_(-1, i, torch.ones_like(v))
+    want = enc.decode(torch.where(count > 0, both / count.clamp(min=1), 0))
+    assert torch.allclose(enc.decompress([ia, ib], [va, vb]), want, atol=1e-6)
