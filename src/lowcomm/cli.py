@@ -14,9 +14,9 @@ from .strategies import available, option_table
 TRAIN_FLAGS = {
     "--strategy": ("strategy", "the strategy (one of: {strategies})"),
     "--workers": ("workers", "number of worker processes W"),
-    "--steps": ("steps", "optimizer steps (acco: communication rounds, two per optimizer step)"),
+    "--steps": ("steps", "trainer steps (an optimizer step, or what the strategy counts as one: see its docs)"),
     "--micro-batch": ("micro_batch", "sequences per micro-batch per worker"),
-    "--accum": ("accum", "micro-batches accumulated per step (acco: at least this many per round)"),
+    "--accum": ("accum", "micro-batches accumulated per step (adaptive strategies: at least this many)"),
     "--seq-len": ("model.seq_len", "tokens per sequence"),
     "--model": ("model.preset", f"model size preset ({', '.join(C.MODEL_PRESETS)}) or hf:<architecture> "
                                 "(a transformers causal LM built from its config; needs lowcomm[hf])"),

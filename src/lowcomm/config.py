@@ -4,7 +4,7 @@ Every run-level value a user can set lives here with its type and its check,
 so the CLI, the TOML file and the Python API all reject the same bad values
 with the same one-line message. Strategy options are not listed here: each
 strategy declares its own (strategies/options.py), and the registry supplies
-their TOML tables (`[acco]`), flags and checks. Composite values (`--link`,
+their TOML tables (`[<strategy>]`), flags and checks. Composite values (`--link`,
 `--slowdown`, `--stragglers`) are parsed into typed values when they are set.
 """
 from __future__ import annotations
@@ -116,7 +116,7 @@ class RunConfig:
     # "P,F": each step, with probability P one random rank is F times slower
     stragglers: tuple | None = field(default=None, metadata=_typed(parse_stragglers, format_numbers))
     trace: bool = False   # write a Chrome/Perfetto trace.json of every rank
-    # Strategy options by strategy name ([acco] max_accum = 8), filled from the registry's
+    # Strategy options by strategy name ([<strategy>] <option> = value), filled from the registry's
     # Options classes; `pending_options` holds values given before the strategy was known
     # (CLI flags, top-level TOML keys) until validate() applies them to the chosen one.
     options: dict = field(default_factory=dict, metadata={"internal": True})
@@ -170,7 +170,7 @@ def _option_field(options: Options, key: str, strategy: str):
 def set_value(cfg: RunConfig, key: str, raw: Any, name: str | None = None) -> None:
     """Set dotted `key` from a raw value (CLI string or TOML value).
     `name` is how the user wrote it (e.g. '--lr'), for the error message.
-    'acco.max_accum' sets a strategy option; a bare strategy option name
+    '<strategy>.<option>' sets a strategy option; a bare strategy option name
     ('max_accum', or 'param_dtype' as older configs wrote it) waits in
     pending_options until the strategy is known."""
     head, _, rest = key.partition(".")

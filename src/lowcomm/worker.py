@@ -203,7 +203,7 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
             if not (evaluate_now or step % cfg.log_every == 0):
                 continue
             # Gathering is a sync point, so it happens every log_every steps, not every
-            # step: a fast ACCO worker must not idle waiting for a slow one's log line.
+            # step: a fast worker of an adaptive strategy must not idle waiting for a slow one's log line.
             every_rank = comm.meta_all_gather(torch.stack(pending).to(t.device)).cpu()
             first = step - len(pending) + 1
             records = [step_record(first + i, every_rank[:, i]) for i in range(len(pending))]
@@ -270,7 +270,7 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
     try:
         run = loop(t, out_dir, quiet)
     finally:
-        t.strategy.close()  # a failed run must not leave ACCO's communication thread behind
+        t.strategy.close()  # a failed run must not leave a strategy's communication thread behind
     return summarize(t, run, out_dir, quiet)
 
 
