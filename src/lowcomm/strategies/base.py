@@ -318,6 +318,12 @@ class Strategy:
         """Subclasses stop their threads here."""
 
     # -- shared pieces ---------------------------------------------------------
+    def start_from_rank0(self, tensors) -> None:
+        """Every rank starts from rank 0's values (a bookkeeping broadcast, as DDP does at
+        construction), so a Python-API user who forgot to seed identically still trains one model."""
+        for t in tensors:
+            self.comm.meta_broadcast(t, src=0)
+
     def lr_for_step(self, optimizer: torch.optim.Optimizer, step: int) -> float:
         """Apply the schedule (if any) to every param group; return the lr used."""
         if self.schedule is not None:

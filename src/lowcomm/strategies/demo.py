@@ -57,8 +57,7 @@ class DeMo(Strategy):
     def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
         super().__init__(model, comm, make_optimizer, accum, schedule, options)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        for p in self.params:  # every rank starts from rank 0's parameters
-            comm.meta_broadcast(p.data, src=0)
+        self.start_from_rank0(p.data for p in self.params)
         # The run's AdamW is built only to read lr / weight decay (and carry the schedule);
         # it never steps and holds no state.
         self.settings = make_optimizer(self.params)

@@ -121,11 +121,8 @@ class ShardedOptions(Options):
 class ShardedStrategy(Strategy):
     """A strategy on ZeRO-1's layout (zero1, acco, dpu): flat θ and ∇θ, optimizer
     state and master copy for the own shard only. `separate_master` keeps the
-    master apart from the model's parameters (see ShardOptimizer).
-
-    Like DDP, it starts every rank from rank 0's parameters (a bookkeeping
-    broadcast), so a Python-API user who forgot to seed identically still trains
-    one model."""
+    master apart from the model's parameters (see ShardOptimizer). Like DDP, it
+    starts every rank from rank 0's parameters."""
 
     Options = ShardedOptions
     separate_master = False
@@ -133,7 +130,7 @@ class ShardedStrategy(Strategy):
     def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
         super().__init__(model, comm, make_optimizer, accum, schedule, options)
         self.flat = FlatModel(model, comm.world, comm.rank, dtype=PARAM_DTYPES[self.options.param_dtype])
-        comm.meta_broadcast(self.flat.params, src=0)
+        self.start_from_rank0([self.flat.params])
         self.shard_opt = ShardOptimizer(self.flat, make_optimizer, separate_master=self.separate_master)
         self.micro = 0  # micro-batches accumulated in the step (or round) in progress
         # model.zero_grad() would drop accumulated gradients (set_to_none=False) or cut

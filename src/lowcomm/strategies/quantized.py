@@ -48,8 +48,7 @@ class Quantized(Strategy):
     def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
         super().__init__(model, comm, make_optimizer, accum, schedule, options)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        for p in self.params:  # start every rank from rank 0's parameters, as DDP does
-            comm.meta_broadcast(p.data, src=0)
+        self.start_from_rank0(p.data for p in self.params)
         self.numel = sum(p.numel() for p in self.params)
         self.world = comm.world
         self.m = shard_len(self.numel, self.world, self.options.block_size)
