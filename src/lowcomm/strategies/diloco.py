@@ -14,8 +14,8 @@ always evaluates θ_global (swapped in for the evaluation, local θ put back).
 
 Wire formats of Δ (`--outer-precision`):
   fp32, bf16   one all_reduce (sum) of w_r·Δ_r in that precision
-  int8, int4   blockwise-absmax quantized (strategies/_outer_quant.py, until
-               lowcomm.compress replaces it). A ring all-reduce cannot sum
+  int8, int4   blockwise-absmax quantized (lowcomm.compress.IntQuantizer, blocks of
+               64 values, fp32 scale each, bit-packed). A ring all-reduce cannot sum
                packed integers, so every rank all_gathers every rank's packed
                payload (values + fp32 scales + 16 bytes of step info) and sums
                the dequantized values locally in rank order (every rank gets
@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from . import _outer_quant as oq
+from ..compress import IntQuantizer
 from .base import StepResult, Strategy
 from .options import Options, option
 from .plan import PlannedOp
@@ -66,6 +66,11 @@ from .registry import register
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": 8, "int4": 4}
 INFO_BYTES = 16  # float64 (τ_r, c_r) per rank
+OUTER_BLOCK = 64  # values per quantization scale of an outer gradient
+
+
+def outer_quantizer(bits: int) -> IntQuantizer:
+    return IntQuantizer(bits, OUTER_BLOCK)
 CALIBRATION = "calibration: step times after trainer step 2 (--sync-by time)"
 
 
@@ -167,7 +172,7 @@ class OuterSync(Strategy):
     def sync_op(cls, numel: int, world: int, options, every: int, offset: int, f: int) -> PlannedOp:
         prec = PRECISIONS[options.outer_precision]
         if isinstance(prec, int):
-            s = oq.wire_nbytes(numel, prec) + INFO_BYTES
+            s = outer_quantizer(prec).nbytes(numel) + INFO_BYTES
             return PlannedOp("all_gather", world * s, every, offset,
                              what=f"fragment {f}: int{prec} outer gradient + step info, every rank's")
         itemsize = torch.empty((), dtype=prec).element_size()
@@ -294,11 +299,12 @@ class OuterSync(Strategy):
         W = self.comm.world
         info = torch.tensor([float(tau), c], dtype=torch.float64)
         if isinstance(self.precision, int):
-            packed, scales = oq.quantize(delta, self.precision)
-            payload = torch.cat([packed, scales.view(torch.uint8), info.view(torch.uint8)])
+            q = outer_quantizer(self.precision)
+            packed = q.to_bytes(q.compress(delta.reshape(-1)))  # codes and scales, bit-packed
+            payload = torch.cat([packed, info.view(torch.uint8)])
             every = torch.empty(W * payload.numel(), dtype=torch.uint8)
             handle = self.comm.all_gather(every, payload, async_op=True)
-            return ("gathered", [handle], every, (packed.numel(), scales.numel() * 4, delta.numel()))
+            return ("gathered", [handle], every, (packed.numel(), delta.numel()))
         handles, infos = [], None
         if self.time_mode:  # FedNova: every rank sends Δ_r/τ_r, the τ_r travel beside it
             infos = torch.empty(W * 2, dtype=torch.float64)
@@ -317,16 +323,16 @@ class OuterSync(Strategy):
             h.wait()
         W = self.comm.world
         if kind == "gathered":
-            np_, ns, numel = extra
+            nq, numel = extra
             every = buf.view(W, -1)
-            infos = torch.stack([every[r, np_ + ns:].clone().view(torch.float64) for r in range(W)])
+            infos = torch.stack([every[r, nq:].clone().view(torch.float64) for r in range(W)])
+            q = outer_quantizer(self.precision)
             weights = fednova_weights(infos[:, 0]) if self.time_mode else \
                 torch.full((W,), 1.0 / W, dtype=torch.float64)
             total = torch.zeros(numel, dtype=torch.float32)
             for r in range(W):  # rank order: every rank sums the same values the same way
                 if weights[r] != 0:
-                    values = oq.dequantize(every[r, :np_], every[r, np_:np_ + ns].clone().view(torch.float32),
-                                           numel, self.precision)
+                    values = q.decompress(q.from_bytes(every[r, :nq].clone(), numel))
                     total.add_(values, alpha=float(weights[r]))
             return total, (infos if self.time_mode else None)
         total = buf.float()
