@@ -10,7 +10,6 @@ their TOML tables (`[<strategy>]`), flags and checks. Composite values (`--link`
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
