@@ -6,14 +6,16 @@ and what compression itself costs.
     python bench/compress.py --only ddp,int8+ef,demo      # a subset (ddp is always run: it is the reference)
 
 For each configuration (ddp; quantized int8/int4/1-bit with and without error feedback;
-demo default and with compact indices; powersgd rank 4), two runs with the same model,
+demo default and with compact indices; powersgd rank 4; sparseloco at its defaults; diloco
+H=32 with top-2% 2-bit outer gradients), two runs with the same model,
 data, seed and tokens:
 1. `--steps` steps without a link: final validation loss, wire bytes per token (all ranks)
    and the ratio to DDP's, and the CPU time the strategy spent compressing and decompressing
    per step (its `compress_s_per_step` in summary.json) as a share of the step's wall time;
 2. `--link-steps` steps on `--link` (default 10mbit,50ms): tokens/s (steps after the first).
 Targets printed beside the figures: int8+EF within 1% of DDP's loss at >= 3.9x fewer bytes,
-demo >= 20x fewer bytes within 5%, compression <= 10% of the step. W=4 on 2 cores
+demo >= 20x fewer bytes within 5%, sparseloco >= 500x fewer bytes within 5%, compression
+<= 10% of the step. W=4 on 2 cores
 oversubscribes the CPU (times are then shared-machine times; ratios are what matter).
 """
 from __future__ import annotations
@@ -36,6 +38,8 @@ CONFIGS = {
     "demo": ["--strategy", "demo"],
     "demo-compact": ["--strategy", "demo", "--demo-compact-index"],
     "powersgd-r4": ["--strategy", "powersgd", "--powersgd-rank", "4"],
+    "sparseloco": ["--strategy", "sparseloco"],
+    "diloco-top2%": ["--strategy", "diloco", "--outer-compress", "topk:0.02,bits:2"],
 }
 
 
@@ -120,6 +124,11 @@ def main(argv=None) -> int:
         r = by["demo"]
         ok = abs(r["loss_vs_ddp"]) <= 0.05 and r["byte_reduction"] >= 20
         print(f"  DeMo >= 20x fewer bytes within 5%: {r['loss_vs_ddp']:+.2%}, {r['byte_reduction']:.1f}x -> "
+              f"{'holds' if ok else 'does NOT hold'}")
+    if "sparseloco" in by:
+        r = by["sparseloco"]
+        ok = abs(r["loss_vs_ddp"]) <= 0.05 and r["byte_reduction"] >= 500
+        print(f"  sparseloco >= 500x fewer bytes within 5%: {r['loss_vs_ddp']:+.2%}, {r['byte_reduction']:.0f}x -> "
               f"{'holds' if ok else 'does NOT hold'}")
     worst = max((r for r in rows if r["name"] != "ddp"), key=lambda r: r["compress_share"], default=None)
     if worst is not None:

@@ -13,11 +13,13 @@
 
 How it works (the same recipe as src/lowcomm/launch.py): the parent hosts a
 TCPStore on a port the OS picks (port 0, so concurrent test runs never race for
-a port), starts W processes with torch.multiprocessing's `spawn`, and each one
-sets one torch thread, joins the store, initialises a gloo process group of
-size W, calls `fn(rank, world, *args, **kwargs)`, writes the return value with
-`torch.save` to a temporary directory and destroys the group. The parent reads
-the W files back in rank order.
+a port), starts W processes the way the launcher does (forked from a server that
+imported torch and lowcomm once: lowcomm.supervise.start_method), and each one
+takes the caller's environment and directory, sets one torch thread, joins the
+store, initialises a gloo process group of size W, calls
+`fn(rank, world, *args, **kwargs)`, writes the return value with `torch.save` to a
+temporary directory and destroys the group. The parent reads the W files back in
+rank order.
 
 A worker that raises makes `run_dist` raise `torch.multiprocessing.ProcessRaisedException`
 carrying the worker's traceback (pytest shows it); a run that outlives
@@ -25,7 +27,7 @@ carrying the worker's traceback (pytest shows it); a run that outlives
 collective fails the test instead of hanging the suite.
 
 Worker functions must be importable by the children: define them at module
-level in a test file (pytest puts tests/ on sys.path and spawn passes sys.path on).
+level in a test file (pytest puts tests/ on sys.path and the fork server inherits it).
 """
 from __future__ import annotations
 
@@ -40,11 +42,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lowcomm.supervise import start_method
+
 __all__ = ["run_dist", "rel_err", "flat_params"]
 
 
 def _entry(rank: int, fn: Callable, world: int, port: int, result_dir: str,
-           args: tuple, kwargs: dict, threads: int) -> None:
+           args: tuple, kwargs: dict, threads: int, environ: dict, cwd: str) -> None:
+    # A fork server's child starts with the server's environment and directory, from
+    # when the first test started it: take this call's instead, as spawn would.
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     # LOWCOMM_TEST_BACKEND=nccl runs the same tests on GPUs (the device check in
@@ -78,8 +87,9 @@ def run_dist(fn: Callable, world: int, *args: Any, timeout: float = 120.0, threa
     os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the children
     try:
         with tempfile.TemporaryDirectory(prefix="lowcomm-dist-") as result_dir:
-            ctx = mp.start_processes(_entry, args=(fn, world, store.port, result_dir, args, kwargs, threads),
-                                     nprocs=world, start_method="spawn", join=False)
+            ctx = mp.start_processes(_entry, args=(fn, world, store.port, result_dir, args, kwargs, threads,
+                                                   dict(os.environ), os.getcwd()),
+                                     nprocs=world, start_method=start_method(), join=False)
             deadline = time.monotonic() + timeout
             try:
                 while not ctx.join(timeout=0.1):

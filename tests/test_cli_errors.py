@@ -37,6 +37,8 @@ def snapshot(path: Path) -> dict | None:
     """A directory's full contents (relative path -> bytes), or None when it does not exist."""
     if not path.exists():
         return None
+    if path.is_dir() and not os.access(path, os.W_OK):  # nothing this process runs can write there
+        return {"": "not writable"}                     # (and /proc/1, root's case, cannot be walked)
     return {str(p.relative_to(path)): (p.read_bytes() if p.is_file() else None)
             for p in sorted(path.rglob("*"))}
 
@@ -140,6 +142,53 @@ def _setup(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str]:
         return ["--config", str(p), *d], str(p)
     if case == "unknown_flag":
         return ["--warp-speed", "9", *d], "--warp-speed"
+    # -- issue 11 part 7: what cannot work is refused before anything starts
+    if case == "abbreviated_flag":  # flags match exactly: --step is not --steps
+        return ["--step", "3", *d], "--step"
+    if case == "steps_beyond_int64":
+        return ["--steps", str(2**63), *d], ("--steps", str(2**63))
+    if case == "toml_seed_beyond_int64":
+        p = tmp / "run.toml"
+        p.write_text("seed = 1e30\n")
+        return ["--config", str(p), *d], ("seed", "64-bit")
+    if case == "timeout_negative":
+        return ["--timeout", "-1", *d], ("timeout", "-1")
+    if case == "model_beyond_memory":
+        return ["--d-model", "100000", "--n-head", "1", *d], ("memory", "--d-model 100000")
+    if case == "micro_batch_beyond_memory":
+        return ["--micro-batch", "100000000", *d], ("memory", "--micro-batch 100000000")
+    if case == "workers_beyond_memory":
+        return ["--workers", "100000", *d], ("memory", "100000 worker(s)")
+    if case == "data_device":
+        return ["--data", "/dev/null"], ("/dev/null", "not a regular file")
+    if case == "data_fifo":  # reading a FIFO would block forever
+        p = tmp / "pipe"
+        os.mkfifo(p)
+        return ["--data", str(p)], (str(p), "not a regular file")
+    if case == "link_negative_bandwidth":
+        return ["--link", "-100mbit,10ms", *d], "-100mbit"
+    if case == "link_negative_latency":
+        return ["--link", "100mbit,-5ms", *d], "-5ms"
+    if case == "link_negative_jitter":
+        return ["--link", "100mbit,5ms,-1ms", *d], "-1ms"
+    if case == "slowdown_negative":
+        return ["--slowdown", "-2,1", *d], "-2"
+    if case == "max_accum_below_accum":
+        return ["--strategy", "acco", "--accum", "4", "--max-accum", "2", *d], ("--max-accum", "--accum 4")
+    if case == "out_not_writable":
+        if os.geteuid() == 0:  # root writes through file modes, not into /proc/1
+            out = Path("/proc/1")
+        else:
+            out = tmp / "locked"
+            out.mkdir()
+            out.chmod(0o500)
+        return ["--out", str(out), *d], (str(out), "cannot be written")
+    if case == "out_is_a_file":
+        p = tmp / "taken"
+        p.write_text("not a directory\n")
+        return ["--out", str(p), *d], str(p)
+    if case == "overwrite_not_a_run":  # the dir holds someone's files, not a lowcomm run
+        return ["--overwrite", *d], ("--overwrite", "not a lowcomm run")
     raise AssertionError(case)
 
 
@@ -149,12 +198,18 @@ CASES = ["unknown_strategy", "workers_zero", "workers_negative", "workers_non_nu
          "seed_negative", "missing_data", "empty_data_file", "whitespace_data_file", "empty_directory",
          "unreadable_data_chmod", "unreadable_data_eio", "seq_len_longer_than_data", "malformed_toml",
          "unknown_toml_key_top", "unknown_toml_key_in_table", "unknown_toml_table", "toml_non_numeric",
-         "missing_config_file", "unknown_flag"]
+         "missing_config_file", "unknown_flag",
+         "abbreviated_flag", "steps_beyond_int64", "toml_seed_beyond_int64", "timeout_negative",
+         "model_beyond_memory", "micro_batch_beyond_memory", "workers_beyond_memory", "data_device",
+         "data_fifo", "link_negative_bandwidth", "link_negative_latency", "link_negative_jitter",
+         "slowdown_negative", "max_accum_below_accum", "out_not_writable", "out_is_a_file",
+         "overwrite_not_a_run"]
 
 # The cases whose check runs last before anything is written (data, sizes, config):
 # run them against an output dir that already holds files, which must stay as they were.
 PRE_EXISTING = {"unknown_strategy", "empty_data_file", "unreadable_data_eio", "seq_len_longer_than_data",
-                "unknown_toml_key_in_table", "workers_zero"}
+                "unknown_toml_key_in_table", "workers_zero", "model_beyond_memory", "max_accum_below_accum",
+                "link_negative_latency", "overwrite_not_a_run"}
 
 
 def assert_usage_error(code: int, stdout: str, stderr: str, names: str | tuple[str, ...]) -> None:
@@ -172,6 +227,8 @@ def _prepare_case(case, tmp_path, data_file):
     work.mkdir()
     args, names = _setup(case, tmp_path, data_file)
     out = tmp_path / "out"
+    if "--out" in args:  # the case is about the output path itself
+        return work, args, names, Path(args[args.index("--out") + 1])
     if case in PRE_EXISTING:
         out.mkdir()
         (out / "notes.txt").write_text("my notes\n")

@@ -219,3 +219,69 @@ def test_dct_topk_keeps_the_largest_coefficients_and_averages_over_senders():
         count.scatter_add_(-1, i, torch.ones_like(v))
     want = enc.decode(torch.where(count > 0, both / count.clamp(min=1), 0))
     assert torch.allclose(enc.decompress([ia, ib], [va, vb]), want, atol=1e-6)
+
+
+# -- SPECs, SparseLoCo's value quantizer, combining workers' payloads, decaying residuals -------
+
+def test_parse_spec_builds_the_named_compressor_and_rejects_the_rest():
+    from lowcomm.compress import parse_spec
+    t = parse_spec("topk:0.02,bits:2")
+    assert isinstance(t, TopK) and (t.chunk, t.k, t.values.bits, t.values.scheme) == (256, 5, 2, "absmax")
+    t = parse_spec("topk:64,chunk:4096,bits:2,quant:stat")
+    assert (t.chunk, t.k, t.values.scheme) == (4096, 64, "stat") and t.idx_dtype == torch.int16
+    q = parse_spec("int4,block:64")
+    assert isinstance(q, IntQuantizer) and (q.bits, q.block) == (4, 64)
+    assert type(parse_spec("none")) is Compressor and isinstance(parse_spec("sign"), SignQuantizer)
+    for bad in ("", "topk", "gzip", "topk:0.02,bits:3", "topk:0.02,block:64", "int8,bits:2",
+                "topk:0.02,topk:0.1", "topk:0.02,quant:fp8", "topk:5000,chunk:4096"):
+        with pytest.raises(ValueError):
+            parse_spec(bad)
+
+
+def test_statistical_values_are_sparselocos_quantizer_at_its_size():
+    """2 bits: shift = mean, step = 6σ/4, codes round(c/step) + 2 clamped to 0..3, each code
+    decoded to the mean of the centred values it holds; 2^b + 1 fp32 per row."""
+    t = TopK(chunk=64, k=16, value_bits=2, values="stat")
+    x = data(3, 640)
+    payload = t.compress(x)
+    assert t.to_bytes(payload).shape == (3, t.nbytes(640)) == (3, 10 * 16 + 10 * 16 * 2 // 8 + 5 * 4)
+    chunks = x.view(3, 10, 64)
+    idx = payload.parts[0].long().view(3, 10, 16)  # uint8 indices: a chunk of 64
+    v = chunks.gather(-1, idx).reshape(3, -1)
+    c = v - v.mean(-1, keepdim=True)
+    step = 6 * (c.norm(dim=-1, keepdim=True) / math.sqrt(v.shape[-1] - 1)) / 4
+    codes = torch.round(c / step + 2).clamp(0, 3)
+    want = torch.zeros_like(v)
+    for b in range(4):
+        sel = codes == b
+        means = torch.where(sel, c, 0).sum(-1, keepdim=True) / sel.sum(-1, keepdim=True).clamp(min=1)
+        want = torch.where(sel, means, want)
+    got = t.decompress(payload).view(3, 10, 64).gather(-1, idx).reshape(3, -1)
+    assert torch.allclose(got, want + v.mean(-1, keepdim=True), atol=1e-6)
+
+
+def test_combine_averages_each_value_over_the_workers_that_sent_it():
+    t = TopK(chunk=32, k=4)
+    xs = [data(320, seed=s) for s in range(3)]
+    ps = [t.compress(x) for x in xs]
+    sums = sum(t.decompress(p) for p in ps)
+    counts = sum(t.support(p) for p in ps)
+    want = torch.where(counts > 0, sums / counts.clamp(min=1), 0)
+    assert torch.allclose(t.combine(ps, [1 / 3] * 3), want, atol=1e-7)
+    dense = IntQuantizer(8, 64)
+    qs = [dense.compress(x) for x in xs]
+    assert torch.equal(dense.combine(qs, [0.5, 0.25, 0.0]),
+                       dense.decompress(qs[0]) * 0.5 + dense.decompress(qs[1]) * 0.25)
+    lossless = TopK(chunk=32, k=32)  # every value sent: the plain weighted sum, bit for bit
+    assert torch.equal(lossless.combine([lossless.compress(x) for x in xs[:2]], [0.5, 0.5]),
+                       xs[0] * 0.5 + xs[1] * 0.5)
+
+
+def test_error_feedback_decay_scales_the_carried_residual():
+    ef = ErrorFeedback(TopK(chunk=64, k=4), decay=0.5)
+    g1, g2 = data(640, seed=1), data(640, seed=2)
+    _, sent1 = ef.compress("g", g1)
+    r1 = ef.residuals["g"].clone()
+    assert torch.equal(r1, g1 - sent1)
+    _, sent2 = ef.compress("g", g2)
+    assert torch.equal(ef.residuals["g"], (g2 + 0.5 * r1) - sent2)

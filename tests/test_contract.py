@@ -2,7 +2,8 @@
 
 A new strategy is covered the moment its file registers it:
 - it trains through the CLI at W=1 and W=2, and the bytes Comm counted equal its
-  declared `comm_plan` (priced with the ring formulas of comm/wire.py);
+  declared `comm_plan` (priced with the ring formulas of comm/wire.py), and the W=2
+  run's trace.json nests on every lane (spans contain each other or are disjoint);
 - `state_dict()` -> a fresh process -> `load_state_dict()` -> the next steps are
   bit-identical to a run that never stopped (parameters and the whole state);
 - `close()` leaves no thread of its own alive;
@@ -23,6 +24,7 @@ import torch
 
 import lowcomm
 from lowcomm.cli import main
+from lowcomm.metrics.trace import comm_wire_bytes, nesting_errors
 from lowcomm.strategies import available, get, make_strategy
 from lowcomm.strategies.options import cli_flag, type_name
 
@@ -121,13 +123,18 @@ def test_cli_run_sends_exactly_its_comm_plan(name, world, tmp_path, text_file):
                "--accum", str(ACCUM), "--n-layer", "1", "--n-head", "2", "--d-model", "16",
                "--seq-len", str(SEQ), "--micro-batch", str(MICRO), "--eval-every", "0",
                "--eval-batches", "1", "--data", str(text_file), "--out", str(out), "--quiet",
-               *cli_option_flags(get(name).reproducible_options), *extra])
+               *cli_option_flags(get(name).reproducible_options), *extra,
+               *(["--trace"] if world > 1 else [])])
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     want = world * plan_bytes(name, summary["params"], world, steps, options)
     assert summary["wire_bytes_total"] == want, (summary["wire_bytes_total"], want)
     if world > 1:
         assert want > 0
+        # Its trace draws properly: on every lane, spans nest (contain each other or are disjoint).
+        trace = json.loads((out / "trace.json").read_text())
+        assert comm_wire_bytes(trace) == want
+        assert nesting_errors(trace) == []
 
 
 # -- in two W=2 process groups for all strategies at once (spawning is the expensive part) ---

@@ -50,7 +50,8 @@ def _sync_and_queue(rank, world):
 def _all_cases(rank, world):
     # One spawn for every case: starting 2 processes costs more than the cases.
     return {"sync": _sync_and_queue(rank, world), "overlap": _overlap(rank, world),
-            "future": _future(rank, world), "no_link": _no_link(rank, world)}
+            "future": _future(rank, world), "callback": _wait_inside_callback(rank, world),
+            "no_link": _no_link(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +132,29 @@ def _future(rank, world):
     out = chained.wait()
     done = time.perf_counter() - t0
     return {"issued": issued, "done": done, "ok": bool(torch.all(out == 4.0))}
+
+
+def _wait_inside_callback(rank, world):
+    """torch's PowerSGD hook issues an op inside a future's callback and waits on it
+    there: the emulated link must complete the second op although the first one's
+    completion is still running that callback (it hung before)."""
+    comm = Comm(link=LinkModel(BW, LAT))
+    a, b = torch.ones(N // 8), torch.ones(N // 8)
+    comm.barrier()
+    t0 = time.perf_counter()
+
+    def then_reduce_b(fut):
+        return comm.all_reduce(b, async_op=True).future.wait()[0] + fut.value()[0]
+
+    out = comm.all_reduce(a, async_op=True).future.then(then_reduce_b).wait()
+    return {"ok": bool(torch.all(out == 4.0)), "done": time.perf_counter() - t0,
+            "modeled": 2 * LinkModel(BW, LAT).duration("all_reduce", N // 8 * 4, 2)}
+
+
+def test_an_op_waited_on_inside_a_callback_completes(results):
+    for r in (x["callback"] for x in results):
+        assert r["ok"]
+        assert r["modeled"] <= r["done"] <= r["modeled"] + SLACK_S
 
 
 def test_future_completes_at_the_modeled_end(results):

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import traceback
 
 from . import config as C
-from .errors import RunError, UsageError
+from .errors import Interrupted, RunError, UsageError
 from .strategies import available, option_table
+from .subcommands import add_subcommands, run_subcommand
 
 # flag -> dotted config key. Values stay strings here: config.set_value converts
 # and checks them, so a CLI value and a TOML value fail with the same message.
@@ -40,14 +43,28 @@ TRAIN_FLAGS = {
     "--log-every": ("log_every", "gather all ranks' step results every K steps"),
     "--slowdown": ("slowdown", "f1,...,fW: rank r computes f_r times slower (emulated)"),
     "--stragglers": ("stragglers", "P,F: each step one random rank is F times slower with probability P"),
+    "--timeout": ("timeout", "seconds a collective waits for a stuck peer before the run fails (default 600)"),
+    "--checkpoint-every": ("checkpoint_every", "write a checkpoint every N steps and at the end (0: off)"),
+    "--keep": ("keep", "checkpoints kept (the newest K; default 2)"),
+    "--stop-at": ("stop_at", "end cleanly after step S with a checkpoint (resume later with --resume)"),
+    "--max-restarts": ("max_restarts", "relaunch all workers from the last good checkpoint up to N times"),
+    "--max-bad-steps": ("max_bad_steps", "stop after this many consecutive non-finite (skipped) steps (default 5)"),
 }
 # on/off flags -> dotted config key set to true
 TRAIN_SWITCHES = {
     "--trace": ("trace", "write trace.json (Chrome/Perfetto) with every rank's spans"),
+    "--checkpoint-on-signal": ("checkpoint_on_signal", "on SIGINT/SIGTERM write a checkpoint before stopping"),
 }
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # --step is not --steps: flags match exactly
+        super().__init__(*args, **kwargs)
+        # argparse takes only plain negative numbers for values; '--link -100mbit,10ms' or
+        # '--slowdown -2,1' would read as an unknown flag, so the value's check never named it.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
     def error(self, message: str):  # one line, exit 2, no usage dump
         raise UsageError(message)
 
@@ -66,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     options = train.add_argument_group(
         "strategy options", "each applies to the strategies named before its help; TOML: [<strategy>] <name> = value")
     for flag, opt in option_table().items():
-        help_text = f"{', '.join(opt.strategies)}: {opt.help} (default {_shown_default(opt.default)})"
+        differ = "".join(f"; {name}: {_shown_default(d)}" for name, d in opt.defaults.items() if d != opt.default)
+        help_text = f"{', '.join(opt.strategies)}: {opt.help} (default {_shown_default(opt.default)}{differ})"
         if opt.type == "bool":
             options.add_argument(flag, dest=_option_dest(opt.field), action=argparse.BooleanOptionalAction,
                                  default=None, help=help_text)
@@ -75,12 +93,21 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--link", metavar="BW,LAT[,JIT]",
                        help="emulate a link per rank, e.g. 100mbit,20ms or 1gbit,5ms,1ms (TOML: [link])")
     train.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest complete "
+                       "checkpoint (its config.toml; --steps, --stop-at and other safe flags may change)")
     train.add_argument("--quiet", action="store_true", help="no progress output")
+    add_subcommands(sub, train)  # bench, report, plan (subcommands.py): bench and plan reuse train's flags
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> C.RunConfig:
-    cfg = C.load_toml(args.config) if args.config else C.RunConfig()
+    if getattr(args, "resume", None):
+        from .checkpoint import resume_config
+        return resume_config(args, lambda cfg: _apply_flags(cfg, args))
+    return _apply_flags(C.load_toml(args.config) if args.config else C.RunConfig(), args)
+
+
+def _apply_flags(cfg: C.RunConfig, args: argparse.Namespace) -> C.RunConfig:
     for flag, (key, _) in {**TRAIN_FLAGS, **TRAIN_SWITCHES}.items():
         raw = getattr(args, key.replace(".", "__"))
         if raw is not None:
@@ -92,6 +119,11 @@ def config_from_args(args: argparse.Namespace) -> C.RunConfig:
         if raw is not None:
             C.set_option(cfg, opt.field, raw, flag)
     return cfg
+
+
+def _resuming(args: argparse.Namespace) -> bool:
+    """--resume, or a worker torchrun restarted (--max-restarts): both continue from --out's checkpoint."""
+    return bool(args.resume) or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
 def _option_dest(field: str) -> str:
@@ -107,33 +139,51 @@ def _shown_default(value) -> str:
 def main(argv: list[str] | None = None) -> int:
     from .launch import launch, prepare, under_torchrun
 
+    out = None
     try:
         args = build_parser().parse_args(argv)
         if args.command is None:
             build_parser().print_help(sys.stderr)
             return 2
+        if args.command != "train":
+            return run_subcommand(args)
         cfg = config_from_args(args)
         lead = not under_torchrun() or os.environ.get("RANK", "0") == "0"
-        out = prepare(cfg, create=lead, overwrite=args.overwrite)
+        out = prepare(cfg, create=lead, overwrite=args.overwrite, resume=_resuming(args))
         launch(cfg, out, quiet=args.quiet)
+        if lead:
+            print(f"lowcomm: results in {out}", flush=True)
         return 0
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RunError as e:
-        head, _, rest = str(e).partition("\n")
-        if rest:
-            print(rest, file=sys.stderr)
-        print(f"error: {head} {_last_line(rest)}".rstrip(), file=sys.stderr)
-        return 1
+        return _failed(str(e), e.details, out)
+    except Interrupted as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a failure while training (e.g. a torchrun rank's): one line, traceback to a file
+        if out is None:
+            raise  # no run yet: a bug, shown in full
+        return _failed(f"{type(e).__name__}: {e}", traceback.format_exc(), out)
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+def _failed(message: str, details: str, out) -> int:
+    """One `error:` line on the terminal; the tracebacks go to the run directory's error.log."""
+    message = " ".join(message.split())  # one line, whatever the exception's text holds
+    if details and out is not None and out.is_dir():
+        rank = os.environ.get("RANK", "0")
+        log = out / ("error.log" if rank == "0" else f"error-rank{rank}.log")
+        try:
+            log.write_text(details if details.endswith("\n") else details + "\n")
+            message += f" (traceback in {log})"
+        except OSError:
+            pass
+    print(f"error: {message}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

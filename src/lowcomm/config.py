@@ -36,6 +36,7 @@ HF_PREFIX = "hf:"  # --model hf:<architecture>: a transformers causal LM built f
 SCHEDULES = ("cosine", "constant")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 @dataclass
@@ -115,11 +116,22 @@ class RunConfig:
     # "P,F": each step, with probability P one random rank is F times slower
     stragglers: tuple | None = field(default=None, metadata=_typed(parse_stragglers, format_numbers))
     trace: bool = False   # write a Chrome/Perfetto trace.json of every rank
+    timeout: float = 600.0  # seconds a collective may wait for a peer before the run fails
+    checkpoint_on_signal: bool = False  # SIGINT/SIGTERM: write a checkpoint, then stop
+    # Checkpoints and resume (checkpoint.py): every N steps and at the end (0: off), the last
+    # `keep` kept; stop cleanly after step `stop_at` with a checkpoint (0: run to `steps`).
+    checkpoint_every: int = 0
+    keep: int = 2
+    stop_at: int = 0
+    max_restarts: int = 0   # relaunch every worker from the last good checkpoint after a failure
+    max_bad_steps: int = 5  # consecutive skipped (non-finite) steps before the run stops
     # Strategy options by strategy name ([<strategy>] <option> = value), filled from the registry's
     # Options classes; `pending_options` holds values given before the strategy was known
     # (CLI flags, top-level TOML keys) until validate() applies them to the chosen one.
     options: dict = field(default_factory=dict, metadata={"internal": True})
     pending_options: dict = field(default_factory=dict, metadata={"internal": True})
+    # The checkpoint directory this run continues from (set by the launcher: --resume, a restart).
+    resume_from: str = field(default="", metadata={"internal": True})
 
     def strategy_options(self, name: str | None = None) -> Options:
         """The (chosen) strategy's options, its defaults where nothing was set."""
@@ -213,6 +225,7 @@ def resolve_options(cfg: RunConfig) -> Options:
     cfg.pending_options.clear()
     for strategy, opts in cfg.options.items():
         opts.validate(strategy)
+    options.check_run(cfg)
     return options
 
 
@@ -298,6 +311,13 @@ def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
     positive("eval_batches", cfg.eval_batches)
     positive("threads", cfg.threads)
     positive("log_every", cfg.log_every)
+    for name in ("checkpoint_every", "stop_at", "max_restarts"):
+        non_negative(name, getattr(cfg, name))
+    positive("keep", cfg.keep)
+    positive("max_bad_steps", cfg.max_bad_steps)
+    positive("timeout", cfg.timeout)
+    if cfg.timeout > MAX_TIMEOUT_S:  # beyond what a timedelta (and gloo's milliseconds) can hold
+        raise UsageError(f"timeout must be at most {MAX_TIMEOUT_S:.0f} seconds (a year), got {cfg.timeout:g}")
     resolve_options(cfg)
     if cfg.link.bandwidth is None:
         for key in ("latency", "jitter"):

@@ -1,4 +1,4 @@
-"""The two kinds of failure a user can see, and the exit codes they map to."""
+"""The kinds of failure a user can see, and the exit codes they map to."""
 
 
 class UsageError(Exception):
@@ -10,6 +10,20 @@ class UsageError(Exception):
 
 
 class RunError(Exception):
-    """A failure while training (a worker died, a collective broke). Exit 1."""
+    """A failure while training (a worker died, a collective broke). Exit 1.
+    The message is one line; `details` (tracebacks) go to the run's error.log."""
 
     exit_code = 1
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
+
+
+class Interrupted(Exception):
+    """The launcher got SIGINT or SIGTERM and stopped every worker. Exit 128 + signal
+    (130 for SIGINT, 143 for SIGTERM), as a shell reports a process killed by it."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.exit_code = 128 + signum

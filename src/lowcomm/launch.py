@@ -6,17 +6,18 @@ checked, so bad input never leaves a half-written run behind.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from . import config as C
+from . import rundir
 from .data import check_sizes, load_bytes
 from .errors import RunError, UsageError
+from .resources import check_fits
 from .strategies import available
+from .supervise import run_workers
 from .worker import check_model, pick_backend, run_rank, spawned_entry
 
 
@@ -24,12 +25,9 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def default_out(cfg: C.RunConfig) -> str:
-    return f"runs/{cfg.strategy}-w{cfg.workers}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False) -> Path:
-    """Validate config and data; create the output dir and write config.toml.
+def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resume: bool = False) -> Path:
+    """Validate config and data; create the output dir and write config.toml (`resume`: pick
+    the checkpoint to continue from in the existing --out instead, checkpoint.prepare_resume).
     Raises UsageError (before writing anything) on bad input."""
     if under_torchrun():
         cfg.workers = int(os.environ["WORLD_SIZE"])
@@ -37,24 +35,23 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False) -> P
     backend = pick_backend(cfg)
     if (backend == "nccl" or cfg.device == "cuda") and not torch.cuda.is_available():
         raise UsageError(f"backend '{backend}' on device '{cfg.device}' needs CUDA, and no GPU is visible")
+    check_fits(cfg, "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and backend == "nccl") else "cpu")
     check_model(cfg)
     tokens, label = load_bytes(cfg.data.source, quiet=True)
     check_sizes(tokens, cfg.data.val_fraction, cfg.model.seq_len, cfg.workers, label)
-    if not cfg.out:
-        cfg.out = default_out(cfg)
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"output path '{cfg.out}' exists and is not a directory")
-    if (out / "steps.jsonl").exists() and not overwrite:
-        raise UsageError(f"output dir '{cfg.out}' already holds a run; choose another --out or pass --overwrite")
+    if resume:
+        from .checkpoint import prepare_resume
+        out = prepare_resume(cfg, create)
+        if out is not None:
+            return out
+        overwrite = True  # a torchrun restart before the first checkpoint: the run starts over
+    default = not cfg.out
+    out = Path(cfg.out or rundir.default_name(cfg.strategy, cfg.workers))
+    rundir.check(out, overwrite, default)
     if create:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"cannot create output dir '{cfg.out}': {e.strerror or e}") from None
+        out = rundir.create(out, overwrite, default)
+        cfg.out = str(out)
         (out / "config.toml").write_text(C.to_toml(cfg))
-        for stale in ("steps.jsonl", "summary.json"):
-            (out / stale).unlink(missing_ok=True)
     return out
 
 
@@ -66,15 +63,21 @@ def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> None:
         run_rank(cfg, rank, world, local_rank, out if rank == 0 else None, quiet)
         return
 
-    # The parent hosts the rendezvous store on a free port the OS picks: no port races.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))
-    try:
-        mp.start_processes(spawned_entry, args=(cfg.workers, cfg, store.port, str(out) if out else None, quiet),
-                           nprocs=cfg.workers, start_method="spawn", join=True)
-    except mp.ProcessRaisedException as e:
-        raise RunError(f"a worker failed:\n{e}") from None
-    except mp.ProcessExitedException as e:
-        raise RunError(f"a worker exited abnormally: {e}") from None
-    finally:
-        del store
+    # --max-restarts: a failed attempt is relaunched, all workers, from the last good checkpoint.
+    for attempt in range(cfg.max_restarts + 1):
+        os.environ["LOWCOMM_ATTEMPT"] = str(attempt)
+        # The parent hosts the rendezvous store on a free port the OS picks: no port races.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        try:
+            run_workers(spawned_entry, (cfg.workers, cfg, store.port, str(out) if out else None, quiet),
+                        cfg.workers, ask_first=cfg.checkpoint_on_signal)
+            return
+        except RunError as e:
+            if attempt == cfg.max_restarts or out is None:
+                raise
+            from .checkpoint import restart_from
+            restart_from(cfg, out, e, attempt + 1)
+        finally:
+            del store
+            os.environ.pop("LOWCOMM_ATTEMPT", None)

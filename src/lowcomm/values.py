@@ -12,6 +12,8 @@ from typing import Any
 
 from .errors import UsageError
 
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+
 
 def convert(raw: Any, typ: str, name: str) -> Any:
     """raw -> a value of `typ` ('bool', 'int', 'float' or 'str'); UsageError naming `name` otherwise."""
@@ -28,13 +30,18 @@ def convert(raw: Any, typ: str, name: str) -> Any:
         if isinstance(raw, bool):
             raise UsageError(f"{name} must be an integer, got {raw!r}")
         if isinstance(raw, int):
-            return raw
-        if isinstance(raw, float) and raw.is_integer():
-            return int(raw)
-        try:
-            return int(str(raw).strip())
-        except ValueError:
-            raise UsageError(f"{name} must be an integer, got {str(raw)!r}") from None
+            value = raw
+        elif isinstance(raw, float) and raw.is_integer():
+            value = int(raw)
+        else:
+            try:
+                value = int(str(raw).strip())
+            except ValueError:
+                raise UsageError(f"{name} must be an integer, got {str(raw)!r}") from None
+        # Counts, sizes and seeds end up in int64 tensors and torch's seeding: refuse what they cannot hold.
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise UsageError(f"{name} {value} is beyond what a 64-bit integer holds (at most {INT64_MAX})")
+        return value
     if typ == "float":
         if isinstance(raw, bool):
             raise UsageError(f"{name} must be a number, got {raw!r}")
@@ -96,3 +103,21 @@ def parse_stragglers(raw: Any, name: str = "stragglers") -> tuple[float, float] 
 def format_numbers(values) -> str:
     """(1.0, 2.5) -> '1,2.5' (how the resolved config writes a parsed list back)."""
     return ",".join(f"{v:g}" for v in values) if values else ""
+
+
+_SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(raw: Any, name: str, integer: bool = True) -> float:
+    """'2M' -> 2_000_000, '1.3e9' or '1.3B' -> 1.3e9 (k, M, B/G, T; decimal): a positive count."""
+    text = str(raw).strip()
+    head, suffix = (text[:-1], text[-1].lower()) if text and text[-1].isalpha() else (text, "")
+    try:
+        value = float(head) * _SUFFIXES[suffix]
+    except (KeyError, ValueError):
+        raise UsageError(f"{name} '{text}' is not a count (e.g. 4M, 1.3e9, 350M)") from None
+    if not (math.isfinite(value) and value > 0):
+        raise UsageError(f"{name} '{text}' must be positive")
+    if integer and value < 1:
+        raise UsageError(f"{name} '{text}' must be at least 1")
+    return round(value) if integer else value

@@ -3,9 +3,14 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import resource
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -17,6 +22,7 @@ from .data import VOCAB_SIZE, load_bytes, split, val_batches
 from .errors import RunError
 from .metrics.progress import ProgressView
 from .metrics.summary import Totals, build_summary, describe
+from .checkpoint import take_request as take_checkpoint_request
 from .metrics.runlog import StepLog, result_vector, step_record, write_json_atomic
 from .metrics.trace import Tracer, write_trace
 from .data.loader import ShardedBatches
@@ -25,6 +31,9 @@ from .optim import adamw_factory, lr_schedule
 from .strategies import Strategy
 from .strategies import get as get_strategy
 from .strategies.base import Pacer
+
+
+START_TIMEOUT_S = 300.0  # collectives before training starts: ranks may start minutes apart
 
 
 def pick_backend(cfg: C.RunConfig) -> str:
@@ -108,6 +117,7 @@ class Trainer:
     source: str
     tracer: Tracer | None
     step: int = 0  # trainer steps done
+    wall_before: float = 0.0  # wall seconds of the run's earlier parts (a resumed run)
 
     def next_batch(self):
         x, y = self.loader.next()
@@ -175,42 +185,64 @@ class LoopResult:
     train_loss: float
     val_loss: float
     wall_s: float
+    stopped: bool = False  # ended before cfg.steps (--stop-at, or a stop asked for): no summary yet
 
 
 def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
-    """Train cfg.steps steps; rank 0 logs every step and shows progress."""
+    """Train up to cfg.steps (or --stop-at) steps; rank 0 logs every step and shows progress.
+    Checkpoints (every --checkpoint-every steps, at the end, at --stop-at, or when asked
+    through checkpoint.request()) are written at log gathers, after the steps' records."""
     cfg, comm, strategy = t.cfg, t.comm, t.strategy
     lead = t.rank == 0 and out_dir is not None
-    log = StepLog(out_dir) if lead else None
+    log = StepLog(out_dir, resume_after=t.step if cfg.resume_from else None) if lead else None
     view = ProgressView(cfg.steps, f"{cfg.strategy} W={t.world}", enabled=lead and not quiet)
     if lead and not quiet:
         print(f"lowcomm: {cfg.strategy} on {t.world} worker(s) ({t.backend}), "
-              f"{model_name(cfg)} {num_params(t.model) / 1e6:.2f}M params, data {t.source}", flush=True)
+              f"{model_name(cfg)} {num_params(t.model) / 1e6:.2f}M params, data {t.source}"
+              + (f", resumed after step {t.step}" if cfg.resume_from else ""), flush=True)
 
     totals = Totals(t.world)
     loss = val_loss = float("nan")
+    for record in (log.kept if log is not None else []):  # the steps before the checkpoint
+        if len(record["per_rank"]["micro_batches"]) != t.world:  # resumed on another world size
+            record = {**record, "per_rank": {k: [0] * t.world for k in record["per_rank"]}}
+        totals.add(record)
+        loss, val_loss = record["loss"], record.get("val_loss", val_loss)
+    end = min(cfg.stop_at, cfg.steps) if cfg.stop_at else cfg.steps
+    every = cfg.checkpoint_every
+    if (every or cfg.stop_at or cfg.checkpoint_on_signal) and not cfg.out:
+        raise RunError("checkpoints need the output directory on every rank: pass --out (under torchrun too)")
+    ckpt_dir = Path(cfg.out)
+    bad_in_row, stopped = 0, False
     # Start the clocks together: a rank that finished set-up early must not count
     # its wait for the others in step 1 as exposed communication.
     comm.barrier()
-    t_start = time.perf_counter()
+    use_training_timeout(cfg)
+    t_start = time.perf_counter() - t.wall_before
     pending: list[torch.Tensor] = []  # this rank's results not yet gathered
     try:
-        while t.step < cfg.steps:
-            pending.append(result_vector(strategy.step(t.next_batch, lm_loss)))
+        while t.step < end:
+            hang_if_asked(t.rank, t.step + 1)
+            loss_fn = nan_loss_if_asked(t.rank, t.step + 1, lm_loss)
+            pending.append(result_vector(strategy.step(t.next_batch, loss_fn)))
             t.step += 1
             step = t.step
+            kill_if_asked(t.rank, step)
             evaluate_now = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
-            if not (evaluate_now or step % cfg.log_every == 0):
+            checkpoint_now = bool(every and step % every == 0) or (step == end and bool(every or cfg.stop_at))
+            if not (evaluate_now or checkpoint_now or step == end or step % cfg.log_every == 0):
                 continue
             # Gathering is a sync point, so it happens every log_every steps, not every
             # step: a fast worker of an adaptive strategy must not idle waiting for a slow one's log line.
-            every_rank = comm.meta_all_gather(torch.stack(pending).to(t.device)).cpu()
+            # One more row carries this rank's checkpoint/stop requests, so all ranks agree on them.
+            flags = torch.zeros(len(pending[0]), dtype=torch.float64)
+            flags[0], flags[1] = take_checkpoint_request()
+            every_rank = comm.meta_all_gather(torch.stack(pending + [flags]).to(t.device)).cpu()
+            asked, stop_asked = (bool(every_rank[:, -1, i].any()) for i in (0, 1))
             first = step - len(pending) + 1
             records = [step_record(first + i, every_rank[:, i]) for i in range(len(pending))]
             pending.clear()
-            if not all(math.isfinite(r["loss"]) for r in records):
-                bad = next(r for r in records if not math.isfinite(r["loss"]))
-                raise RunError(f"loss became {bad['loss']} at step {bad['step']}; try a lower --lr")
+            bad_in_row = check_steps(records, bad_in_row, cfg.max_bad_steps, lead, log)
             if evaluate_now:
                 with strategy.evaluating() as eval_model:
                     val_loss = evaluate(eval_model, t.val, comm, t.device)
@@ -220,15 +252,48 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
                 if lead:
                     log.write(record)
             loss = records[-1]["loss"]
+            if checkpoint_now or asked:
+                from .checkpoint import save
+                save(t, ckpt_dir, cfg.keep, wall_s=time.perf_counter() - t_start)
             if lead:
                 elapsed = time.perf_counter() - t_start
                 view.update(step, loss, totals.tokens / elapsed, totals.wire / 1e6,
                             totals.exposed / elapsed, records[-1].get("val_loss"))
+            if stop_asked and step < cfg.steps:
+                stopped = True
+                break
     finally:
         view.close()
         if log is not None:
             log.close()
-    return LoopResult(totals, loss, val_loss, time.perf_counter() - t_start)
+    stopped = stopped or t.step < cfg.steps
+    if lead and stopped and not quiet:
+        print(f"lowcomm: stopped after step {t.step} of {cfg.steps} with a checkpoint; continue with: "
+              f"lowcomm train --resume {cfg.out}", flush=True)
+    return LoopResult(totals, loss, val_loss, time.perf_counter() - t_start, stopped)
+
+
+def check_steps(records: list[dict], bad_in_row: int, max_bad: int, lead: bool, log) -> int:
+    """Bad steps -- skipped by the strategy, or with a non-finite loss (an overlapped strategy
+    skips the update that carries that loss's gradient a step later) -- are reported on stderr;
+    --max-bad-steps of them in a row stop the run. Every rank sees the same gathered records,
+    so all stop at the same step. Returns the new count of consecutive bad steps."""
+    for i, r in enumerate(records):
+        if not (r.get("skipped_ranks") or not math.isfinite(r["loss"])):
+            bad_in_row = 0
+            continue
+        bad_in_row += 1
+        if lead:
+            what = (f"skipped (non-finite loss or gradient on rank(s) {', '.join(map(str, r['skipped_ranks']))})"
+                    if r.get("skipped_ranks") else f"had loss {r['loss']}")
+            print(f"warning: step {r['step']} {what}", file=sys.stderr, flush=True)
+        if bad_in_row >= max_bad:
+            if lead:  # the log shows the steps up to the stop
+                for done in records[:i + 1]:
+                    log.write(done)
+            raise RunError(f"{bad_in_row} consecutive steps had a non-finite loss or gradient (the last at "
+                           f"step {r['step']}; --max-bad-steps {max_bad}); try a lower --lr")
+    return bad_in_row
 
 
 def summarize(t: Trainer, run: LoopResult, out_dir: Path | None, quiet: bool) -> dict | None:
@@ -268,9 +333,14 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
     """Train with an initialised process group. Returns the summary on rank 0."""
     t = build(cfg, rank, world, local_rank)
     try:
+        if cfg.resume_from:
+            from . import checkpoint
+            t.wall_before = checkpoint.load(t, checkpoint.read(Path(cfg.resume_from))).get("wall_s", 0.0)
         run = loop(t, out_dir, quiet)
     finally:
         t.strategy.close()  # a failed run must not leave a strategy's communication thread behind
+    if run.stopped:  # a part of a run: summary.json is written by the part that reaches cfg.steps
+        return None
     return summarize(t, run, out_dir, quiet)
 
 
@@ -285,7 +355,7 @@ def model_name(cfg: C.RunConfig) -> str:
 def spawned_entry(rank: int, world: int, cfg: C.RunConfig, store_port: int, out_dir: str | None,
                   quiet: bool) -> None:
     """Entry of a process started by `launch`: join the parent's TCP store, train."""
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=start_timeout(cfg))
     run_rank(cfg, rank, world, rank, Path(out_dir) if out_dir else None, quiet, store)
 
 
@@ -298,14 +368,72 @@ def run_rank(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: 
     device = pick_device(cfg, backend, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if cfg.checkpoint_on_signal and threading.current_thread() is threading.main_thread():
+        # SIGTERM (from lowcomm's launcher, torchrun or a batch scheduler) asks for a checkpoint at
+        # the next step boundary the ranks agree on, then a clean stop; SIGKILL still ends it at once.
+        from .checkpoint import request
+        signal.signal(signal.SIGTERM, lambda _s, _f: request(stop=True))
+    # Start-up (imports, model, data, a checkpoint to load) may take the ranks unequal
+    # times, so collectives get a long timeout until training starts (see loop).
     if store is None:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=start_timeout(cfg))
     else:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=start_timeout(cfg))
     try:
         train(cfg, rank, world, local_rank, out_dir, quiet)
+    except RuntimeError as e:
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise RunError(f"a collective timed out after {cfg.timeout:g} s (--timeout): "
+                           f"a peer stopped responding") from e
+        raise
     finally:
         leave_group()
+
+
+def start_timeout(cfg: C.RunConfig) -> timedelta:
+    return timedelta(seconds=max(cfg.timeout, START_TIMEOUT_S))
+
+
+def use_training_timeout(cfg: C.RunConfig) -> None:
+    """From here on every collective fails after --timeout s (gloo and NCCL honour the
+    group's timeout per op): a peer alive but stuck ends the run instead of hanging it.
+    As torchtitan does after its first step, with torch's setter for the group's timeout."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+    _set_pg_timeout(timedelta(seconds=cfg.timeout))
+
+
+def hang_if_asked(rank: int, step: int) -> None:
+    """Test-only fault: LOWCOMM_TEST_HANG_AT=RANK:STEP makes that rank block forever
+    before that step's collectives (alive but stuck), as a hung peer would."""
+    if (rank, step) in _fault_spec("HANG_AT"):
+        while True:
+            time.sleep(3600)
+
+
+def _fault_spec(name: str) -> list[tuple[int, int]]:
+    """LOWCOMM_TEST_<name>=RANK:STEP[,RANK:STEP...] (test-only fault injection)."""
+    spec = os.environ.get(f"LOWCOMM_TEST_{name}", "")
+    return [tuple(int(x) for x in part.split(":")) for part in spec.split(",") if part.strip()]
+
+
+def kill_if_asked(rank: int, step: int) -> None:
+    """Test-only fault: LOWCOMM_TEST_KILL_AT=RANK:STEP[,...] SIGKILLs that rank after that step;
+    the i-th entry fires in launch attempt i (LOWCOMM_ATTEMPT, or torchrun's restart count),
+    so a restarted run is killed by the next entry, not again by the same one."""
+    kills = _fault_spec("KILL_AT")
+    attempt = int(os.environ.get("LOWCOMM_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if attempt < len(kills) and kills[attempt] == (rank, step):
+        if os.environ.get("LOWCOMM_TEST_KILL_LOG"):  # when it died, for bench/faults.py's time to notice
+            with open(os.environ["LOWCOMM_TEST_KILL_LOG"], "a") as f:
+                f.write(f"{time.time()}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def nan_loss_if_asked(rank: int, step: int, loss_fn):
+    """Test-only fault: LOWCOMM_TEST_NAN_AT=RANK:STEP[,...] makes that rank's loss NaN in that step."""
+    if (rank, step) not in _fault_spec("NAN_AT"):
+        return loss_fn
+    return lambda model, batch: loss_fn(model, batch) * float("nan")
 
 
 def leave_group() -> None:

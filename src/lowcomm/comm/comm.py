@@ -141,11 +141,12 @@ class Comm:
         with self._lock:
             return self.stats.copy()
 
-    def add_exposed(self, seconds: float) -> None:
+    def add_exposed(self, seconds: float, end: float | None = None) -> None:
+        """Count `seconds` this thread waited, ending at perf_counter() `end` (default: now)."""
         self._add(exposed_s=seconds)
-        if seconds > 0:  # a wait that just ended, measured by the caller
-            now = time.perf_counter()
-            self._trace_wait(now - seconds, now)
+        if seconds > 0:  # a wait measured by the caller
+            end = time.perf_counter() if end is None else end
+            self._trace_wait(end - seconds, end)
 
     def _add(self, op: str | None = None, wire: int = 0, ops: int = 0,
              busy_s: float = 0.0, exposed_s: float = 0.0, meta: bool = False,

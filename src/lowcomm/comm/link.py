@@ -170,6 +170,10 @@ class Deadlines:
     and nothing that torch owns may sleep until then: gloo completes futures
     on its own worker threads, and sleeping there would hold up the real
     transport of the ops queued behind (adding real time to modeled time).
+    Each due callback runs on a short-lived thread of its own: completing a
+    future runs the callbacks chained on it, and one may block on another
+    op's future (torch's PowerSGD hook waits inside its callbacks), which only
+    this loop can complete -- run inline, that would wait on itself forever.
     """
 
     def __init__(self):
@@ -198,4 +202,4 @@ class Deadlines:
                     self._cv.wait(delay)
                     continue
                 heapq.heappop(self._heap)
-            fn()
+            threading.Thread(target=fn, name="lowcomm-link-done", daemon=True).start()

@@ -5,6 +5,7 @@ independent rows (ZeRO-style shards) of `nbytes(m)` wire bytes each.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,31 @@ class Compressor:
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         return self.decompress(self.compress(x))
+
+    def support(self, payload: Payload) -> torch.Tensor | None:
+        """1.0 where the payload carries a value, 0.0 elsewhere; None: it carries every value."""
+        return None
+
+    def combine(self, payloads: list, weights: list) -> torch.Tensor:
+        """Several workers' payloads -> Σ_r w_r x_r, decoded in list order (every rank that holds
+        the same payloads gets the same bits). A value only some workers sent (top-k) is the
+        weighted mean over those that sent it, scaled to the whole weight Σ_r w_r: with equal
+        weights, the mean of the workers that sent it, as DeMo / SparseLoCo decode."""
+        total = mass = None
+        for p, w in zip(payloads, weights, strict=True):
+            if w == 0:
+                continue
+            x = self.decompress(p)
+            total = x * w if total is None else total.add_(x, alpha=w)
+            m = self.support(p)
+            if m is not None:
+                mass = m * w if mass is None else mass.add_(m, alpha=w)
+        if total is None:
+            return self.decompress(payloads[0]).zero_()
+        if mass is None:
+            return total
+        whole = float(sum(weights))
+        return torch.where(mass > 0, total * (whole / mass.clamp(min=1e-30)), torch.zeros_like(total))
 
     def to_bytes(self, payload: Payload) -> torch.Tensor:
         return torch.cat([p.contiguous().view(torch.uint8) for p in payload.parts], dim=-1)
@@ -174,23 +200,33 @@ def decode_index(idx: torch.Tensor) -> torch.Tensor:
 
 
 VALUE_BITS = (32, 16, 8, 4, 2)
+VALUE_SCHEMES = ("absmax", "stat")
+STAT_RANGE = 6.0  # the statistical quantizer's range in standard deviations (SparseLoCo's)
 
 
 class ValueCodec:
-    """Values of kept coefficients at 32 (fp32), 16 (bf16) or 8/4/2 bits (symmetric
-    integers with one fp32 absmax scale per group of values, i.e. per chunk)."""
+    """Values of kept coefficients at 32 (fp32), 16 (bf16) or 8/4/2 bits, by one of two schemes:
+    - absmax: symmetric integers with one fp32 absmax scale per group of values (per chunk);
+    - stat:   SparseLoCo's statistical quantizer, per row: shift = mean, step = 6σ/2^b
+              (σ unbiased, of the centred values), code = clamp(round((v − shift)/step) + 2^(b−1),
+              0, 2^b − 1), decoded through a table of each code's mean centred value (2^b fp32)
+              plus the shift: 2^b + 1 fp32 per row."""
 
-    def __init__(self, bits: int):
+    def __init__(self, bits: int, scheme: str = "absmax"):
         if bits not in VALUE_BITS:
             raise ValueError(f"value bits must be one of {VALUE_BITS}, got {bits}")
-        self.bits = bits
+        if scheme not in VALUE_SCHEMES:
+            raise ValueError(f"value scheme must be one of {VALUE_SCHEMES}, got {scheme!r}")
+        self.bits, self.scheme = bits, scheme
+        self.stat = scheme == "stat" and bits <= 8
 
     def layout(self, groups: int, per: int) -> Layout:
         if self.bits == 32:
             return [(torch.float32, groups * per)]
         if self.bits == 16:
             return [(torch.bfloat16, groups * per)]
-        return [(torch.uint8, packed_len(groups * per, self.bits)), (torch.float32, groups)]
+        extra = 1 + 2 ** self.bits if self.stat else groups
+        return [(torch.uint8, packed_len(groups * per, self.bits)), (torch.float32, extra)]
 
     def encode(self, vals: torch.Tensor) -> tuple:
         """vals (..., groups, per) -> parts"""
@@ -199,14 +235,37 @@ class ValueCodec:
             return (vals.float().reshape(*lead, -1).contiguous(),)
         if self.bits == 16:
             return (vals.to(torch.bfloat16).reshape(*lead, -1).contiguous(),)
+        if self.stat:
+            return self._stat_encode(vals.float().reshape(*lead, -1))
         q = IntQuantizer(self.bits, vals.shape[-1]).compress(vals.reshape(*lead, -1))
         return q.parts
 
     def decode(self, parts: tuple, groups: int, per: int, lead) -> torch.Tensor:
         if self.bits in (32, 16):
             return parts[0].float().reshape(*lead, groups, per)
+        if self.stat:
+            codes = unpack_bits(parts[0], self.bits, groups * per).long()
+            table = parts[1]
+            out = table[..., 1:].gather(-1, codes) + table[..., :1]
+            return out.reshape(*lead, groups, per)
         out = IntQuantizer(self.bits, per).decompress(Payload(parts, groups * per))
         return out.reshape(*lead, groups, per)
+
+    def _stat_encode(self, v: torch.Tensor) -> tuple:
+        """v (..., m) -> (packed codes, [shift, table of 2^b code means]) per row."""
+        bins = 2 ** self.bits
+        shift = v.mean(-1, keepdim=True)
+        c = v - shift
+        m = v.shape[-1]
+        std = c.norm(dim=-1, keepdim=True) / math.sqrt(m - 1) if m > 1 else torch.zeros_like(shift)
+        step = STAT_RANGE * std / bins
+        step = torch.where((step > 0) & torch.isfinite(step), step, torch.ones_like(step))
+        codes = torch.round(c / step + bins // 2).clamp_(0, bins - 1).long()
+        sums = torch.zeros(*v.shape[:-1], bins).scatter_add_(-1, codes, c)
+        counts = torch.zeros(*v.shape[:-1], bins).scatter_add_(-1, codes, torch.ones_like(c))
+        table = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
+        return (pack_bits(codes.to(torch.uint8), self.bits),
+                torch.cat([shift, table], dim=-1).contiguous())
 
 
 class TopK(Compressor):
@@ -218,7 +277,7 @@ class TopK(Compressor):
     value_bits = 32; otherwise the error is the dropped values plus the values' rounding."""
 
     def __init__(self, chunk: int = 256, k: int | None = None, fraction: float | None = None,
-                 value_bits: int = 32):
+                 value_bits: int = 32, values: str = "absmax"):
         if (k is None) == (fraction is None):
             raise ValueError("TopK needs exactly one of k and fraction")
         if chunk < 1:
@@ -227,9 +286,9 @@ class TopK(Compressor):
         if not 1 <= k <= chunk:
             raise ValueError(f"k must be within 1..{chunk}, got {k}")
         self.chunk, self.k = chunk, k
-        self.values = ValueCodec(value_bits)
+        self.values = ValueCodec(value_bits, values)
         self.idx_dtype = index_dtype(chunk)
-        self.name = f"top{k}of{chunk}@{value_bits}"
+        self.name = f"top{k}of{chunk}@{value_bits}" + ("stat" if self.values.stat else "")
 
     def layout(self, n):
         chunks = -(-n // self.chunk)
@@ -253,4 +312,13 @@ class TopK(Compressor):
         vals = self.values.decode(tuple(val_parts), chunks, self.k, lead)
         out = torch.zeros(*lead, chunks, self.chunk, dtype=torch.float32, device=idx.device)
         out.scatter_(-1, idx, vals)
+        return out.reshape(*lead, -1)[..., :n]
+
+    def support(self, payload):
+        n, idx_part = payload.n, payload.parts[0]
+        lead = idx_part.shape[:-1]
+        chunks = -(-n // self.chunk)
+        idx = decode_index(idx_part).reshape(*lead, chunks, self.k)
+        out = torch.zeros(*lead, chunks, self.chunk, dtype=torch.float32, device=idx.device)
+        out.scatter_(-1, idx, 1.0)
         return out.reshape(*lead, -1)[..., :n]

@@ -104,11 +104,13 @@ class DCTTopK:
         if len(self.dims) == 1:
             (w,) = self.dims
             return x.reshape(-1, w) @ self.mats[0]
+        # C = Fhᵀ·X·Fw per (h, w) block, as two batched matmuls: about twice as fast on
+        # CPU as the equivalent three-operand einsum.
         h, w = self.dims
         y, xx = self.grid
-        t = x.reshape(y, h, xx, w)
-        c = torch.einsum("yhxw,hb,wd->yxbd", t, self.mats[0], self.mats[1])
-        return c.reshape(self.blocks, self.block)
+        a = x.reshape(y * h * xx, w) @ self.mats[1]            # rows: (y, h, x); cols: d
+        a = a.reshape(y, h, xx * w).transpose(1, 2) @ self.mats[0]  # (y, x·d, b)
+        return a.reshape(y, xx, w, h).transpose(2, 3).reshape(self.blocks, self.block)
 
     def decode(self, c: torch.Tensor) -> torch.Tensor:
         """(blocks, block) coefficients -> a tensor of the original shape (inverse DCT)."""
@@ -116,8 +118,9 @@ class DCTTopK:
             return (c @ self.mats[0].T).reshape(self.shape)
         h, w = self.dims
         y, xx = self.grid
-        t = torch.einsum("yxbd,hb,wd->yhxw", c.reshape(y, xx, h, w), self.mats[0], self.mats[1])
-        return t.reshape(self.shape)
+        a = c.reshape(y * xx * h, w) @ self.mats[1].T             # rows: (y, x, b); cols: w
+        a = a.reshape(y, xx, h, w).permute(0, 1, 3, 2) @ self.mats[0].T  # (y, x, w, h)
+        return a.permute(0, 3, 1, 2).reshape(self.shape)
 
     # -- top-k ------------------------------------------------------------------------------
     def topk(self, coeffs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,5 +161,8 @@ class DCTTopK:
         idx = torch.cat([p[0] for p in pairs], dim=-1)
         val = torch.cat([p[1] for p in pairs], dim=-1)
         c = torch.zeros(self.blocks, self.block, dtype=torch.float32, device=val.device)
-        c.scatter_reduce_(-1, idx, val, reduce="mean", include_self=False)
+        if len(pairs) == 1:  # one worker's top-k indices are distinct: a plain scatter, same values
+            c.scatter_(-1, idx, val)
+        else:
+            c.scatter_reduce_(-1, idx, val, reduce="mean", include_self=False)
         return self.decode(c)

@@ -15,15 +15,19 @@ from .core import Compressor, Payload
 
 
 class ErrorFeedback:
-    def __init__(self, compressor: Compressor, enabled: bool = True):
-        self.compressor, self.enabled = compressor, enabled
+    """`decay` β < 1 lets old residuals fade: the input is x + β·residual (SparseLoCo's
+    error-feedback decay, e ← β·e + Δ); β = 1 is classic error feedback."""
+
+    def __init__(self, compressor: Compressor, enabled: bool = True, decay: float = 1.0):
+        self.compressor, self.enabled, self.decay = compressor, enabled, decay
         self.residuals: dict[str, torch.Tensor] = {}
 
     def compress(self, key: str, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
-        """(payload of x + residual, its decompressed value); updates the residual."""
+        """(payload of x + β·residual, its decompressed value); updates the residual."""
         inp = x.float()
         if self.enabled and key in self.residuals:
-            inp = inp + self.residuals[key]
+            residual = self.residuals[key]
+            inp = inp + (residual if self.decay == 1.0 else self.decay * residual)
         payload = self.compressor.compress(inp)
         sent = self.compressor.decompress(payload)
         if self.enabled:

@@ -78,7 +78,9 @@ def load_bytes(source: str, quiet: bool = False) -> tuple[np.ndarray, str]:
                        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
             raise UsageError(f"data source '{source}' is an empty directory")
-    else:
+    elif path.is_file():
         files = [path]
+    else:  # a device, FIFO or socket: reading it could block forever or never end
+        raise UsageError(f"data source '{source}' is not a regular file or directory")
     data = _read_files(files, source)
     return np.frombuffer(data, dtype=np.uint8), f"{source} ({len(files)} file(s), {len(data)/1e6:.2f} MB)"

@@ -8,6 +8,9 @@ every rank's StepResult gathered each step). Field meanings:
   compute_s, comm_s, exposed_comm_s, wall_s   max over ranks (the step waits for the slowest)
   per_rank        each rank's compute_s, exposed_comm_s and micro_batches
   val_loss        present on steps where validation ran
+  skipped_ranks   present on steps not applied on some rank: the ranks that found a loss or
+                  gradient not finite and skipped the step (all of them, for strategies that
+                  reduce gradients every step)
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch
 from ..strategies.base import StepResult
 
 FIELDS = ("loss", "micro_batches", "tokens", "wire_bytes", "compute_s", "comm_s",
-          "exposed_comm_s", "wall_s", "lr")
+          "exposed_comm_s", "wall_s", "lr", "skipped")
 
 
 def result_vector(r: StepResult) -> torch.Tensor:
@@ -30,7 +33,7 @@ def result_vector(r: StepResult) -> torch.Tensor:
 def step_record(step: int, per_rank: torch.Tensor) -> dict:
     """Merge every rank's StepResult (rows of `per_rank`, columns FIELDS)."""
     col = {f: per_rank[:, i] for i, f in enumerate(FIELDS)}
-    return {
+    record = {
         "step": step,
         "loss": float(col["loss"].mean()),
         "tokens": int(col["tokens"].sum()),
@@ -48,6 +51,10 @@ def step_record(step: int, per_rank: torch.Tensor) -> dict:
             "micro_batches": [int(v) for v in col["micro_batches"]],
         },
     }
+    skipped = [r for r, v in enumerate(col["skipped"]) if v]
+    if skipped:
+        record["skipped_ranks"] = skipped
+    return record
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -57,9 +64,25 @@ def write_json_atomic(path: Path, obj) -> None:
 
 
 class StepLog:
-    def __init__(self, out_dir: Path):
+    """steps.jsonl. `resume_after=S` continues a resumed run's log: the records of steps up to S
+    are kept (`kept`), later ones -- written after the checkpoint the run resumes from -- dropped,
+    so the log ends with no step missing or written twice."""
+
+    def __init__(self, out_dir: Path, resume_after: int | None = None):
         self.path = out_dir / "steps.jsonl"
-        self._f = open(self.path, "w")
+        self.kept: list[dict] = []
+        if resume_after is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line cut short by the crash
+                    continue
+                if record.get("step", 0) <= resume_after:
+                    self.kept.append(record)
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
+            os.replace(tmp, self.path)
+        self._f = open(self.path, "a" if resume_after is not None else "w")
 
     def write(self, record: dict) -> None:
         self._f.write(json.dumps(record) + "\n")

@@ -169,3 +169,25 @@ def comm_wire_bytes(doc: dict) -> int:
 def _lane_of_current_thread() -> str:
     t = threading.current_thread()
     return "main" if t is threading.main_thread() else t.name
+
+
+def nesting_errors(doc: dict, slack_us: float = 0.01) -> list[str]:
+    """Spans that break nesting: on one lane (pid, tid) every two spans must be disjoint
+    or one must contain the other, or Perfetto draws them wrongly. `slack_us` absorbs
+    the rounding of ts and dur to nanoseconds."""
+    lanes: dict[tuple, list[dict]] = {}
+    for e in doc["traceEvents"]:
+        if e.get("ph") == "X":
+            lanes.setdefault((e["pid"], e["tid"]), []).append(e)
+    errors = []
+    for (pid, tid), spans in sorted(lanes.items()):
+        open_spans: list[dict] = []  # the spans containing the current one, innermost last
+        for e in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
+            while open_spans and open_spans[-1]["ts"] + open_spans[-1]["dur"] <= e["ts"] + slack_us:
+                open_spans.pop()
+            if open_spans and e["ts"] + e["dur"] > open_spans[-1]["ts"] + open_spans[-1]["dur"] + slack_us:
+                outer = open_spans[-1]
+                errors.append(f"rank {pid} lane {tid}: '{e['name']}' [{e['ts']}, +{e['dur']}] starts inside "
+                              f"'{outer['name']}' [{outer['ts']}, +{outer['dur']}] and ends after it")
+            open_spans.append(e)
+    return errors

@@ -31,9 +31,11 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..errors import UsageError
 from .flat import ShardedOptions, ShardedStrategy
 from .options import option
 from .overlap import OverlappedRounds
+from .plan import flat_numel
 from .registry import register
 
 
@@ -42,12 +44,18 @@ class AccoOptions(ShardedOptions):
     deterministic: bool = option(False, "exactly --accum micro-batches per round, whatever the timing")
     max_accum: int = option(0, "most micro-batches per round while communicating (0: 4 x --accum)", min=0)
 
+    def check_run(self, cfg) -> None:
+        if self.max_accum and self.max_accum < cfg.accum:
+            raise UsageError(f"--max-accum (acco.max_accum) {self.max_accum} is below --accum {cfg.accum}: "
+                             f"a round computes at least --accum micro-batches")
+
 
 @register("acco")
 class ACCO(ShardedStrategy):
     Options = AccoOptions
     reproducible_options = {"deterministic": True}
     separate_master = True  # the master keeps θ_t while the model holds θ̃ or a round's result
+    comm_overlap = 1.0      # a round's communication runs while the next micro-batches compute
 
     def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
         super().__init__(model, comm, make_optimizer, accum, schedule, options)
@@ -65,6 +73,14 @@ class ACCO(ShardedStrategy):
     @classmethod
     def comm_plan(cls, num_params, world, options, shapes=None):
         return OverlappedRounds.plan(cls.flat_bytes(num_params, world, options))  # per round = per step
+
+    @classmethod
+    def model_state_bytes(cls, num_params, world, options):
+        # ZeRO-1's, plus the communication buffer B and the estimate round's snapshot of
+        # the master shard and its AdamW moments (extra_memory_bytes measures the same).
+        n = flat_numel(num_params, world)
+        return super().model_state_bytes(num_params, world, options) + cls.flat_bytes(num_params, world, options) \
+            + 12 * n // world
 
     def loss_scale(self):
         return 1.0  # G sums micro-batch gradients; the round divides by the global count N
@@ -105,6 +121,8 @@ class ACCO(ShardedStrategy):
 
     def end_round(self):
         total = self.rounds.wait()
+        if self.rounds.skipped:  # G may still hold the bad gradient: the next real round zeroes it
+            self.skip_step()
         estimate = self.estimate_next
         if not estimate:
             self.applied += total

@@ -18,6 +18,7 @@ batch, forward, backward, until the step ends.
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 import weakref
@@ -31,7 +32,7 @@ import torch.nn as nn
 from ..comm import Comm, CommStats
 from ..errors import UsageError
 from .options import Options
-from .plan import PlannedOp
+from .plan import PlannedOp, StepCost
 
 MakeOptimizer = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 Schedule = Callable[[int], float]  # optimizer step (0-based) -> learning rate
@@ -50,6 +51,7 @@ class StepResult:
     exposed_comm_s: float  # time this rank waited on the network
     wall_s: float
     lr: float
+    skipped: bool = False  # the step was not applied: a loss or gradient was not finite (see Strategy.skip_step)
 
 
 def batch_tokens(batch: Any) -> int:
@@ -76,6 +78,9 @@ class Tally:
     tokens: int = 0
     compute_s: float = 0.0
     last_compute_s: float = 0.0  # the latest micro-batch's compute (DDP's exposed tail)
+    last_compute_end: float = 0.0  # perf_counter() when it ended (its trace span's end)
+    nonfinite_loss: bool = False  # a micro-batch of this step had a non-finite loss on this rank
+    skipped: bool = False
 
 
 class Strategy:
@@ -88,6 +93,10 @@ class Strategy:
     # contract tests use them for bit-exact comparisons).
     reproducible_options: ClassVar[dict] = {}
     pacer: "Pacer | None" = None  # emulated slow/straggling worker (set by the trainer)
+    # True where the whole state_dict() is identical on every rank (ddp): a checkpoint then
+    # stores it once and can load it on another number of workers (checkpoint.py).
+    checkpoint_replicated: ClassVar[bool] = False
+    skipped_steps = 0  # steps not applied because a loss or gradient was not finite
 
     def __init__(self, model: nn.Module, comm: Comm, make_optimizer: MakeOptimizer,
                  accum: int = 1, schedule: Schedule | None = None, options: Options | None = None):
@@ -143,6 +152,33 @@ class Strategy:
         """How often `op` runs in a run of `steps` trainer steps (transients included)."""
         return op.occurrences(steps)
 
+    # -- what `lowcomm plan` prices (planner.py) --------------------------------
+    # Share of one step's compute that this strategy's collectives run behind: 0 means
+    # they start after the compute and are exposed in full (zero1, diloco); 1 means a
+    # whole step of compute can hide them (acco, dpu). A strategy with a finer schedule
+    # (ddp's buckets, streaming_diloco's delayed merge) overrides exposed_comm_s instead.
+    comm_overlap: ClassVar[float] = 0.0
+
+    @classmethod
+    def exposed_comm_s(cls, plan: list[PlannedOp], cost: StepCost, options: Options) -> float:
+        """Modeled seconds per trainer step that a worker waits on the network."""
+        comm = sum(cost.price(op.collective, op.nbytes) * cls.plan_rate(op, options, cost.steps) for op in plan)
+        return max(0.0, comm - cls.comm_overlap * cost.compute_s)
+
+    @classmethod
+    def plan_rate(cls, op: PlannedOp, options: Options, steps: int | None = None) -> float:
+        """How often `op` runs per trainer step: averaged over a run of `steps` steps, or in
+        the steady state (transients such as warm-up steps or a final sync left out)."""
+        if steps is not None:
+            return cls.plan_occurrences(op, steps, options) / steps
+        return (cls.plan_occurrences(op, 2 * _STEADY, options) - cls.plan_occurrences(op, _STEADY, options)) / _STEADY
+
+    @classmethod
+    def model_state_bytes(cls, num_params: int, world: int, options: Options) -> int:
+        """Bytes per worker of parameters, gradients and optimizer state (activations not
+        included). Here: fp32 θ and ∇θ and AdamW's two moments, replicated on every worker."""
+        return 16 * num_params
+
     def extra_state(self) -> dict:
         """Strategy state beyond model, optimizers and step count (buffers, phase flags)."""
         return {}
@@ -191,9 +227,12 @@ class Strategy:
         # The slowdown emulates a slower device, so its sleep counts as compute.
         tally.compute_s += t1 - t0
         tally.last_compute_s = t1 - t0
+        tally.last_compute_end = t1
         if self.comm.tracer is not None:
             self.comm.tracer.span("micro-batch", "compute", t0, t1)
-        tally.loss_sum += float(loss.detach())
+        value = float(loss.detach())
+        tally.loss_sum += value
+        tally.nonfinite_loss |= not math.isfinite(value)
         tally.micro_batches += 1
         tally.tokens += self._forward_tokens if tokens is None else tokens
         self._compute_t0 = None
@@ -252,7 +291,37 @@ class Strategy:
             exposed_comm_s=spent.exposed_s,
             wall_s=time.perf_counter() - tally.t0,
             lr=tally.lr,
+            skipped=tally.skipped,
         )
+
+    # -- non-finite steps ----------------------------------------------------------
+    # A step whose loss or gradient is not finite on some rank is skipped on every rank,
+    # without an extra collective: the rank that sees it fills what it is about to send
+    # with NaN (`poison_nonfinite`), the strategy's own reduction carries the NaN to every
+    # rank, and each rank checks what it received (`received_finite`) before it applies
+    # anything -- all ranks hold the same reduced values, so they agree. Strategies call
+    # these two at their reduction; the trainer logs skipped steps and stops after
+    # --max-bad-steps in a row.
+    def poison_nonfinite(self, *local: torch.Tensor) -> bool:
+        """Before sending: True (and `local` filled with NaN) when this rank's loss in this
+        step, or a value of `local`, is not finite."""
+        bad = self._tally is not None and self._tally.nonfinite_loss
+        return fill_nan_if_nonfinite(*local, force=bad)
+
+    def received_finite(self, *received: torch.Tensor) -> bool:
+        """After the reduction, before the update: False (and the step marked skipped) when a
+        received value is not finite; the caller then applies nothing."""
+        if all_finite(*received):
+            return True
+        self.skip_step()
+        return False
+
+    def skip_step(self) -> None:
+        """Mark the step in progress as not applied (a strategy whose state saw the bad values
+        clears that state here)."""
+        self.skipped_steps += 1
+        if self._tally is not None:
+            self._tally.skipped = True
 
     # -- between steps -----------------------------------------------------------
     @property
@@ -331,6 +400,26 @@ class Strategy:
             for group in optimizer.param_groups:
                 group["lr"] = lr
         return float(optimizer.param_groups[0]["lr"])
+
+
+# A steady-state horizon in trainer steps, divisible by every usual period (powers of two, 10^k,
+# 500): plan_rate counts occurrences between _STEADY and 2*_STEADY, past any transient.
+_STEADY = 2**12 * 10**6
+
+
+def all_finite(*tensors: torch.Tensor | None) -> bool:
+    """Whether every value of every tensor is finite (one host sync for all of them)."""
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def fill_nan_if_nonfinite(*tensors: torch.Tensor, force: bool = False) -> bool:
+    """Fill every tensor with NaN when one of them holds a non-finite value (or `force`); True then."""
+    bad = force or not all_finite(*tensors)
+    if bad:
+        for t in tensors:
+            t.fill_(float("nan"))
+    return bad
 
 
 class Pacer:

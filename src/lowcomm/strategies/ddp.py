@@ -9,7 +9,6 @@ Comm counts every bucket's bytes. The time a rank waits for the last buckets
 after its backward compute ends is DDP's exposed communication. (No `from __future__ import annotations` here: DDP
 checks the comm hook's return annotation at runtime.)
 """
-import time
 import weakref
 from dataclasses import dataclass
 
@@ -36,19 +35,20 @@ def counted_allreduce_hook(comm: Comm, bucket: dist.GradBucket) -> torch.futures
     return handle.future.then(lambda f: f.value()[0])
 
 
-def paced_allreduce_hook(strategy: "DDP", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """counted_allreduce_hook, after paying the emulated slowdown of the compute
-    so far: a slower device would issue this bucket that much later, and the
-    peers must wait for it inside the all-reduce, not at some later sync point."""
+def paced_hook(strategy: "DDP", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The hook DDP calls for every bucket: pay the emulated slowdown of the compute so far
+    (a slower device would issue this bucket that much later, and the peers must wait for
+    it inside the reduction, not at some later sync point), then the strategy's comm_hook."""
     if strategy.pacer is not None:
         strategy.pacer.pay(strategy.steps_done, strategy.comm.tracer)
     strategy.buckets_sent += 1
-    return counted_allreduce_hook(strategy.comm, bucket)
+    return strategy.comm_hook(bucket)
 
 
 @register("ddp")
 class DDP(Strategy):
     Options = DDPOptions
+    checkpoint_replicated = True  # parameters and optimizer state are the same on every rank
 
     def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
         super().__init__(model, comm, make_optimizer, accum, schedule, options)
@@ -57,11 +57,16 @@ class DDP(Strategy):
         # A proxy, not self: DDP's C++ reducer keeps the state alive, and a
         # strategy <-> reducer cycle left for the garbage collector at exit
         # tears DDP down in the wrong order (SIGABRT, 'terminate called').
-        self.ddp.register_comm_hook(weakref.proxy(self), paced_allreduce_hook)
+        self.ddp.register_comm_hook(weakref.proxy(self), paced_hook)
         self.optimizer = make_optimizer(model.parameters())
         self.micro = 0
         self.buckets_sent = 0  # in the current step: none after a synced backward means DDP was bypassed
         self._watch_forward()
+
+    def comm_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """How one bucket of gradients is reduced (the seam subclasses replace, e.g. powersgd):
+        here torch's default all-reduce (mean), through Comm."""
+        return counted_allreduce_hook(self.comm, bucket)
 
     @property
     def train_model(self):
@@ -76,6 +81,27 @@ class DDP(Strategy):
         # bucket's ring count is rounded down on its own, so at W=3 the total can be
         # a few bytes under this line's).
         return [PlannedOp("all_reduce", 4 * num_params, what="gradients (fp32, in buckets)")]
+
+    @classmethod
+    def exposed_comm_s(cls, plan, cost, options):
+        # DDP all-reduces a bucket as soon as the last micro-batch's backward (2/3 of
+        # its 6·N·tokens FLOPs) has filled it: torch's first bucket holds 1 MiB, the others
+        # bucket_mb. Gradients are taken to arrive evenly over the backward; one NIC
+        # sends the buckets in turn, and what is left when the backward ends is exposed.
+        backward = cost.compute_s / cost.accum * 2 / 3
+        exposed = 0.0
+        for op in plan:
+            sizes, left = [], op.nbytes
+            while left > 0:
+                sizes.append(min(left, dist._DEFAULT_FIRST_BUCKET_BYTES if not sizes
+                                 else int(options.bucket_mb * 2**20)))
+                left -= sizes[-1]
+            nic_free, done = 0.0, 0
+            for size in sizes:
+                done += size
+                nic_free = max(backward * done / op.nbytes, nic_free) + cost.price(op.collective, size)
+            exposed += max(0.0, nic_free - backward) * cls.plan_rate(op, options, cost.steps)
+        return exposed
 
     def _sync_next(self, last: bool) -> None:
         """Whether the next micro-batch's backward all-reduces: what DDP's no_sync()
@@ -104,11 +130,15 @@ class DDP(Strategy):
         # The last micro-batch all-reduced during its backward; whatever ran
         # after its last bucket was issued was waiting on the network.
         if self.comm.world > 1:
-            waited = time.perf_counter() - self.comm.last_issue_s
-            exposed = max(0.0, min(waited, self._tally.last_compute_s))
-            self.comm.add_exposed(exposed)
+            # Measured to the end of that backward, so the wait is the tail of its
+            # micro-batch span (nested in it, as the trace draws it).
+            end = self._tally.last_compute_end
+            exposed = max(0.0, min(end - self.comm.last_issue_s, self._tally.last_compute_s))
+            self.comm.add_exposed(exposed, end=end)
             self._tally.compute_s -= exposed
-        self.optimizer.step()
+        # The all-reduce carried any NaN to every rank: all skip alike (see Strategy.received_finite).
+        if self.received_finite(*(p.grad for p in self.model.parameters() if p.grad is not None)):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._sync_next(self.accum == 1)
         return True

@@ -78,6 +78,10 @@ class DeMo(Strategy):
         per_worker = sum(e.nbytes() for e in _encoders(shapes, options))
         return [PlannedOp("all_gather", world * per_worker, what="DCT top-k (index, value) of every tensor")]
 
+    @classmethod
+    def model_state_bytes(cls, num_params, world, options):
+        return 12 * num_params  # θ, ∇θ and the momentum δ (fp32); no AdamW state
+
     def optimizers(self):
         return [self.settings]
 
@@ -100,17 +104,19 @@ class DeMo(Strategy):
 
     @torch.no_grad()
     def _step(self):
+        """δ's new value is staged and θ changes only after the gather: a step that a non-finite
+        gradient on any rank makes every rank's decoded Q non-finite is skipped without a trace."""
         lr, beta, wd = self.lr, self.options.beta, self.weight_decay
         t0 = time.perf_counter()
-        sent = []
+        sent, staged = [], []
+        self.poison_nonfinite(*(p.grad for p in self.params if p.grad is not None))
         for p, delta, enc in zip(self.params, self.deltas, self.encoders):
-            if wd != 0.0:
-                p.mul_(1.0 - lr * wd)
-            delta.mul_(beta)
+            new = delta.mul(beta)
             if p.grad is not None:
-                delta.add_(p.grad, alpha=lr)
-            idx, val = enc.compress(delta)
-            delta.sub_(enc.decompress([idx], [val]))
+                new.add_(p.grad, alpha=lr)
+            idx, val = enc.compress(new)
+            new.sub_(enc.decompress([idx], [val]))
+            staged.append(new)
             sent += [idx.reshape(-1).view(torch.uint8), val.reshape(-1).view(torch.uint8)]
         mine = torch.cat(sent)
         gathered = torch.empty(self.comm.world * mine.numel(), dtype=torch.uint8, device=mine.device)
@@ -119,14 +125,19 @@ class DeMo(Strategy):
 
         t0 = time.perf_counter()
         rows = gathered.view(self.comm.world, -1)
-        at = 0
-        for p, enc, (idx0, val0) in zip(self.params, self.encoders, self._templates()):
+        at, qs = 0, []
+        for enc, (idx0, val0) in zip(self.encoders, self._templates()):
             ni, nv = idx0.numel() * idx0.element_size(), val0.numel() * val0.element_size()
             idxs = [rows[w, at:at + ni].clone().view(idx0.dtype) for w in range(self.comm.world)]
             vals = [rows[w, at + ni:at + ni + nv].clone().view(val0.dtype) for w in range(self.comm.world)]
             at += ni + nv
-            q = enc.decompress(idxs, vals)
-            p.add_(q.sign().to(p.dtype), alpha=-lr)
+            qs.append(enc.decompress(idxs, vals))
+        if self.received_finite(*qs):
+            for p, delta, new, q in zip(self.params, self.deltas, staged, qs):
+                if wd != 0.0:
+                    p.mul_(1.0 - lr * wd)
+                p.add_(q.sign().to(p.dtype), alpha=-lr)
+                delta.copy_(new)
         self.compress_s += time.perf_counter() - t0
 
     def _templates(self):

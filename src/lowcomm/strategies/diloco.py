@@ -20,6 +20,12 @@ Wire formats of Δ (`--outer-precision`):
                payload (values + fp32 scales + 16 bytes of step info) and sums
                the dequantized values locally in rank order (every rank gets
                the same bits): (W−1)·s bytes per rank for a payload of s bytes.
+`--outer-compress SPEC` (instead of --outer-precision): any lowcomm.compress compressor
+(e.g. topk:0.02,bits:2), with error feedback on Δ_r (residual per fragment, in the state):
+    e_r ← β·e_r + Δ_r;   send C(e_r);   e_r ← e_r − decode(C(e_r))     (β: --outer-ef-decay)
+all_gathered like int8/int4 (payload + step info); every rank decodes every payload and
+averages in rank order; a value only some ranks sent (top-k) is averaged over the ranks that
+sent it, as DeMo and SparseLoCo decode (Compressor.combine). Then the usual outer step.
 
 `--sync-by time` (inner phases sized to speed). A trainer step is then one
 *slot*: the time a 1x worker takes for one inner step. A rank does at most
@@ -58,7 +64,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..compress import IntQuantizer
+from ..compress import Compressor, ErrorFeedback, IntQuantizer, parse_spec
+from ..errors import UsageError
 from .base import StepResult, Strategy
 from .options import Options, option
 from .plan import PlannedOp
@@ -71,6 +78,17 @@ OUTER_BLOCK = 64  # values per quantization scale of an outer gradient
 
 def outer_quantizer(bits: int) -> IntQuantizer:
     return IntQuantizer(bits, OUTER_BLOCK)
+
+
+def outer_compressor(options) -> Compressor | None:
+    """What a rank all-gathers in place of the all-reduce: --outer-compress's compressor, or
+    --outer-precision int8/int4's; None for an fp32/bf16 all-reduce."""
+    if options.outer_compress != "none":
+        return parse_spec(options.outer_compress)
+    prec = PRECISIONS[options.outer_precision]
+    return outer_quantizer(prec) if isinstance(prec, int) else None
+
+
 CALIBRATION = "calibration: step times after trainer step 2 (--sync-by time)"
 
 
@@ -85,6 +103,22 @@ class OuterOptions(Options):
                                   "(blockwise absmax, all-gathered)", choices=tuple(PRECISIONS))
     sync_by: str = option("steps", "inner phase length: 'steps' (H inner steps) or 'time' (as many as fit "
                           "in a 1x worker's H steps; FedNova averaging)", choices=("steps", "time"))
+    outer_compress: str = option("none", "outer gradients through a lowcomm.compress SPEC with error "
+                                 "feedback, all-gathered, e.g. topk:0.02,bits:2 or int4,block:64 "
+                                 "(topk:F|K, chunk:N, bits:B, quant:absmax|stat; none: off)")
+    outer_ef_decay: float = option(1.0, "--outer-compress error feedback: e <- decay*e + delta before "
+                                   "compressing (1: classic, 0: no error feedback)", min=0, max=1)
+
+    def check(self) -> None:
+        if self.outer_compress == "none":
+            return
+        try:
+            parse_spec(self.outer_compress)
+        except ValueError as e:
+            raise UsageError(f"--outer-compress: {e}") from None
+        if self.outer_precision != "fp32":
+            raise UsageError(f"--outer-compress ({self.outer_compress}) and --outer-precision "
+                             f"({self.outer_precision}) both set the wire format: give one")
 
 
 @dataclass
@@ -108,12 +142,24 @@ class OuterSync(Strategy):
     Options = DiLoCoOptions
     reproducible_options = {"sync_by": "steps"}
 
+    @classmethod
+    def model_state_bytes(cls, num_params, world, options):
+        # θ, ∇θ and the inner AdamW's moments, plus the fp32 global copy and the outer
+        # SGD's momentum (and an error-feedback residual when outer gradients are compressed)
+        return 24 * num_params + (4 * num_params if getattr(options, "outer_compress", "none") != "none" else 0)
+
     def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
         super().__init__(model, comm, make_optimizer, accum, schedule, options)
         o = self.options
         self.H = o.sync_every
         self.time_mode = o.sync_by == "time"
         self.precision = PRECISIONS[o.outer_precision]
+        self.compressor = outer_compressor(o)
+        # Error feedback only for --outer-compress (int8/int4 --outer-precision never had it).
+        use_ef = o.outer_compress != "none" and o.outer_ef_decay > 0
+        self.ef = ErrorFeedback(self.compressor, enabled=use_ef, decay=o.outer_ef_decay) \
+            if self.compressor is not None else None
+        self.compress_s = 0.0  # CPU time spent compressing and decoding outer gradients
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
@@ -170,11 +216,12 @@ class OuterSync(Strategy):
 
     @classmethod
     def sync_op(cls, numel: int, world: int, options, every: int, offset: int, f: int) -> PlannedOp:
-        prec = PRECISIONS[options.outer_precision]
-        if isinstance(prec, int):
-            s = outer_quantizer(prec).nbytes(numel) + INFO_BYTES
+        comp = outer_compressor(options)
+        if comp is not None:
+            s = comp.nbytes(numel) + INFO_BYTES
             return PlannedOp("all_gather", world * s, every, offset,
-                             what=f"fragment {f}: int{prec} outer gradient + step info, every rank's")
+                             what=f"fragment {f}: {comp.name} outer gradient + step info, every rank's")
+        prec = PRECISIONS[options.outer_precision]
         itemsize = torch.empty((), dtype=prec).element_size()
         return PlannedOp("all_reduce", numel * itemsize, every, offset,
                          what=f"fragment {f}: {options.outer_precision} outer gradient")
@@ -188,7 +235,7 @@ class OuterSync(Strategy):
                 continue
             offset = (f * H) // F
             plan.append(cls.sync_op(numel, world, options, H, offset, f))
-            if options.sync_by == "time" and not isinstance(PRECISIONS[options.outer_precision], int):
+            if options.sync_by == "time" and outer_compressor(options) is None:
                 plan.append(PlannedOp("all_gather", world * INFO_BYTES, H, offset,
                                       what=f"fragment {f}: inner steps and step time"))
         if options.sync_by == "time":
@@ -213,7 +260,11 @@ class OuterSync(Strategy):
         self.micro += 1
         if self.micro < self.accum:
             return False
-        self.inner.step()
+        # Inner steps are local: a non-finite loss or gradient skips this rank's inner step only.
+        if self.poison_nonfinite(*(p.grad for p in self.params if p.grad is not None)):
+            self.skip_step()
+        else:
+            self.inner.step()
         self.inner.zero_grad(set_to_none=True)
         self.inner_steps += 1
         # The slot's whole cost so far: data, compute (emulated slowdown included), inner step.
@@ -293,14 +344,16 @@ class OuterSync(Strategy):
             self.c_ref = float(seen.min())
             self.is_ref = mine > 0 and int(torch.where(c > 0, c, torch.inf).argmin()) == self.comm.rank
 
-    def _issue(self, delta: torch.Tensor, tau: int, c: float) -> tuple:
-        """Start reducing this rank's Δ_r (async collectives, issued on the calling -- the
+    def _issue(self, i: int, delta: torch.Tensor, tau: int, c: float) -> tuple:
+        """Start reducing fragment i's Δ_r (async collectives, issued on the calling -- the
         compute -- thread, so every rank issues them in the same order); `_complete` waits."""
         W = self.comm.world
         info = torch.tensor([float(tau), c], dtype=torch.float64)
-        if isinstance(self.precision, int):
-            q = outer_quantizer(self.precision)
-            packed = q.to_bytes(q.compress(delta.reshape(-1)))  # codes and scales, bit-packed
+        if self.compressor is not None:
+            t0 = time.perf_counter()
+            payload, _ = self.ef.compress(f"fragment{self.fragments[i][0]}", delta.reshape(-1))
+            packed = self.compressor.to_bytes(payload)  # e.g. codes and scales, bit-packed
+            self.compress_s += time.perf_counter() - t0
             payload = torch.cat([packed, info.view(torch.uint8)])
             every = torch.empty(W * payload.numel(), dtype=torch.uint8)
             handle = self.comm.all_gather(every, payload, async_op=True)
@@ -326,14 +379,13 @@ class OuterSync(Strategy):
             nq, numel = extra
             every = buf.view(W, -1)
             infos = torch.stack([every[r, nq:].clone().view(torch.float64) for r in range(W)])
-            q = outer_quantizer(self.precision)
             weights = fednova_weights(infos[:, 0]) if self.time_mode else \
                 torch.full((W,), 1.0 / W, dtype=torch.float64)
-            total = torch.zeros(numel, dtype=torch.float32)
-            for r in range(W):  # rank order: every rank sums the same values the same way
-                if weights[r] != 0:
-                    values = q.decompress(q.from_bytes(every[r, :nq].clone(), numel))
-                    total.add_(values, alpha=float(weights[r]))
+            # rank order: every rank combines the same values the same way
+            t0 = time.perf_counter()
+            payloads = [self.compressor.from_bytes(every[r, :nq], numel) for r in range(W)]
+            total = self.compressor.combine(payloads, [float(w) for w in weights])
+            self.compress_s += time.perf_counter() - t0
             return total, (infos if self.time_mode else None)
         total = buf.float()
         if extra is None:
@@ -346,6 +398,8 @@ class OuterSync(Strategy):
         return total.mul_(factor), infos
 
     def _outer_step(self, i: int, avg: torch.Tensor) -> None:
+        if not self.received_finite(avg):  # the same Δ on every rank: all keep θ_global alike
+            return
         g = self.globals[i]
         g.grad = avg
         self.outer.step()
@@ -353,7 +407,7 @@ class OuterSync(Strategy):
 
     def _sync_job(self, i: int, delta: torch.Tensor, tau: int, c: float):
         """Fragment i's whole sync, blocking: reduce Δ, outer step; returns the (τ, c) infos."""
-        avg, infos = self._complete(self._issue(delta, tau, c))
+        avg, infos = self._complete(self._issue(i, delta, tau, c))
         self._outer_step(i, avg)
         return infos
 
@@ -430,7 +484,7 @@ class OuterSync(Strategy):
                 "own_s": self.own_s, "sched_s": self.sched_s, "c_ref": self.c_ref, "c_mine": self.c_mine,
                 "is_ref": self.is_ref, "costs": list(self.costs),
                 "inner_steps": self.inner_steps, "syncs": self.syncs, "last_loss": self.last_loss,
-                "micro": self.micro}
+                "micro": self.micro, "outer_residuals": self.ef.state_dict() if self.ef else {}}
 
     def load_extra_state(self, sd: dict) -> None:
         for g, saved in zip(self.globals, sd["globals"], strict=True):
@@ -440,6 +494,8 @@ class OuterSync(Strategy):
         self.landed = {i: v.clone() for i, v in sd["landed"].items()}
         for key in ("own_s", "sched_s", "c_ref", "c_mine", "is_ref", "costs", "inner_steps", "syncs", "last_loss", "micro"):
             setattr(self, key, sd[key])
+        if self.ef is not None:
+            self.ef.load_state_dict(sd.get("outer_residuals", {}))
 
     def sync_bytes(self) -> list[int]:
         """Wire bytes one rank sends for each fragment's sync (diloco: one)."""
@@ -449,7 +505,7 @@ class OuterSync(Strategy):
             numel = sum(p.numel() for p in ps)
             op = self.sync_op(numel, W, self.options, self.H, 0, f)
             extra = (PlannedOp("all_gather", W * INFO_BYTES).wire_bytes(W)
-                     if self.time_mode and not isinstance(self.precision, int) else 0)
+                     if self.time_mode and self.compressor is None else 0)
             out.append(op.wire_bytes(W) + extra)
         return out
 
@@ -458,6 +514,8 @@ class OuterSync(Strategy):
         return {"outer_syncs": self.syncs, "inner_steps_rank0": self.inner_steps,
                 "bytes_per_sync_per_rank": max(per_sync), "sync_every": self.H,
                 "sync_by": self.options.sync_by, "inner_steps_per_step_rank0": self.inner_steps / max(self.steps_done, 1), "outer_precision": self.options.outer_precision,
+                "outer_compress": self.options.outer_compress, "compress_s": self.compress_s,
+                "compress_s_per_step": self.compress_s / max(self.steps_done, 1),
                 "global_copy_bytes": sum(g.numel() * g.element_size() for g in self.globals)}
 
 

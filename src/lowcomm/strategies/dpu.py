@@ -28,6 +28,7 @@ class DpuOptions(ShardedOptions):
 class DPU(ShardedStrategy):
     Options = DpuOptions
     separate_master = True  # the model keeps θ_t while the round computes θ_{t+1}
+    comm_overlap = 1.0      # once delayed, a round's communication runs beside the next step's compute
 
     def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
         super().__init__(model, comm, make_optimizer, accum, schedule, options)
@@ -43,6 +44,18 @@ class DPU(ShardedStrategy):
     def plan_occurrences(cls, op, steps, options):
         # A round every step, except the first delayed one (its gradient is applied a step later).
         return steps - 1 if steps > options.warmup_steps else steps
+
+    @classmethod
+    def exposed_comm_s(cls, plan, cost, options):
+        # The first warmup_steps steps are synchronous (exposed in full); then overlapped.
+        synchronous = 0.0 if cost.steps is None else min(options.warmup_steps, cost.steps) / cost.steps
+        comm = sum(cost.price(op.collective, op.nbytes) * cls.plan_rate(op, options, cost.steps) for op in plan)
+        return synchronous * comm + (1 - synchronous) * max(0.0, comm - cost.compute_s)
+
+    @classmethod
+    def model_state_bytes(cls, num_params, world, options):
+        # ZeRO-1's plus the round buffer B
+        return super().model_state_bytes(num_params, world, options) + cls.flat_bytes(num_params, world, options)
 
     def loss_scale(self):
         return 1.0  # B sums micro-batch gradients; the round divides by the global count
@@ -62,6 +75,8 @@ class DPU(ShardedStrategy):
             self.rounds.start(estimate=False)
         if self.synchronous or self.delayed:
             self.rounds.wait()
+            if self.rounds.skipped:
+                self.skip_step()
             self.rounds.swap_in()
             self.updates += 1
         if not self.synchronous:

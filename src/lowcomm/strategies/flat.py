@@ -151,6 +151,14 @@ class ShardedStrategy(Strategy):
         itemsize = torch.empty((), dtype=PARAM_DTYPES[options.param_dtype]).element_size()
         return flat_numel(num_params, world) * itemsize
 
+    @classmethod
+    def model_state_bytes(cls, num_params, world, options):
+        # flat θ and ∇θ in parameter precision; the fp32 master shard (unless it aliases
+        # fp32 parameters) and AdamW's two moments of the own shard
+        n, flat = flat_numel(num_params, world), cls.flat_bytes(num_params, world, options)
+        aliased = flat == 4 * n and not cls.separate_master
+        return 2 * flat + (0 if aliased else 4 * n // world) + 8 * n // world
+
     def optimizers(self):
         return [self.shard_opt.optimizer]
 

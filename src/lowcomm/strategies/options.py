@@ -36,6 +36,10 @@ class Options:
     def check(self) -> None:
         """Rules that involve more than one field; subclasses raise UsageError."""
 
+    def check_run(self, cfg) -> None:
+        """Rules that involve the run's settings too (cfg: config.RunConfig, e.g. its accum);
+        called once the strategy is chosen. Subclasses raise UsageError."""
+
     def validate(self, strategy: str = "", where: str = "") -> "Options":
         """Convert each value to its declared type and check its bounds; UsageError
         names the first bad value by its flag and TOML key (`where` adds e.g. ' (in run.toml)')."""
@@ -66,6 +70,20 @@ def type_name(f: dataclasses.Field) -> str:
 
 def cli_flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def with_defaults(base: type[Options], name: str, module: str, **defaults) -> type[Options]:
+    """A subclass of `base` in which the named options have other defaults (a preset, e.g.
+    sparseloco = diloco with the paper's settings); flags, help and bounds stay base's.
+    Bind it to `name` in `module` (the caller's __name__), so that it pickles."""
+    by_name = {f.name: f for f in fields(base)}
+    unknown = sorted(set(defaults) - set(by_name))
+    if unknown:
+        raise TypeError(f"{base.__name__} has no option {unknown[0]}")
+    specs = [(k, by_name[k].type, field(default=v, metadata=by_name[k].metadata)) for k, v in defaults.items()]
+    cls = dataclasses.make_dataclass(name, specs, bases=(base,))
+    cls.__module__ = module
+    return cls
 
 
 def build_options(cls: type[Options], values: dict, strategy: str, where: str = "") -> Options:

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..comm import Comm
+from .base import all_finite, fill_nan_if_nonfinite
 from .flat import FlatModel, ShardOptimizer
 from .plan import PlannedOp
 
@@ -92,6 +93,7 @@ class OverlappedRounds:
         self.buffer_count = 0                        # micro-batches summed in B (0: nothing to send)
         self.shard_grad = torch.empty(flat.shard_size, dtype=flat.grads.dtype, device=flat.grads.device)
         self.snapshot_bytes = 0
+        self.skipped = False  # the last round's update was not applied (a non-finite gradient somewhere)
         self.engine = Background(comm, flat.params.device)
 
     # -- compute-thread side --------------------------------------------------
@@ -128,15 +130,18 @@ class OverlappedRounds:
     # -- communication-thread side -------------------------------------------
     def _round(self, count: int, estimate: bool) -> int:
         n = torch.tensor([float(count)], dtype=torch.float64, device=self.buffer.device)
+        fill_nan_if_nonfinite(self.buffer)  # a NaN reaches every rank's shard: all skip the round alike
         counting = self.comm.all_reduce(n, op="sum", async_op=True)
         reducing = self.comm.reduce_scatter(self.shard_grad, self.buffer, op="sum", async_op=True)
         counting.wait()
         reducing.wait()
         self.shard_grad.div_(n)  # every micro-batch weighs the same, whoever computed it
-        saved = self.shard_opt.snapshot() if estimate else None
+        self.skipped = not all_finite(self.shard_grad)
+        saved = self.shard_opt.snapshot() if estimate and not self.skipped else None
         if saved is not None:
             self.snapshot_bytes = max(self.snapshot_bytes, sum(t.numel() * t.element_size() for t in saved))
-        self.shard_opt.step(self.shard_grad)
+        if not self.skipped:
+            self.shard_opt.step(self.shard_grad)
         self.comm.all_gather(self.buffer, self.shard_opt.own_params())
         if saved is not None:
             self.shard_opt.restore(saved)

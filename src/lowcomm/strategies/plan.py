@@ -8,6 +8,7 @@ traffic has one source of truth.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from ..comm.wire import wire_bytes
 
@@ -38,3 +39,13 @@ def bytes_per_step(plan: list[PlannedOp], world: int) -> float:
 def flat_numel(num_params: int, world: int) -> int:
     """The flat buffer of sharded strategies: num_params padded to a multiple of world."""
     return -(-num_params // world) * world
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What `lowcomm plan` (planner.py) tells a strategy about one trainer step when it
+    asks how much of its communication is exposed (Strategy.exposed_comm_s)."""
+    price: Callable[[str, int], float]  # modeled seconds of one collective of S bytes: LinkModel.duration
+    compute_s: float                    # one step's compute on the slowest worker
+    accum: int = 1                      # micro-batches per step
+    steps: int | None = None            # a run of this many trainer steps; None: the steady state

@@ -10,15 +10,18 @@ sends a `_CountedGroup`'s ops through its Comm (every other call goes to torch a
     after:               per bucket, all-reduce of the tensors not worth compressing
                          (1-D, or (n+m)·r·2 >= n·m), then of P (n·r per n×m matrix),
                          then of Q (m·r per matrix)                     4·(U + Σ(n+m)·r)
+
+It is ddp with another `comm_hook`. Two changes around torch's hook, for correctness with
+several DDP buckets (`--bucket-mb`): buckets are reduced one after another (see comm_hook),
+and the warm-started Qs start from values drawn per parameter rather than per bucket, so a
+resumed run continues bit-identically although its fresh DDP lays buckets out anew.
 """
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as _default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
-from torch.nn.parallel import DistributedDataParallel
 
 from ._gpt_shapes import gpt_shapes
 from .base import Strategy
@@ -93,15 +96,6 @@ def _route_hook_collectives() -> None:
             module.dist = _RoutedDist(module.dist)
 
 
-def paced_powersgd_hook(strategy: "PowerSGD", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's powerSGD_hook after paying the emulated slowdown (see ddp.paced_allreduce_hook)."""
-    if strategy.pacer is not None:
-        strategy.pacer.pay(strategy.steps_done, strategy.comm.tracer)
-    strategy.buckets_sent = getattr(strategy, "buckets_sent", 0) + 1  # ddp.py's bypass check
-    strategy._align_state(bucket)
-    return _psgd.powerSGD_hook(strategy.psgd, bucket)
-
-
 def powersgd_sizes(shapes, rank: int) -> tuple[int, int, int]:
     """(uncompressed, P, Q) element counts over all tensors, as torch's hook splits them."""
     unc = ps = qs = 0
@@ -119,30 +113,52 @@ def powersgd_sizes(shapes, rank: int) -> tuple[int, int, int]:
 @register("powersgd")
 class PowerSGD(DDP):
     Options = PowerSGDOptions
+    checkpoint_replicated = False  # the hook's error feedback differs per rank
 
     def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
-        Strategy.__init__(self, model, comm, make_optimizer, accum, schedule, options)
+        super().__init__(model, comm, make_optimizer, accum, schedule, options)
         _route_hook_collectives()
-        self.ddp = DistributedDataParallel(model, process_group=comm.group,
-                                           bucket_cap_mb=self.options.bucket_mb)
         self.psgd = _psgd.PowerSGDState(process_group=_CountedGroup(comm),
                                         matrix_approximation_rank=self.options.rank,
                                         start_powerSGD_iter=self.options.start,
                                         min_compression_rate=MIN_COMPRESSION_RATE,
                                         use_error_feedback=True, warm_start=True, random_seed=0)
-        # A proxy, not self: see ddp.py.
-        self.ddp.register_comm_hook(weakref.proxy(self), paced_powersgd_hook)
-        self.optimizer = make_optimizer(model.parameters())
-        self.micro = 0
-        self.buckets_sent = 0
-        self.shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
         params = [p for p in model.parameters() if p.requires_grad]
         self._pindex = {p.data_ptr(): i for i, p in enumerate(params)}
         self._numel = [p.numel() for p in params]
         self._matrix = [(p.shape[0], p.numel() // p.shape[0]) if p.dim() else (1, 1) for p in params]
         self._pending = None
         self._layout: dict[int, tuple] = {}  # bucket index -> parameter indices its hook state is laid out in
-        self._watch_forward()
+        self._chain: torch.futures.Future | None = None  # the latest bucket's reduction
+
+    def comm_hook(self, bucket):
+        """torch's powerSGD_hook, one bucket after another. Its three all-reduces per bucket
+        are chained by future callbacks, which run on whichever thread completes the previous
+        one; with several buckets in flight, bucket b's P all-reduce and bucket b+1's first
+        all-reduce were issued in an order that differed between ranks (gloo: 'Received data
+        size doesn't match', or a hang). So each bucket starts when the previous bucket's
+        chain is done: every rank issues the same sequence, and backward still overlaps it."""
+        done = torch.futures.Future()
+
+        def start(_=None):
+            try:
+                self._align_state(bucket)
+                _psgd.powerSGD_hook(self.psgd, bucket).add_done_callback(finish)
+            except Exception as e:  # noqa: BLE001 -- handed to DDP, which raises it in backward
+                done.set_exception(e)
+
+        def finish(fut):
+            try:
+                done.set_result(fut.value())
+            except Exception as e:  # noqa: BLE001
+                done.set_exception(e)
+
+        prev, self._chain = self._chain, done
+        if prev is None or prev.done():
+            start()
+        else:
+            prev.add_done_callback(start)
+        return done
 
     # -- torch's hook state is laid out per DDP bucket; DDP lays buckets out anew in a fresh
     # process (and rebuilds them after its first step), so a loaded state is re-laid out
@@ -167,8 +183,26 @@ class PowerSGD(DDP):
     def _align_state(self, bucket) -> None:
         b = bucket.index()
         ids = tuple(self._pindex[p.data_ptr()] for p in bucket.parameters())
-        if self._layout.get(b) == ids:
-            return
+        if self._layout.get(b) != ids:
+            self._relayout(b, ids)
+        st = self.psgd
+        if st.iter >= st.start_powerSGD_iter and b not in st.p_memory_dict:
+            self._first_qs(b, ids, bucket.buffer().device)
+
+    def _first_qs(self, b, ids, device) -> None:
+        """The warm-started Qs' first values, drawn per parameter (seeded by its index), where
+        torch's hook would draw them per bucket: a run resumed in a fresh process, whose DDP
+        lays buckets out differently until it rebuilds them, then starts from the same Qs."""
+        order = self._q_order(ids)
+        qs = []
+        for i in order:
+            g = torch.Generator().manual_seed(1_000_003 + i)
+            qs.append(torch.randn(self._matrix[i][1] * self._rank_of(i), generator=g))
+        st = self.psgd
+        st.q_memory_dict[b] = (torch.cat(qs) if qs else torch.empty(0)).to(device)
+        st.p_memory_dict[b] = torch.empty(sum(self._matrix[i][0] * self._rank_of(i) for i in order), device=device)
+
+    def _relayout(self, b, ids) -> None:
         st = self.psgd
         if self._pending is None and (st.error_dict or st.q_memory_dict):
             # Per parameter, from the old layout; then rebuilt bucket by bucket in the new one.
@@ -217,6 +251,14 @@ class PowerSGD(DDP):
         return [PlannedOp("all_reduce", 4 * num_params, what="gradients before PowerSGD starts")] + \
             [op for op in after if op.nbytes > 0]
 
+    # torch's hook compresses a bucket, then all-reduces P and Q in turn: with few
+    # buckets little of it overlaps the backward, so the planner counts it all as exposed.
+    exposed_comm_s = classmethod(Strategy.exposed_comm_s.__func__)
+
+    @classmethod
+    def model_state_bytes(cls, num_params, world, options):
+        return 20 * num_params  # DDP's, plus torch's error-feedback copy of the gradients
+
     @classmethod
     def plan_occurrences(cls, op, steps, options):
         if op.offset == 0:
@@ -236,6 +278,14 @@ class PowerSGD(DDP):
         self._layout = {b: tuple(ids) for b, ids in sd["layout"].items()}
         self._pending = None
         self.micro = sd["micro"]
+
+    def skip_step(self):
+        """The hook's error feedback and warm-started factors took in the non-finite gradient:
+        drop them (torch's hook starts them afresh, identically on every rank)."""
+        super().skip_step()
+        for memory in (self.psgd.error_dict, self.psgd.q_memory_dict, self.psgd.p_memory_dict):
+            memory.clear()
+        self._layout, self._pending = {}, None
 
     def report(self):
         return {"powersgd_rank": self.options.rank, "powersgd_start": self.options.start}

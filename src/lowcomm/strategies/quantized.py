@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..compress import ErrorFeedback, quantizer_for_bits
-from .base import Strategy
+from .base import Strategy, fill_nan_if_nonfinite
 from .options import Options, option
 from .plan import PlannedOp
 from .registry import register
@@ -67,6 +67,12 @@ class Quantized(Strategy):
         return [PlannedOp("all_to_all", total, what=f"{q.name} gradient shards (worker -> owner)"),
                 PlannedOp("all_gather", total, what=f"{q.name} summed shards (owner -> all)")]
 
+    @classmethod
+    def model_state_bytes(cls, num_params, world, options):
+        # replicated AdamW, plus the worker's and the shard owner's error-feedback residuals
+        m = shard_len(num_params, world, options.block_size)
+        return 16 * num_params + (4 * num_params + 4 * m if options.error_feedback else 0)
+
     def optimizers(self):
         return [self.optimizer]
 
@@ -78,8 +84,8 @@ class Quantized(Strategy):
         self.micro += 1
         if self.micro < self.accum:
             return False
-        self._reduce_gradients()
-        self.optimizer.step()
+        if self._reduce_gradients():
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return True
 
@@ -93,12 +99,18 @@ class Quantized(Strategy):
             at += n
         return flat
 
-    def _reduce_gradients(self) -> None:
+    def _compress(self, key: str, x: torch.Tensor, bad: bool):
+        """With error feedback; a non-finite input (NaN-filled: its scales carry the NaN to every
+        rank) is sent without touching the residual, so the skipped step leaves no trace."""
+        return self.q.compress(x) if bad else self.ef.compress(key, x)[0]
+
+    def _reduce_gradients(self) -> bool:
+        """The mean gradient into p.grad; False when it is not finite (the step is skipped)."""
         W, m, q = self.world, self.m, self.q
         nb = q.nbytes(m)
         t0 = time.perf_counter()
         flat = self._flat_grad().view(W, m)
-        payload, _ = self.ef.compress("worker", flat)          # W rows: one per shard owner
+        payload = self._compress("worker", flat, self.poison_nonfinite(flat))  # W rows: one per shard owner
         send = q.to_bytes(payload).reshape(-1)
         recv = torch.empty_like(send)
         self.compress_s += time.perf_counter() - t0
@@ -107,7 +119,7 @@ class Quantized(Strategy):
         t0 = time.perf_counter()
         mine = q.decompress(q.from_bytes(recv.view(W, nb), m))  # every worker's copy of my shard
         mean = mine.sum(0) / W
-        payload, _ = self.ef.compress("owner", mean)
+        payload = self._compress("owner", mean, fill_nan_if_nonfinite(mean))
         own = q.to_bytes(payload)
         gathered = torch.empty(W * nb, dtype=torch.uint8, device=own.device)
         self.compress_s += time.perf_counter() - t0
@@ -115,12 +127,15 @@ class Quantized(Strategy):
 
         t0 = time.perf_counter()
         grad = q.decompress(q.from_bytes(gathered.view(W, nb), m)).reshape(-1)
+        if not self.received_finite(grad):
+            return False
         at = 0
         for p in self.params:
             n = p.numel()
             p.grad = grad[at:at + n].view_as(p).to(p.dtype).clone()
             at += n
         self.compress_s += time.perf_counter() - t0
+        return True
 
     def extra_state(self):
         return {"residuals": self.ef.state_dict(), "micro": self.micro}

@@ -69,6 +69,21 @@ def make_strategy(name: str, model: nn.Module, comm: Comm, make_optimizer: MakeO
                options=build_options(cls.Options, options, name))
 
 
+def reproducible_flags(name: str) -> list[str]:
+    """The CLI flags that set strategy `name`'s `reproducible_options` (a run that then depends
+    only on its inputs, not on timing: what bit-exact comparisons run with)."""
+    cls = get(name)
+    by_name = {f.name: f for f in fields(cls.Options)}
+    out: list[str] = []
+    for key, value in cls.reproducible_options.items():
+        flag = cli_flag(by_name[key])
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
 @dataclass
 class OptionFlag:
     """One CLI flag of the strategy options: which strategies have it and how it reads."""
@@ -78,6 +93,7 @@ class OptionFlag:
     help: str
     default: object
     strategies: list[str]
+    defaults: dict  # strategy -> its default (a preset such as sparseloco changes some)
 
 
 def option_table() -> dict[str, OptionFlag]:
@@ -90,9 +106,10 @@ def option_table() -> dict[str, OptionFlag]:
             entry = table.get(flag)
             if entry is None:
                 table[flag] = OptionFlag(flag, f.name, type_name(f), f.metadata.get("help", ""),
-                                         f.default, [name])
+                                         f.default, [name], {name: f.default})
             elif entry.field != f.name or entry.type != type_name(f):
                 raise RuntimeError(f"strategies {entry.strategies} and '{name}' declare {flag} differently")
             else:
                 entry.strategies.append(name)
+                entry.defaults[name] = f.default
     return table

@@ -57,6 +57,7 @@ class StreamingOptions(OuterOptions):
                                 min=0, max=1)
 
     def check(self) -> None:
+        super().check()
         if self.fragments > self.sync_every:
             raise UsageError(f"--fragments ({self.fragments}) must be at most --sync-every ({self.sync_every})")
         if self.fragment_delay >= self.sync_every:
@@ -120,6 +121,14 @@ class StreamingDiLoCo(OuterSync):
         return [sum(p.numel() for p in ps) for ps in fragment_of_params(model, params, F)]
 
     @classmethod
+    def exposed_comm_s(cls, plan, cost, options):
+        # A fragment's reduction runs behind the next τ inner steps' compute; only what
+        # is left when its merge is due is waited for.
+        tau = options.fragment_delay * cost.compute_s
+        return sum(max(0.0, cost.price(op.collective, op.nbytes) - tau) * cls.plan_rate(op, options, cost.steps)
+                   for op in plan)
+
+    @classmethod
     def fragment_count(cls, options) -> int:
         return options.fragments
 
@@ -138,7 +147,7 @@ class StreamingDiLoCo(OuterSync):
     def _start_sync(self, i: int, t: int) -> None:
         delta, tau, c = self._delta(i), self.since[i], self._mean_compute()
         self.since[i] = 0
-        self.in_flight[i] = self._issue(delta, tau, c)
+        self.in_flight[i] = self._issue(i, delta, tau, c)
         self.pending[i] = t + self.tau
 
     def _collect(self) -> None:

@@ -34,7 +34,9 @@ class Zero1(ShardedStrategy):
         self.micro = 0
 
     def end_of_accumulation(self):
+        self.poison_nonfinite(self.flat.grads)  # a NaN anywhere reaches every shard: all ranks skip alike
         self.comm.reduce_scatter(self.shard_grad, self.flat.grads, op="avg")
-        self.shard_opt.step(self.shard_grad)
+        if self.received_finite(self.shard_grad):
+            self.shard_opt.step(self.shard_grad)
         self.comm.all_gather(self.flat.params, self.shard_opt.own_params())
         return True

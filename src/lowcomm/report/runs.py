@@ -1,0 +1,155 @@
+"""Reading what `lowcomm train` and `lowcomm bench` wrote: runs, benches, validation curves.
+
+A run dir holds summary.json and steps.jsonl (metrics/runlog.py); a bench dir holds
+bench.json, which lists its runs (by sub-directory) and the ones that failed.
+Time along a run is the summed wall time of its steps (each step's slowest rank):
+evaluation and log gathering are left out, so strategies are compared on training time.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from ..errors import UsageError
+
+BENCH_FILE = "bench.json"
+
+
+@dataclass
+class Point:
+    """A validation point: the run's time, tokens and bytes (all ranks) when it was taken."""
+    step: int
+    time_s: float
+    tokens: int
+    wire_bytes: int
+    val_loss: float
+
+
+@dataclass
+class Run:
+    label: str
+    path: Path
+    summary: dict
+    steps: list[dict]
+    config: dict
+
+    @property
+    def curve(self) -> list[Point]:
+        points, t, tokens, wire = [], 0.0, 0, 0
+        for rec in self.steps:
+            t += rec["wall_s"]
+            tokens += rec["tokens"]
+            wire += rec["wire_bytes"]
+            if "val_loss" in rec:
+                points.append(Point(rec["step"], t, tokens, wire, rec["val_loss"]))
+        return points
+
+    def seconds_per_token(self) -> float:
+        """One 1x worker's forward+backward per token: each rank's compute over its tokens,
+        its emulated slowdown divided out, averaged over ranks."""
+        s = self.summary
+        tokens_per_micro = self.config.get("micro_batch", 16) * self.config.get("model", {}).get("seq_len", 128)
+        factors = s.get("slowdown") or [1.0] * s["workers"]
+        per_rank = [c / f / (m * tokens_per_micro)
+                    for c, f, m in zip(s["compute_s_per_rank"], factors, s["micro_batches_per_rank"]) if m]
+        return sum(per_rank) / len(per_rank)
+
+    def overhead_s(self) -> float:
+        """Per-step time outside forward/backward and network waits (optimizer steps,
+        compression), as the step log measured it."""
+        extra = [r["wall_s"] - r["compute_s"] - r["exposed_comm_s"] for r in self.steps]
+        return max(0.0, sum(extra) / len(extra)) if extra else 0.0
+
+
+@dataclass
+class Failed:
+    label: str
+    error: str
+    path: Path | None = None
+
+
+@dataclass
+class Bench:
+    path: Path
+    meta: dict
+    entries: list = field(default_factory=list)  # Run or Failed, in bench order
+
+
+def is_run(path: Path) -> bool:
+    return (path / "summary.json").is_file() and (path / "steps.jsonl").is_file()
+
+
+def load_run(path: str | Path, label: str | None = None) -> Run:
+    p = Path(path)
+    if not is_run(p):
+        raise UsageError(f"'{path}' is not a lowcomm run (no summary.json and steps.jsonl in it)")
+    try:
+        summary = json.loads((p / "summary.json").read_text())
+        steps = [json.loads(line) for line in (p / "steps.jsonl").read_text().splitlines() if line.strip()]
+        config = tomllib.loads((p / "config.toml").read_text()) if (p / "config.toml").is_file() else {}
+    except (ValueError, OSError) as e:
+        raise UsageError(f"'{path}' is not a readable lowcomm run: {e}") from None
+    if not isinstance(summary, dict) or "strategy" not in summary or "final_val_loss" not in summary:
+        raise UsageError(f"'{path}' is not a lowcomm run (its summary.json has no strategy or final_val_loss)")
+    return Run(label or summary["strategy"], p, summary, steps, config)
+
+
+def is_bench(path: Path) -> bool:
+    return (path / BENCH_FILE).is_file()
+
+
+def load_bench(path: str | Path) -> Bench:
+    p = Path(path)
+    if not is_bench(p):
+        raise UsageError(f"'{path}' is not a lowcomm bench (no {BENCH_FILE} in it)")
+    try:
+        meta = json.loads((p / BENCH_FILE).read_text())
+        listed = meta["runs"]
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        raise UsageError(f"'{path}' has an unreadable {BENCH_FILE}: {e}") from None
+    bench = Bench(p, meta)
+    for r in listed:
+        if r.get("status") == "ok":
+            bench.entries.append(load_run(p / r["dir"], r["label"]))
+        else:
+            bench.entries.append(Failed(r["label"], r.get("error") or "failed", p / r["dir"]))
+    return bench
+
+
+def load_entries(paths: list[str]) -> list:
+    """Runs and failures from run dirs and bench dirs, in the order given."""
+    entries = []
+    for path in paths:
+        p = Path(path)
+        if is_bench(p):
+            entries.extend(load_bench(p).entries)
+        elif is_run(p):
+            entries.append(load_run(p))
+        else:
+            raise UsageError(f"'{path}' is not a lowcomm run or bench (no summary.json, steps.jsonl or {BENCH_FILE})")
+    labels = [e.label for e in entries]
+    for i, e in enumerate(entries):  # two runs of one strategy: tell them apart by their directory
+        if labels.count(e.label) > 1 and e.path is not None:
+            e.label = f"{e.label} ({e.path.name})"
+    return entries
+
+
+def reach(curve: list[Point], target: float, key: str) -> float | None:
+    """The value of `key` (time_s, tokens, wire_bytes) when the validation loss first
+    reaches `target`, linearly interpolated between the two validation points around it."""
+    prev = None
+    for p in curve:
+        if p.val_loss <= target:
+            if prev is None or prev.val_loss == p.val_loss:
+                return float(getattr(p, key))
+            a = (prev.val_loss - target) / (prev.val_loss - p.val_loss)
+            return getattr(prev, key) + a * (getattr(p, key) - getattr(prev, key))
+        prev = p
+    return None

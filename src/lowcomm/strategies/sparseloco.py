@@ -1,0 +1,57 @@
+"""SparseLoCo (Sarfi, Thérien, Lidin, Belilovsky, arXiv 2508.15706): DiLoCo whose outer
+gradient is sent top-k sparse at 2 bits, with a decaying error-feedback buffer in place of
+the outer momentum. A preset of diloco (different option defaults, the same code):
+
+    every worker starts from the global θ; H = 15 inner AdamW steps
+    Δ_r = θ_global − θ_r
+    e_r ← β·e_r + Δ_r                          β = 0.95         (--outer-ef-decay)
+    Δ̂_r = Q₂(top-k per chunk of e_r)           k = 64 of 4096   (--outer-compress)
+    e_r ← e_r − Δ̂_r
+    all_gather (indices, codes) of every worker; Δ = at each index, the mean of the
+    values of the workers that sent it
+    θ_global ← θ_global − α·Δ                  α = 1, no momentum (--outer-lr, --outer-momentum)
+
+Matched, from the authors' code (github.com/tplr-ai/SparseLoCo, first published as CCLoco;
+read in its mirror tplr-y/CCLoco: src/tplr/ccloco.py, class CCLoco.step and
+TopKCompressor; hparams/500M/sweeps/ccloco.yaml) and the paper:
+- H = 15 inner steps, outer lr 1, error_decay 0.95 (ccloco.yaml: inner_steps, outer_learning_rate,
+  error_decay); the outer step is plain SGD without momentum (CCLoco's momentum default 0):
+  the error-feedback buffer stands in for DiLoCo's outer momentum (the paper's key observation);
+- error feedback on the outer gradient: decay, add, compress, subtract what was sent -- its
+  locally *decoded* value, so the quantization error stays in the buffer too (step(), 2.-4.);
+- top-k by magnitude within chunks of 4096 values (chunk_size 64 -> 64×64 tiles); k = 64
+  (1.56%), the middle of the paper's 1–3% (the reference sweeps use 32 and 128);
+- 2-bit values by their statistical quantizer (TopKCompressor._quantize with quantization_bins
+  4, quantization_range 6): shift by the mean, step 6σ/4, 4 codes, decoded through each
+  code's mean value (lowcomm.compress.ValueCodec "stat");
+- aggregation: all-gather of indices and values, each index averaged over the workers that
+  sent it (batch_decompress: scatter_reduce "mean", include_self=False).
+Where lowcomm differs (and why):
+- chunks are 4096 consecutive values of the flattened pseudo-gradient (all tensors end to end),
+  not 64×64 tiles of each matrix and 64-value chunks of vectors: lowcomm's outer gradient is one
+  flat fragment, so one compressor serves every strategy; the selection is still per 4096;
+- the quantizer's mean/σ/table are per flattened outer gradient, not per tensor (same reason);
+- on the wire, 16-bit indices (a 4096 chunk needs 12) and packed 2-bit codes; the reference
+  sends int64 indices and a byte per code (the paper counts bits);
+- the buffer accumulates Δ and the outer SGD multiplies by α; the reference accumulates α·Δ
+  and steps with α: the same at the preset's α = 1;
+- the inner optimizer is the run's (--lr, --weight-decay, --warmup ...): the paper's AdamW
+  lr 1e-3, weight decay 0.1, 500 warmup steps, gradient clipping 1.0 are run flags, not this
+  preset's.
+Every flag of diloco still applies (`--outer-compress`, `--sync-every`, `--sync-by time`, ...).
+"""
+from __future__ import annotations
+
+from .diloco import DiLoCo, DiLoCoOptions
+from .options import with_defaults
+from .registry import register
+
+SPARSELOCO_SPEC = "topk:64,chunk:4096,bits:2,quant:stat"
+
+SparseLoCoOptions = with_defaults(DiLoCoOptions, "SparseLoCoOptions", __name__, sync_every=15, outer_lr=1.0,
+                                  outer_momentum=0.0, outer_compress=SPARSELOCO_SPEC, outer_ef_decay=0.95)
+
+
+@register("sparseloco")
+class SparseLoCo(DiLoCo):
+    Options = SparseLoCoOptions

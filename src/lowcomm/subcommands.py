@@ -1,0 +1,252 @@
+"""`lowcomm bench`, `lowcomm report` and `lowcomm plan`: their flags and their glue.
+
+bench and plan take `lowcomm train`'s own flags (argparse parents=[train]), read by
+cli.config_from_args like train's, so a model, link, slowdown or strategy option is
+written the same way everywhere and nothing is declared twice. A strategy option
+reaches the strategies that declare it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from . import config as C
+from .errors import UsageError
+from .values import convert, parse_count
+
+
+def add_subcommands(sub, train: argparse.ArgumentParser) -> None:
+    bench = sub.add_parser(
+        "bench", parents=[train], add_help=False, help="run several strategies side by side and report",
+        description="Train each strategy on the same model, data order, seed, workers, link and slowdowns "
+                    "(any `lowcomm train` flag applies to every run; a strategy option to the strategies that "
+                    "have it), then write OUT/report.md, plots and the runs. Without --link: "
+                    "--link 100mbit,10ms.")
+    bench.add_argument("--strategies", metavar="A,B,...", help="strategies to compare (default: ddp,zero1,acco,"
+                       "diloco,demo, those registered)")
+    bench.add_argument("--tokens", metavar="N", help="training tokens per strategy, e.g. 2M (steps follow from "
+                       "each strategy's tokens per step; default 300k unless --steps is given)")
+    bench.add_argument("--target-loss", metavar="X", help="validation loss for the time/bytes-to-target columns "
+                       "(default: the worst strategy's final loss)")
+
+    report = sub.add_parser("report", help="compare existing runs (report.md and plots)",
+                            description="Build the bench report from run dirs (lowcomm train --out) or bench dirs.")
+    report.add_argument("dirs", nargs="+", metavar="RUNDIR", help="run or bench directories")
+    report.add_argument("--out", metavar="DIR", help="where to write report.md and the plots (default: the bench "
+                        "dir when given one bench, else ./report)")
+    report.add_argument("--target-loss", metavar="X", help="validation loss for the to-target columns")
+
+    plan = sub.add_parser(
+        "plan", parents=[train], add_help=False, help="predict step time, traffic and memory of every strategy",
+        description="An analytic model of every strategy on a cluster: compute 6*N*tokens/FLOP/s (or measured "
+                    "with --calibrate), each strategy's communication plan priced by the link emulator's formulas, "
+                    "what it overlaps as it declares. Takes train's --workers, --link, --slowdown, --accum, model "
+                    "and strategy-option flags; --steps averages over a run of that many steps instead of the "
+                    "steady state.")
+    plan.add_argument("--params", metavar="N", help="model parameters, e.g. 1.3e9 or 350M (default: the --model's)")
+    plan.add_argument("--worker-tflops", metavar="X", help="sustained TFLOP/s of one worker")
+    plan.add_argument("--tokens-per-step", metavar="N", help="tokens per step, all workers, e.g. 4M "
+                      "(default: workers * accum * micro-batch * seq-len)")
+    plan.add_argument("--strategies", metavar="A,B,...", help="strategies to plan (default: every registered one)")
+    plan.add_argument("--calibrate", metavar="BENCHDIR", help="take each strategy's compute speed and loss per "
+                      "token from a `lowcomm bench` dir; rank by predicted time to the target loss")
+    plan.add_argument("--target-loss", metavar="X", help="with --calibrate: the loss to reach (default: the "
+                      "bench's worst final loss)")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def run_subcommand(args: argparse.Namespace) -> int:
+    return {"bench": _bench, "report": _report, "plan": _plan}[args.command](args)
+
+
+def _target(args) -> float | None:
+    if args.target_loss is None:
+        return None
+    value = convert(args.target_loss, "float", "--target-loss")
+    if value <= 0:
+        raise UsageError(f"--target-loss must be positive, got {args.target_loss}")
+    return value
+
+
+def _refuse_single_strategy(args, command: str) -> None:
+    if args.strategy is not None:
+        raise UsageError(f"lowcomm {command} takes --strategies A,B,... (not --strategy)")
+    if getattr(args, "resume", None):
+        raise UsageError(f"--resume does not apply to lowcomm {command}")
+
+
+# -- bench ---------------------------------------------------------------------
+
+def _bench(args) -> int:
+    from .bench import DEFAULT_LINK, DEFAULT_TOKENS, parse_strategies, run_bench
+    from .cli import config_from_args
+
+    _refuse_single_strategy(args, "bench")
+    cfg = config_from_args(args)
+    if args.link is None and cfg.link.bandwidth is None and not args.config:
+        C.set_link(cfg, DEFAULT_LINK)
+    tokens = parse_count(args.tokens, "--tokens") if args.tokens is not None else None
+    if tokens is None and args.steps is None:
+        tokens = DEFAULT_TOKENS
+    return run_bench(cfg, parse_strategies(args.strategies), tokens, _target(args),
+                     eval_every_given=args.eval_every is not None, overwrite=args.overwrite, quiet=args.quiet)
+
+
+# -- report --------------------------------------------------------------------
+
+def _report(args) -> int:
+    from .report import write_report
+    from .report.runs import is_bench, load_entries
+
+    target = _target(args)
+    entries = load_entries(args.dirs)
+    out = Path(args.out) if args.out else Path(args.dirs[0]) if len(args.dirs) == 1 and is_bench(
+        Path(args.dirs[0])) else Path("report")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output path '{out}' exists and is not a directory")
+    write_report(entries, out, target)
+    print((out / "report.md").read_text().split("\n\n![")[0])
+    print(f"\nreport: {out / 'report.md'} and plots in {out}/")
+    return 0
+
+
+# -- plan ----------------------------------------------------------------------
+
+# train flags the planner reads; any other train flag given to `plan` is refused
+PLAN_KEYS = {"workers", "accum", "micro_batch", "steps", "slowdown", "model.preset", "model.n_layer",
+             "model.n_head", "model.d_model", "model.seq_len"}
+
+
+def _plan(args) -> int:
+    from . import planner
+    from .bench import for_strategy
+    from .cli import TRAIN_FLAGS, TRAIN_SWITCHES, config_from_args
+    from .report.runs import load_bench, reach
+    from .report.table import default_target
+    from .strategies import available
+    from .strategies import get as get_strategy
+
+    _refuse_single_strategy(args, "plan")
+    for flag, (key, _) in {**TRAIN_FLAGS, **TRAIN_SWITCHES}.items():
+        if key not in PLAN_KEYS and getattr(args, key.replace(".", "__"), None) is not None:
+            raise UsageError(f"{flag} does not apply to lowcomm plan")
+    for flag in ("overwrite", "quiet"):
+        if getattr(args, flag, False):
+            raise UsageError(f"--{flag} does not apply to lowcomm plan")
+    bench = load_bench(args.calibrate) if args.calibrate else None
+    runs = {e.summary["strategy"]: e for e in bench.entries if hasattr(e, "summary")} if bench else {}
+    if bench is not None and not runs:
+        raise UsageError(f"bench '{args.calibrate}' has no finished run to calibrate from")
+    if bench is not None and not args.config:  # the bench's cluster, model and batch, unless flags say otherwise
+        args.config = str(next(iter(runs.values())).path / "config.toml")
+    cfg = config_from_args(args)
+    if cfg.workers < 1:
+        raise UsageError(f"workers must be at least 1, got {cfg.workers}")
+    for name in ("accum", "micro_batch", "steps"):
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    if bench is not None and args.slowdown is None and len(cfg.slowdown) != cfg.workers:
+        cfg.slowdown = ()  # the bench's slowdowns do not fit the planned --workers: plan equal workers
+    if cfg.slowdown and len(cfg.slowdown) != cfg.workers:
+        raise UsageError(f"slowdown has {len(cfg.slowdown)} factor(s) but there are {cfg.workers} workers")
+    names = [s.strip() for s in args.strategies.split(",")] if args.strategies else available()
+    for name in names:
+        get_strategy(name)
+    options, used = {}, set()
+    for name in names:
+        one, fields = for_strategy(cfg, name)
+        used |= fields
+        options[name] = C.resolve_options(one)
+    unused = [raw for key, (_, raw) in cfg.pending_options.items() if key not in used]
+    if unused:
+        raise UsageError(f"{unused[0]} applies to none of the strategies planned ({', '.join(names)})")
+
+    shapes = None
+    if args.params is not None:
+        params = parse_count(args.params, "--params")
+    else:
+        shapes = _model_shapes(cfg)
+        params = sum(math.prod(s) for s in shapes)
+    tokens = parse_count(args.tokens_per_step, "--tokens-per-step") if args.tokens_per_step else cfg.tokens_per_step
+    per_token = None  # seconds per token of one 1x worker: from --worker-tflops, else measured per strategy
+    if args.worker_tflops is not None:
+        tflops = convert(args.worker_tflops, "float", "--worker-tflops")
+        if tflops <= 0:
+            raise UsageError(f"--worker-tflops must be positive, got {args.worker_tflops}")
+        per_token = planner.flops_seconds_per_token(params, tflops * 1e12)
+    elif bench is None:
+        raise UsageError("give --worker-tflops X (one worker's sustained TFLOP/s) or --calibrate BENCHDIR")
+    cluster = planner.Cluster(params, cfg.workers, tokens, 0.0, C.make_link(cfg), tuple(cfg.slowdown), cfg.accum)
+
+    target = _target(args)
+    if bench is not None:
+        target = target if target is not None else bench.meta.get("target_loss") or default_target(bench.entries)
+        measured = {n: r.seconds_per_token() * params / r.summary["params"] for n, r in runs.items()}
+        fallback = sorted(measured.values())[len(measured) // 2]
+    preds = []
+    for name in names:
+        run = runs.get(name)
+        scale = params / run.summary["params"] if run is not None else 1.0
+        p = planner.predict(name, cluster, options[name], steps=cfg.steps if args.steps else None, shapes=shapes,
+                            seconds_per_token=per_token if per_token is not None else measured.get(name, fallback),
+                            overhead_s=run.overhead_s() * scale if run is not None else 0.0)
+        if run is not None and target is not None:
+            p.tokens_to_target = reach(run.curve, target, "tokens")
+            if p.tokens_to_target is not None:
+                p.time_to_target_s = p.tokens_to_target / p.tokens_per_s
+        preds.append(p)
+    ranked = planner.rank(preds)
+    why = planner.recommend(ranked, cluster)
+    if args.json:
+        print(json.dumps({"cluster": {"params": params, "workers": cfg.workers, "tokens_per_step": tokens,
+                                      "link": C.to_dict(cfg)["link"], "slowdown": list(cfg.slowdown),
+                                      "accum": cfg.accum, "steps": cfg.steps if args.steps else None},
+                          "target_loss": target, "ranked": [asdict(p) for p in ranked],
+                          "recommendation": why}, indent=2))
+    else:
+        print(_plan_table(ranked, cluster, cfg, target))
+        print("\n" + why)
+    return 0
+
+
+def _model_shapes(cfg: C.RunConfig) -> list[tuple[int, ...]]:
+    """The trainable parameter shapes of --model, built on the meta device (no memory)."""
+    import torch
+
+    from .worker import build_model
+    with torch.device("meta"):
+        model = build_model(cfg, torch.device("meta"))
+    return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+
+
+def _plan_table(ranked, cluster, cfg, target) -> str:
+    from .planner import format_seconds as _s
+    link = C.to_dict(cfg)["link"]
+    head = (f"{cluster.params / 1e6:,.1f}M params on {cluster.workers} workers, {cluster.tokens_per_step:,} tokens "
+            f"per step, link {link['bandwidth'] + ',' + link['latency'] if link['bandwidth'] else 'none'}"
+            + (f", slowdown up to {cluster.slowest:g}x" if cluster.slowdown else "") + "\n\n")
+    cols = ["#", "strategy", "step", "compute", "exposed comm", "tokens/s", "bytes/token", "wire MB/step/rank",
+            "memory/worker"] + (["time to target"] if any(p.time_to_target_s is not None for p in ranked) else [])
+    rows = []
+    for i, p in enumerate(ranked, 1):
+        row = [str(i), p.label, _s(p.step_s), _s(p.compute_s), f"{_s(p.exposed_comm_s)} ({100 * p.exposed_fraction:.0f}%)",
+               f"{p.tokens_per_s:,.0f}", f"{p.bytes_per_token:,.3g}", f"{p.wire_bytes_per_rank_per_step / 1e6:,.3g}",
+               f"{p.model_state_bytes / 2**30:,.2f} GiB" if p.model_state_bytes >= 2**30
+               else f"{p.model_state_bytes / 2**20:,.1f} MiB"]
+        if len(cols) > len(row):
+            row.append(_s(p.time_to_target_s) if p.time_to_target_s is not None else "-")
+        rows.append(row)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    note = ("\nmemory: parameters, gradients and optimizer state (activations excluded)"
+            + (f"; target loss {target:.4f}" if target is not None and len(cols) > 9 else ""))
+    return head + "\n".join(lines) + note
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run `lowcomm bench|report|plan`")

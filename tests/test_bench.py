@@ -1,0 +1,134 @@
+"""`lowcomm bench` and `lowcomm report` on a tiny configuration (2 strategies that train,
+one made to fail, W=2, a few steps): the report's numbers are the runs' own, every plot
+is a real PNG, and a failing strategy does not stop the others."""
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from lowcomm.cli import main
+from lowcomm.report import PLOTS
+from lowcomm.report.table import COLUMNS
+from lowcomm.strategies import Options, Strategy, register
+from lowcomm.strategies.registry import unregister
+
+BROKEN = "bench_broken"
+TINY = ["--workers", "2", "--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "32",
+        "--micro-batch", "4", "--eval-batches", "2", "--link", "1gbit,1ms", "--quiet"]
+
+
+@dataclass
+class BrokenOptions(Options):
+    pass
+
+
+class Broken(Strategy):
+    """Fails as soon as a worker builds it."""
+    Options = BrokenOptions
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("deliberately broken strategy")
+
+
+# The workers are spawned processes: they unpickle the run's config, whose options hold a
+# BrokenOptions, and so import this module; the variable makes that import register the
+# strategy there. In the test process it is registered only while the bench runs, so no
+# other test (the contract tests iterate over the registry) ever sees it.
+if os.environ.get("LOWCOMM_TEST_BROKEN") == "1":
+    register(BROKEN)(Broken)
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "cmp"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOWCOMM_TEST_BROKEN", "1")
+        register(BROKEN)(Broken)
+        try:
+            code = main(["bench", "--strategies", f"ddp,{BROKEN},zero1", "--tokens", "2560", *TINY, "--out", str(out)])
+        finally:
+            unregister(BROKEN)
+    assert code == 0
+    return out
+
+
+def summary(path: Path) -> dict:
+    return json.loads((path / "summary.json").read_text())
+
+
+def table(report_md: str) -> dict[str, list[str]]:
+    rows = [line.strip("|").split("|") for line in report_md.splitlines() if line.startswith("| ")][1:]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows}
+
+
+def test_bench_writes_runs_report_and_plots(bench):
+    meta = json.loads((bench / "bench.json").read_text())
+    assert [(r["label"], r["status"]) for r in meta["runs"]] == [("ddp", "ok"), (BROKEN, "failed"), ("zero1", "ok")]
+    assert "deliberately broken strategy" in meta["runs"][1]["error"]
+    for name in ("ddp", "zero1"):
+        s = summary(bench / name)
+        assert s["strategy"] == name and s["steps"] == 2560 // (2 * 4 * 32) and s["tokens"] == 2560
+    for name in PLOTS:
+        data = (bench / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+        width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
+        assert width >= 400 and height >= 300
+        assert f"({name})" in (bench / "report.md").read_text()
+
+
+def test_table_numbers_are_the_runs_numbers(bench):
+    rows = table((bench / "report.md").read_text())
+    assert rows[BROKEN][0].startswith("failed:") and "deliberately broken strategy" in rows[BROKEN][0]
+    finals = {n: summary(bench / n)["final_val_loss"] for n in ("ddp", "zero1")}
+    target = max(finals.values())
+    for name in ("ddp", "zero1"):
+        s = summary(bench / name)
+        expect = {"final val loss": s["final_val_loss"], "tokens/s": s["tokens_per_s"],
+                  "wire MB/step/rank": s["wire_bytes_per_rank_per_step"] / 1e6,
+                  "exposed comm %": 100 * s["exposed_comm_fraction"],
+                  "optimizer state MB/rank": s["optimizer_state_bytes_per_rank"] / 1e6,
+                  "peak memory MiB": s["peak_mem_bytes"] / 2**20}
+        for (key, header, fmt), cell in zip(COLUMNS, rows[name]):
+            if header in expect:
+                assert cell == fmt.format(expect[header]), (name, header)
+        steps = [json.loads(line) for line in (bench / name / "steps.jsonl").read_text().splitlines()]
+        if finals[name] == target:  # the worst run reaches the target at its last step: all of its time and bytes
+            t, mb = rows[name][1], rows[name][2]
+            assert t == f"{sum(r['wall_s'] for r in steps):.1f}"
+            assert mb == f"{sum(r['wire_bytes'] for r in steps) / 1e6:.2f}"
+    report = json.loads((bench / "report.json").read_text())
+    assert report["target_loss"] == target
+    by_label = {r["label"]: r for r in report["rows"]}
+    assert by_label["zero1"]["tokens_per_s"] == summary(bench / "zero1")["tokens_per_s"]
+
+
+def test_report_rebuilds_from_run_dirs_and_refuses_others(bench, tmp_path, capsys):
+    out = tmp_path / "again"
+    assert main(["report", str(bench / "ddp"), str(bench / "zero1"), "--out", str(out)]) == 0
+    again = json.loads((out / "report.json").read_text())["rows"]
+    first = {r["label"]: r for r in json.loads((bench / "report.json").read_text())["rows"]}
+    assert again == [first["ddp"], first["zero1"]]
+    assert all((out / name).is_file() for name in PLOTS)
+    capsys.readouterr()
+    (tmp_path / "not_a_run").mkdir()
+    assert main(["report", str(bench / "ddp"), str(tmp_path / "not_a_run"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "is not a lowcomm run" in err[0]
+    assert not (tmp_path / "x").exists()
+
+
+def test_plan_calibrates_from_the_bench(bench, capsys):
+    assert main(["plan", "--calibrate", str(bench), "--strategies", "ddp,zero1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ddp = next(p for p in out["ranked"] if p["strategy"] == "ddp")
+    s = summary(bench / "ddp")
+    # one worker's compute per token, measured: its forward/backward seconds over its tokens
+    per_token = sum(c / (m * 4 * 32) for c, m in zip(s["compute_s_per_rank"], s["micro_batches_per_rank"])) / 2
+    assert ddp["compute_s"] == pytest.approx(2 * 4 * 32 / 2 * per_token, rel=1e-9)
+    assert out["target_loss"] == max(summary(bench / n)["final_val_loss"] for n in ("ddp", "zero1"))
+    assert all(p["time_to_target_s"] is not None and math.isfinite(p["time_to_target_s"]) for p in out["ranked"])
+    assert out["recommendation"].startswith(f"use {out['ranked'][0]['label']}: predicted to reach the target loss")
