@@ -24,29 +24,22 @@ ranks), skipping the first steps; runs are side by side in one invocation.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from lowcomm.comm.wire import latency_hops, wire_bytes
 
+from _runs import train
+
 SKIP = 4  # first steps: start-up, allocator warm-up
 
 
 def run(out: Path, args, *flags) -> tuple[dict, list[dict]]:
-    cmd = [sys.executable, "-m", "lowcomm", "train", "--quiet", "--workers", str(args.workers),
-           "--model", args.model, "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
-           "--eval-every", "0", "--out", str(out), *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"error: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    return summary, steps
+    r = train(out, "--workers", str(args.workers), "--model", args.model, "--micro-batch", str(args.micro_batch),
+              "--seq-len", str(args.seq_len), "--eval-every", "0", *flags)
+    return r.summary, r.steps
 
 
 def per_token(steps: list[dict]) -> float:

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _runs import train
 
 CONFIGS = {
     "ddp": ["--strategy", "ddp"],
@@ -44,18 +45,12 @@ CONFIGS = {
 
 
 def run(out: Path, args, steps: int, *flags) -> tuple[dict, list[dict]]:
-    cmd = [sys.executable, "-m", "lowcomm", "train", "--quiet", "--workers", str(args.workers),
-           "--steps", str(steps), "--n-layer", str(args.n_layer), "--n-head", str(args.n_head),
-           "--d-model", str(args.d_model), "--seq-len", str(args.seq_len),
-           "--micro-batch", str(args.micro_batch), "--accum", str(args.accum), "--lr", str(args.lr),
-           "--warmup", str(max(1, steps // 10)), "--eval-every", "0", "--eval-batches", str(args.eval_batches),
-           "--seed", str(args.seed), "--out", str(out), "--overwrite", *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"error: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    steps_log = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    return summary, steps_log
+    r = train(out, "--workers", str(args.workers), "--steps", str(steps), "--n-layer", str(args.n_layer),
+              "--n-head", str(args.n_head), "--d-model", str(args.d_model), "--seq-len", str(args.seq_len),
+              "--micro-batch", str(args.micro_batch), "--accum", str(args.accum), "--lr", str(args.lr),
+              "--warmup", str(max(1, steps // 10)), "--eval-every", "0", "--eval-batches", str(args.eval_batches),
+              "--seed", str(args.seed), "--overwrite", *flags)
+    return r.summary, r.steps
 
 
 def main(argv=None) -> int:
@@ -73,7 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", default="", help="comma-separated subset of: " + ", ".join(CONFIGS))
+    ap.add_argument("--only", default="", help="comma-separated subset of: " + ", ".join(CONFIGS).replace("%", "%%"))
     ap.add_argument("--json", help="write the table here too")
     args = ap.parse_args(argv)
     names = [n for n in CONFIGS if not args.only or n in args.only.split(",") or n == "ddp"]

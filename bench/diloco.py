@@ -31,22 +31,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from _runs import train
+
 
 def run(out: Path, args, strategy: str, *flags, steps: int | None = None) -> dict:
-    cmd = [sys.executable, "-m", "lowcomm", "train", "--quiet", "--strategy", strategy,
-           "--workers", str(args.workers), "--model", args.model, "--micro-batch", str(args.micro_batch),
-           "--seq-len", str(args.seq_len), "--steps", str(steps or args.steps), "--seed", str(args.seed),
-           "--eval-every", "0", "--eval-batches", str(args.eval_batches), "--out", str(out), *flags]
-    print("  $", " ".join(cmd[1:]), flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"error: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return json.loads((out / "summary.json").read_text())
+    return train(out, "--strategy", strategy, "--workers", str(args.workers), "--model", args.model,
+                 "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
+                 "--steps", str(steps or args.steps), "--seed", str(args.seed), "--eval-every", "0",
+                 "--eval-batches", str(args.eval_batches), *flags, echo=True).summary
 
 
 def peak_sync_bytes(s: dict) -> float:

@@ -28,12 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -41,20 +38,15 @@ import torch
 from lowcomm import checkpoint as K
 from lowcomm.strategies.registry import reproducible_flags
 
+from _runs import train
+
 
 def run(out: Path, args, *flags, env: dict | None = None) -> float:
-    cmd = [sys.executable, "-m", "lowcomm", "train", "--quiet", "--strategy", args.strategy,
-           "--workers", str(args.workers), "--steps", str(args.steps), "--n-layer", str(args.n_layer),
-           "--n-head", "2", "--d-model", str(args.d_model), "--seq-len", str(args.seq_len),
-           "--micro-batch", str(args.micro_batch), "--eval-every", "0", "--eval-batches", "1",
-           "--seed", str(args.seed), "--data", args.data, "--out", str(out), *reproducible_flags(args.strategy), *flags]
-    print("  $", " ".join(cmd[3:]), flush=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.exit(f"error: the run failed:\n{proc.stderr[-3000:]}")
-    return wall
+    return train(out, "--strategy", args.strategy, "--workers", str(args.workers), "--steps", str(args.steps),
+                 "--n-layer", str(args.n_layer), "--n-head", "2", "--d-model", str(args.d_model),
+                 "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--eval-every", "0",
+                 "--eval-batches", "1", "--seed", str(args.seed), "--data", args.data,
+                 *reproducible_flags(args.strategy), *flags, env=env, echo=True).wall_s
 
 
 def final_params(out: Path, steps: int, world: int) -> list[dict]:
