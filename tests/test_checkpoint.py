@@ -31,11 +31,11 @@ from dist_utils import run_dist
 STRATEGIES = available()
 DATA = "pydoc"  # Python's own documentation topics: always installed, small
 STEPS = 5
-CKPT = 3      # the step resumed from: after PowerSGD's first compressed step (README: its caveat)
+CKPT = 3      # the step resumed from: just before PowerSGD's first compressed step (the hard case)
 NAN_STEPS, NAN_AT = 3, 2  # the NaN runs: rank 1's loss is NaN in step NAN_AT
 # Options that make every strategy do its interesting part within STEPS steps: syncs, fragments
 # in flight across the checkpoint, delayed updates, PowerSGD's compressed phase.
-OPTIONS = {"dpu": ["--dpu-warmup", "1"], "powersgd": ["--powersgd-start", "2"],
+OPTIONS = {"dpu": ["--dpu-warmup", "1"], "powersgd": ["--powersgd-start", "3"],
            "diloco": ["--sync-every", "2"], "sparseloco": ["--sync-every", "2"],
            "streaming_diloco": ["--sync-every", "2", "--fragments", "2", "--fragment-delay", "1"]}
 # How a NaN loss on one rank is skipped: a strategy with local inner steps (the DiLoCo family)
