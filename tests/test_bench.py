@@ -3,7 +3,6 @@ one made to fail, W=2, a few steps): the report's numbers are the runs' own, eve
 is a real PNG, and a failing strategy does not stop the others."""
 import json
 import math
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 from lowcomm.cli import main
 from lowcomm.report import PLOTS
 from lowcomm.report.table import COLUMNS
-from lowcomm.strategies import Options, Strategy, register
+from lowcomm.strategies import Options, Strategy, available, register
 from lowcomm.strategies.registry import unregister
 
 BROKEN = "bench_broken"
@@ -23,7 +22,17 @@ TINY = ["--workers", "2", "--n-layer", "1", "--n-head", "2", "--d-model", "32", 
 
 @dataclass
 class BrokenOptions(Options):
-    pass
+    def __reduce__(self):
+        return _options_in_a_worker, ()
+
+
+def _options_in_a_worker() -> BrokenOptions:
+    """A worker unpickles the run's config, whose options are BrokenOptions: this registers the
+    strategy there. In the test process it is registered only while the bench runs, so no
+    other test (the contract tests iterate over the registry) ever sees it."""
+    if BROKEN not in available():
+        register(BROKEN)(Broken)
+    return BrokenOptions()
 
 
 class Broken(Strategy):
@@ -34,24 +43,14 @@ class Broken(Strategy):
         raise RuntimeError("deliberately broken strategy")
 
 
-# The workers are spawned processes: they unpickle the run's config, whose options hold a
-# BrokenOptions, and so import this module; the variable makes that import register the
-# strategy there. In the test process it is registered only while the bench runs, so no
-# other test (the contract tests iterate over the registry) ever sees it.
-if os.environ.get("LOWCOMM_TEST_BROKEN") == "1":
-    register(BROKEN)(Broken)
-
-
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "cmp"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LOWCOMM_TEST_BROKEN", "1")
-        register(BROKEN)(Broken)
-        try:
-            code = main(["bench", "--strategies", f"ddp,{BROKEN},zero1", "--tokens", "2560", *TINY, "--out", str(out)])
-        finally:
-            unregister(BROKEN)
+    register(BROKEN)(Broken)
+    try:
+        code = main(["bench", "--strategies", f"ddp,{BROKEN},zero1", "--tokens", "2560", *TINY, "--out", str(out)])
+    finally:
+        unregister(BROKEN)
     assert code == 0
     return out
 
