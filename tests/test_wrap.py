@@ -152,6 +152,14 @@ def test_zero_grad_on_a_sharded_model_is_refused(strategy):
     model.zero_grad()  # after close() the model is the user's again
 
 
+def test_acco_max_accum_below_accum_is_refused_as_on_the_cli():
+    with pytest.raises(UsageError, match="--max-accum \\(acco.max_accum\\) 2 is below --accum 4"):
+        _run("acco", accum=4, max_accum=2)
+    _, run = _run("acco", accum=4)
+    assert run.strategy.max_accum == 16  # 0: 4 x accum
+    run.close()
+
+
 def test_evaluating_or_saving_mid_step_is_refused():
     _, run = _run(accum=2)
     run.backward(_loss(run))

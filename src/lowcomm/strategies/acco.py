@@ -45,9 +45,15 @@ class AccoOptions(ShardedOptions):
     max_accum: int = option(0, "most micro-batches per round while communicating (0: 4 x --accum)", min=0)
 
     def check_run(self, cfg) -> None:
-        if self.max_accum and self.max_accum < cfg.accum:
-            raise UsageError(f"--max-accum (acco.max_accum) {self.max_accum} is below --accum {cfg.accum}: "
+        self.rounds_bound(cfg.accum)
+
+    def rounds_bound(self, accum: int) -> int:
+        """Most micro-batches per round: max_accum (0: 4·accum); below accum is refused,
+        through the CLI and TOML (check_run) and the Python API (the constructor) alike."""
+        if self.max_accum and self.max_accum < accum:
+            raise UsageError(f"--max-accum (acco.max_accum) {self.max_accum} is below --accum {accum}: "
                              f"a round computes at least --accum micro-batches")
+        return self.max_accum or 4 * accum
 
 
 @register("acco")
@@ -60,7 +66,7 @@ class ACCO(ShardedStrategy):
     def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
         super().__init__(model, comm, make_optimizer, accum, schedule, options)
         self.deterministic = self.options.deterministic
-        self.max_accum = max(self.options.max_accum or 4 * accum, accum)
+        self.max_accum = self.options.rounds_bound(accum)
         self.rounds = OverlappedRounds(self.flat, self.shard_opt, comm)
         self.starting = True           # the start-up micro-batch at θ_0 comes first
         self.estimate_next = True      # the first round is an estimate round
