@@ -1,7 +1,6 @@
 """`lowcomm report`: a comparison of runs as report.md, report.json and PNG plots."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..metrics.runlog import write_json_atomic
