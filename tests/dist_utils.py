@@ -13,9 +13,9 @@
 
 How it works (the same recipe as src/lowcomm/launch.py): the parent hosts a
 TCPStore on a port the OS picks (port 0, so concurrent test runs never race for
-a port), starts W processes the way the launcher does (forked from a server that
-imported torch and lowcomm once: lowcomm.supervise.start_method), and each one
-takes the caller's environment and directory, sets one torch thread, joins the
+a port), starts W processes the way the launcher does (lowcomm.supervise.start_workers:
+forked from a server that imported torch and lowcomm once, with the caller's
+environment and directory), and each one sets one torch thread, joins the
 store, initialises a gloo process group of size W, calls
 `fn(rank, world, *args, **kwargs)`, writes the return value with `torch.save` to a
 temporary directory and destroys the group. The parent reads the W files back in
@@ -40,20 +40,14 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from lowcomm.supervise import start_method
+from lowcomm.supervise import start_workers
 
 __all__ = ["run_dist", "rel_err", "flat_params"]
 
 
 def _entry(rank: int, fn: Callable, world: int, port: int, result_dir: str,
-           args: tuple, kwargs: dict, threads: int, environ: dict, cwd: str) -> None:
-    # A fork server's child starts with the server's environment and directory, from
-    # when the first test started it: take this call's instead, as spawn would.
-    os.environ.clear()
-    os.environ.update(environ)
-    os.chdir(cwd)
+           args: tuple, kwargs: dict, threads: int) -> None:
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     # LOWCOMM_TEST_BACKEND=nccl runs the same tests on GPUs (the device check in
@@ -87,9 +81,7 @@ def run_dist(fn: Callable, world: int, *args: Any, timeout: float = 120.0, threa
     os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the children
     try:
         with tempfile.TemporaryDirectory(prefix="lowcomm-dist-") as result_dir:
-            ctx = mp.start_processes(_entry, args=(fn, world, store.port, result_dir, args, kwargs, threads,
-                                                   dict(os.environ), os.getcwd()),
-                                     nprocs=world, start_method=start_method(), join=False)
+            ctx = start_workers(_entry, (fn, world, store.port, result_dir, args, kwargs, threads), world)
             deadline = time.monotonic() + timeout
             try:
                 while not ctx.join(timeout=0.1):

@@ -53,8 +53,7 @@ def run_workers(fn: Callable, args: tuple, nprocs: int, ask_first: bool = False)
     previous = _catch_signals(received)
     ctx = None
     try:
-        ctx = mp.start_processes(_child, args=(os.getpid(), dict(os.environ), os.getcwd(), fn, args),
-                                 nprocs=nprocs, start_method=start_method(), join=False)
+        ctx = start_workers(fn, args, nprocs)
         _watch(ctx, received, ask_first)
     finally:
         if ctx is not None:
@@ -62,6 +61,14 @@ def run_workers(fn: Callable, args: tuple, nprocs: int, ask_first: bool = False)
             for path in ctx.error_files:
                 _unlink(path)
         _restore_signals(previous)
+
+
+def start_workers(fn: Callable, args: tuple, nprocs: int):
+    """Start fn(rank, *args) on `nprocs` processes (forked from the server, see start_method)
+    with this process's environment and directory, dying with it; torch's process context
+    (join, error files) is returned unwatched. run_workers watches it; tests' run_dist too."""
+    return mp.start_processes(_child, args=(os.getpid(), dict(os.environ), os.getcwd(), fn, args),
+                              nprocs=nprocs, start_method=start_method(), join=False)
 
 
 def start_method() -> str:
