@@ -52,13 +52,15 @@ def steps(strategy, rank, n):
 
 # (strategy, options, steps): powersgd's start 2 makes its 3 steps cross into compression
 BYTE_CASES = [("quantized", {}, 2), ("quantized", {"bits": 4, "block_size": 100}, 2),
-              ("quantized", {"bits": 1, "error_feedback": False}, 2),
+              ("quantized", {"bits": 1, "error_feedback": False, "freeze_variance_after": 0}, 2),
               ("demo", {}, 2), ("demo", {"compact_index": True, "values": "bf16"}, 2),
               ("demo", {"values": "sign", "compact_index": True, "chunk": 16, "topk": 5}, 2),
-              ("powersgd", {"start": 2}, 3), ("powersgd", {"start": 2, "rank": 1}, 3)]
+              ("powersgd", {"start": 2}, 3), ("powersgd", {"start": 2, "rank": 1}, 3),
+              # 1-bit Adam: one exact fp32 step, then the compressed momentum
+              ("quantized", {"bits": 1, "freeze_variance_after": 1, "block_size": 100}, 3)]
 
 
-W3_CASES = [BYTE_CASES[i] for i in (1, 4, 5, 7)]  # W=3: fewer cases, the spawn is the cost
+W3_CASES = [BYTE_CASES[i] for i in (1, 4, 5, 7, 8)]  # W=3: fewer cases, the spawn is the cost
 
 
 def _bytes(rank, world):
@@ -244,7 +246,7 @@ def _demo_checks(rank, world, path):
     strategy.close()
 
     # 3. state_dict -> load_state_dict: residuals and momenta bit-exact, same continuation
-    for name, options in (("demo", {}), ("quantized", {"bits": 1}), ("quantized", {"bits": 4}),
+    for name, options in (("demo", {}), ("quantized", ONEBIT_ADAM), ("quantized", {"bits": 4}),
                           ("powersgd", {"start": 2}), ("powersgd", MULTI_BUCKET)):
         model, strategy = build(name, **options)
         steps(strategy, rank, 3)
@@ -299,12 +301,16 @@ def _nested_equal(a, b, where=""):
             _nested_equal(x, y, f"{where}/{i}")
 
 
+# 1-bit Adam saved after its first compressed step (2 exact steps, then v frozen): the resumed
+# run must rebuild the frozen denominators from the optimizer's v and the step it froze at.
+ONEBIT_ADAM = {"bits": 1, "freeze_variance_after": 2}
+
 # Several DDP buckets, saved just before PowerSGD's first compressed step: the resumed
 # process's DDP lays its first step's buckets out differently from the straight run's.
 MULTI_BUCKET = {"start": 3, "bucket_mb": 0.01}
 
 
-@pytest.mark.parametrize("key", ["demo{}", "quantized{'bits': 1}", "quantized{'bits': 4}",
+@pytest.mark.parametrize("key", ["demo{}", f"quantized{ONEBIT_ADAM}", "quantized{'bits': 4}",
                                  "powersgd{'start': 2}", f"powersgd{MULTI_BUCKET}"])
 def test_residuals_and_momenta_survive_state_dict(demo_checks, key):
     for r in demo_checks:
@@ -318,12 +324,54 @@ def test_residuals_and_momenta_survive_state_dict(demo_checks, key):
     if key.startswith("quantized"):
         res = demo_checks[0][key][2]["residuals"]
         assert set(res) == {"worker", "owner"} and float(res["worker"].abs().max()) > 0
+    if key == f"quantized{ONEBIT_ADAM}":
+        assert demo_checks[0][key][2]["adam"]["frozen_at"] is not None  # saved after v froze
+
+
+# -- 1-bit Adam's frozen-variance step -----------------------------------------------------------
+
+def test_frozen_adam_is_adam_with_v_held_at_the_freeze():
+    """FrozenAdam.apply against a transcription of 1-bit Adam's compression-stage update."""
+    from lowcomm.optim import FrozenAdam
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5, 7))
+    opt = torch.optim.AdamW([w], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for _ in range(3):
+        w.grad = torch.randn_like(w)
+        opt.step()
+    adam = FrozenAdam(opt, [w])
+    v, t0 = opt.state[w]["exp_avg_sq"].clone(), float(opt.state[w]["step"])
+    theta, m = w.detach().clone(), opt.state[w]["exp_avg"].clone()
+    for t in range(4, 7):
+        g = torch.randn_like(w)
+        m = 0.9 * m + 0.1 * g
+        theta = theta * (1 - 1e-2 * 0.1) - 1e-2 / (1 - 0.9 ** t) * m / ((v / (1 - 0.95 ** t0)).sqrt() + 1e-8)
+        adam.apply(w, torch.lerp(opt.state[w]["exp_avg"], adam.gradient(w, g), 0.1), adam.denominators()[0])
+        assert torch.allclose(w.detach(), theta, rtol=1e-6, atol=1e-7)
+    assert torch.equal(opt.state[w]["exp_avg_sq"], v) and float(opt.state[w]["step"]) == 6
+
+
+def test_one_bit_adam_refuses_other_optimizers_and_an_unknown_run_length():
+    model = make_model()
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    with pytest.raises(lowcomm.UsageError, match="needs torch.optim.Adam or AdamW, got SGD"):
+        lowcomm.wrap(model, sgd, strategy="quantized", bits=1, freeze_variance_after=5)
+    with lowcomm.wrap(model, make_optimizer, strategy="quantized", bits=1) as run:
+        x, y = batch(0, 0, 0)
+        with pytest.raises(lowcomm.UsageError, match="warms up for a fifth of the run"):
+            run.backward(lowcomm.lm_loss(run.model, (x, y)))
 
 
 # -- slow: quantized training tracks ddp --------------------------------------------------------
 
 # The shared corpus recipe of tests/conftest.py (150 steps of a 2-layer, width-64 GPT at W=2,
 # fewer than the issue's 300 to fit the suite's budget); ddp's run is test_convergence's.
+# 1-bit is judged at the issue's 300 steps and lr 1e-3: at the shared recipe's lr 3e-3 the
+# step at which a run leaves the unigram plateau is chaotic (ddp alone: 2.821 with seed 0,
+# 3.222 with seed 1 at 150 steps), so no 5 % comparison means anything there; at 1e-3 and
+# 300 steps ddp gives 2.629 / 2.618 for seeds 0 / 1.
+ONEBIT_RECIPE = ("--lr", "1e-3")
+ONEBIT_STEPS = 300
 
 
 @pytest.fixture(scope="module")
@@ -333,8 +381,10 @@ def ddp_loss(corpus_run):
 
 @pytest.fixture(scope="module")
 def one_bit(corpus_run):
-    return (corpus_run("quantized", "--bits", "1")[0]["final_val_loss"],
-            corpus_run("quantized", "--bits", "1", "--no-error-feedback")[0]["final_val_loss"])
+    """(ddp, 1-bit Adam with error feedback, without) at the 1-bit recipe."""
+    def loss(strategy, *flags):
+        return corpus_run(strategy, *ONEBIT_RECIPE, *flags, steps=ONEBIT_STEPS)[0]["final_val_loss"]
+    return loss("ddp"), loss("quantized", "--bits", "1"), loss("quantized", "--bits", "1", "--no-error-feedback")
 
 
 @pytest.mark.slow
@@ -343,18 +393,16 @@ def test_quantized_int8_with_error_feedback_matches_ddp(ddp_loss, corpus_run):
     assert abs(loss - ddp_loss) <= 0.01 * ddp_loss, (loss, ddp_loss)
 
 
+# Measured: ddp 2.629, 1-bit Adam (60 exact steps, then 1-bit momentum) 2.664 (+1.3 %),
+# without error feedback 3.078 (+17 %); 1-bit gradients into plain AdamW (freeze_variance_after
+# 0) 2.810 with error feedback and 2.745 without: error feedback cannot fix Adam's v.
 @pytest.mark.slow
-@pytest.mark.xfail(reason="measured at 150 steps: 3.374 without EF vs 3.367 with EF (ddp 2.821): 1-bit "
-                          "into AdamW is poor either way at this length; open", strict=False)
-def test_quantized_1bit_without_error_feedback_is_measurably_worse(one_bit, ddp_loss):
-    with_ef, without = one_bit
-    assert without > with_ef + 0.01 * ddp_loss, (without, with_ef, ddp_loss)
+def test_quantized_1bit_without_error_feedback_is_measurably_worse(one_bit):
+    ddp, with_ef, without = one_bit
+    assert without > with_ef + 0.05 * ddp, (without, with_ef, ddp)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="measured 19% above ddp at 150 steps (3.367 vs 2.821; 12-19% with blocks of 32/64/256): "
-                          "sign-compressed gradients fed to "
-                          "AdamW inflate its second moment (why 1-bit Adam freezes it); open", strict=False)
-def test_quantized_1bit_with_error_feedback_within_5_percent_of_ddp(one_bit, ddp_loss):
-    with_ef, _ = one_bit
-    assert abs(with_ef - ddp_loss) <= 0.05 * ddp_loss, (with_ef, ddp_loss)
+def test_quantized_1bit_with_error_feedback_within_5_percent_of_ddp(one_bit):
+    ddp, with_ef, _ = one_bit
+    assert abs(with_ef - ddp) <= 0.05 * ddp, (with_ef, ddp)
