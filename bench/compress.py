@@ -5,7 +5,8 @@ and what compression itself costs.
     python bench/compress.py --steps 40 --link-steps 3    # shrunk
     python bench/compress.py --only ddp,int8+ef,demo      # a subset (ddp is always run: it is the reference)
 
-For each configuration (ddp; quantized int8/int4/1-bit with and without error feedback;
+For each configuration (ddp; quantized int8/int4/1-bit Adam with and without error feedback,
+1-bit gradients into plain AdamW;
 demo default and with compact indices; powersgd rank 4; sparseloco at its defaults; diloco
 H=32 with top-2% 2-bit outer gradients), two runs with the same model,
 data, seed and tokens:
@@ -34,8 +35,9 @@ CONFIGS = {
     "int8": ["--strategy", "quantized", "--bits", "8", "--no-error-feedback"],
     "int4+ef": ["--strategy", "quantized", "--bits", "4"],
     "int4": ["--strategy", "quantized", "--bits", "4", "--no-error-feedback"],
-    "1bit+ef": ["--strategy", "quantized", "--bits", "1"],
+    "1bit+ef": ["--strategy", "quantized", "--bits", "1"],  # 1-bit Adam: a fifth of the run exact
     "1bit": ["--strategy", "quantized", "--bits", "1", "--no-error-feedback"],
+    "1bit-grad+ef": ["--strategy", "quantized", "--bits", "1", "--freeze-variance-after", "0"],  # into AdamW
     "demo": ["--strategy", "demo"],
     "demo-compact": ["--strategy", "demo", "--demo-compact-index"],
     "powersgd-r4": ["--strategy", "powersgd", "--powersgd-rank", "4"],

@@ -66,14 +66,22 @@ def block_dims(shape, target: int) -> tuple:
     return (largest_divisor_at_most(rows, target), largest_divisor_at_most(cols, target))
 
 
+def _count_dtype(workers: int) -> torch.dtype:
+    """The smallest type that counts how many of `workers` sent a coefficient."""
+    return torch.uint8 if workers < 256 else torch.int32
+
+
 class DCTTopK:
     def __init__(self, shape, chunk: int = 64, k: int = 32, values: str = "fp32",
-                 compact_index: bool = False, device=None):
+                 compact_index: bool = False, device=None, dims=None):
+        """`dims`: the block's dimensions instead of block_dims(shape, chunk), e.g. those of
+        the tensors a stack of same-width tensors was made of (a stack of rows has divisors
+        its members lack)."""
         if values not in DCT_VALUES:
             raise ValueError(f"values must be one of {DCT_VALUES}, got {values}")
         self.shape = tuple(shape)
         self.values, self.compact_index = values, compact_index
-        self.dims = block_dims(self.shape, chunk)
+        self.dims = tuple(dims) if dims is not None else block_dims(self.shape, chunk)
         if len(self.dims) == 1:
             n = max(1, math.prod(self.shape))
             self.grid = (n // self.dims[0],)
@@ -105,22 +113,26 @@ class DCTTopK:
             (w,) = self.dims
             return x.reshape(-1, w) @ self.mats[0]
         # C = Fhᵀ·X·Fw per (h, w) block, as two batched matmuls: about twice as fast on
-        # CPU as the equivalent three-operand einsum.
+        # CPU as the equivalent three-operand einsum. The row transform multiplies from the
+        # left, on the rows as they lie (a right multiply by a transposed view made matmul
+        # copy it first); only the last step, to the blocks' layout, copies.
         h, w = self.dims
         y, xx = self.grid
-        a = x.reshape(y * h * xx, w) @ self.mats[1]            # rows: (y, h, x); cols: d
-        a = a.reshape(y, h, xx * w).transpose(1, 2) @ self.mats[0]  # (y, x·d, b)
-        return a.reshape(y, xx, w, h).transpose(2, 3).reshape(self.blocks, self.block)
+        a = x.reshape(y * h * xx, w) @ self.mats[1]                  # rows: (y, h, x); cols: d
+        a = torch.matmul(self.mats[0].T, a.reshape(y, h, xx * w))    # (y, b, x·d)
+        return a.reshape(y, h, xx, w).transpose(1, 2).reshape(self.blocks, self.block)
 
     def decode(self, c: torch.Tensor) -> torch.Tensor:
         """(blocks, block) coefficients -> a tensor of the original shape (inverse DCT)."""
         if len(self.dims) == 1:
             return (c @ self.mats[0].T).reshape(self.shape)
+        # Q = Fh·C·Fwᵀ per block: the row transform from the left on the (y·x) blocks as
+        # they lie, so that only the last step, back to the tensor's layout, copies.
         h, w = self.dims
         y, xx = self.grid
-        a = c.reshape(y * xx * h, w) @ self.mats[1].T             # rows: (y, x, b); cols: w
-        a = a.reshape(y, xx, h, w).permute(0, 1, 3, 2) @ self.mats[0].T  # (y, x, w, h)
-        return a.permute(0, 3, 1, 2).reshape(self.shape)
+        a = c.reshape(y * xx * h, w) @ self.mats[1].T                # rows: (y, x, b); cols: w
+        a = torch.matmul(self.mats[0], a.reshape(y * xx, h, w))      # (y·x, h, w)
+        return a.reshape(y, xx, h, w).permute(0, 2, 1, 3).reshape(self.shape)
 
     # -- top-k ------------------------------------------------------------------------------
     def topk(self, coeffs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,13 +168,44 @@ class DCTTopK:
 
     def decompress(self, idx_list, val_list) -> torch.Tensor:
         """Workers' packed (indices, values) -> the decoded tensor: at each coefficient the
-        mean of the values of the workers that sent it (zero where none did), inverse DCT."""
-        pairs = [self.unpack(i, v) for i, v in zip(idx_list, val_list, strict=True)]
-        idx = torch.cat([p[0] for p in pairs], dim=-1)
-        val = torch.cat([p[1] for p in pairs], dim=-1)
-        c = torch.zeros(self.blocks, self.block, dtype=torch.float32, device=val.device)
-        if len(pairs) == 1:  # one worker's top-k indices are distinct: a plain scatter, same values
-            c.scatter_(-1, idx, val)
+        mean of the values of the workers that sent it (zero where none did), inverse DCT.
+        Each of idx_list / val_list: one packed tensor per worker, or them all stacked as
+        one (workers, ...) tensor (e.g. a view of a gathered buffer: nothing copied)."""
+        idx, val = self._received(idx_list, val_list)
+        # The coefficients are built in a zero buffer kept between calls and put back to zero
+        # where written: the sent coefficients are a few percent of the tensor, and filling a
+        # fresh full-size buffer (twice, with the counts) cost more than the scatters.
+        c, n = self._scratch(val.device, len(idx_list))
+        try:
+            return self.decode(self._scatter_mean(c, n, idx, val, len(idx_list)))
+        finally:  # (scatter_ of a zero tensor: much faster on CPU than of the scalar 0)
+            c.scatter_(-1, idx, torch.zeros_like(val))
+            n.scatter_(-1, idx, torch.zeros_like(idx, dtype=n.dtype))
+
+    def _received(self, idx_list, val_list):
+        """-> int64 indices and fp32 values, (blocks, workers·k): the workers side by side."""
+        if isinstance(idx_list, torch.Tensor) and self.values != "sign":  # unpack is elementwise
+            idx = decode_index(idx_list) if self.compact_index else idx_list
+            idx, val = idx.reshape(-1, self.blocks, self.k), val_list.float().reshape(-1, self.blocks, self.k)
         else:
-            c.scatter_reduce_(-1, idx, val, reduce="mean", include_self=False)
-        return self.decode(c)
+            idx, val = zip(*(self.unpack(i, v) for i, v in zip(idx_list, val_list, strict=True)))
+        if len(idx) == 1:
+            return idx[0], val[0]
+        return torch.cat(tuple(idx), dim=-1), torch.cat(tuple(val), dim=-1)
+
+    def _scratch(self, device, workers):
+        z = getattr(self, "_zeros", None)
+        if z is None or z[0].device != device or z[1].dtype != _count_dtype(workers):
+            self._zeros = (torch.zeros(self.blocks, self.block, device=device),
+                           torch.zeros(self.blocks, self.block, dtype=_count_dtype(workers), device=device))
+        return self._zeros
+
+    @staticmethod
+    def _scatter_mean(c, n, idx, val, workers):
+        """Into zero (c, n): at each index the mean of the values sent there. Sum, then
+        divide, as scatter_reduce_(mean) does, but touching only the sent positions."""
+        if workers == 1:  # one worker's top-k indices are distinct: a plain scatter, same values
+            return c.scatter_(-1, idx, val)
+        c.scatter_add_(-1, idx, val)
+        n.scatter_add_(-1, idx, torch.ones_like(idx, dtype=n.dtype))
+        return c.scatter_(-1, idx, c.gather(-1, idx) / n.gather(-1, idx))

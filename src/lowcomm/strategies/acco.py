@@ -96,7 +96,6 @@ class ACCO(ShardedStrategy):
             self.flat.zero_grad()
         else:
             self.start_round()
-        self.micro = 0
 
     def start_round(self):
         estimate = self.estimate_next
@@ -115,8 +114,8 @@ class ACCO(ShardedStrategy):
             self.local_count = 1
             self.rounds.load_gradients(self.local_count)
             self.start_round()
+            self.micro = 0  # the start-up micro-batch belongs to no round
             return False
-        self.micro += 1
         self.local_count += 1
         # Keep computing while the round is in flight: at least accum, at most max_accum.
         if self.micro < self.accum or (not self.deterministic and self.micro < self.max_accum

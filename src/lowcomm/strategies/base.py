@@ -106,6 +106,9 @@ class Strategy:
         self.make_optimizer, self.schedule = make_optimizer, schedule
         self.options = (options or self.Options()).validate(self.name)
         self.steps_done = 0
+        # Micro-batches of the step in progress on this rank: zeroed before begin_step(),
+        # counted before each after_backward(). Between steps (where state is saved) it is 0.
+        self.micro = 0
         # The run's length in trainer steps when known (the trainer sets it): a strategy
         # with sync periods (DiLoCo) ends a run that stops mid-period with one last sync.
         self.total_steps: int | None = None
@@ -135,7 +138,8 @@ class Strategy:
         raise NotImplementedError
 
     def after_backward(self) -> bool:
-        """A micro-batch's gradients are in; return True when the optimizer step is done."""
+        """A micro-batch's gradients are in (self.micro of them this step); return True when
+        the optimizer step is done."""
         raise NotImplementedError
 
     @classmethod
@@ -236,6 +240,7 @@ class Strategy:
         tally.micro_batches += 1
         tally.tokens += self._forward_tokens if tokens is None else tokens
         self._compute_t0 = None
+        self.micro += 1
         if not self.after_backward():
             return None
         return self._finish()
@@ -253,6 +258,7 @@ class Strategy:
     def ensure_step_begun(self) -> None:
         if self._tally is None:
             self._tally = Tally(time.perf_counter(), self.comm.snapshot())
+            self.micro = 0
             self.begin_step()
 
     def mark_compute_start(self) -> None:

@@ -59,7 +59,6 @@ class DDP(Strategy):
         # tears DDP down in the wrong order (SIGABRT, 'terminate called').
         self.ddp.register_comm_hook(weakref.proxy(self), paced_hook)
         self.optimizer = make_optimizer(model.parameters())
-        self.micro = 0
         self.buckets_sent = 0  # in the current step: none after a synced backward means DDP was bypassed
         self._watch_forward()
 
@@ -111,7 +110,6 @@ class DDP(Strategy):
 
     def begin_step(self):
         self._tally.lr = self.lr_for_step(self.optimizer, self.steps_done)
-        self.micro = 0
         self.buckets_sent = 0
         self._sync_next(self.accum == 1)
 
@@ -119,7 +117,6 @@ class DDP(Strategy):
         return not self.ddp.require_backward_grad_sync  # the hook paces before each bucket
 
     def after_backward(self):
-        self.micro += 1
         if self.micro < self.accum:
             self._sync_next(self.micro + 1 == self.accum)
             return False

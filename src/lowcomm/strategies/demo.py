@@ -12,9 +12,22 @@ Per parameter tensor, after `accum` micro-batches (g = their mean gradient):
 lr and wd are the run's optimizer settings (read from make_optimizer's param_groups,
 the schedule applied every step). Bytes per step: (W-1) · Σ_tensors blocks·k·(index + value
 bytes); faithful default int64 indices and fp32 values (12 bytes per coefficient).
+
+What is kept where: δ̂ = DCT(δ), not δ. The chunked DCT is orthonormal and linear, so
+δ̂ <- β·δ̂ + lr·DCT(g), top-k of δ̂, and "δ̂ at the sent indices minus the values sent" are
+the authors' steps up to float rounding, with two transforms per step (DCT(g), IDCT(Q))
+instead of three: removing what was sent needs no inverse DCT. Parameters whose blocks
+have the same dims and width (a GPT's repeated layer shapes) are stacked into one group
+(_Group), transformed and top-k'd together; δ̂ is one (blocks, block) tensor per group
+(`_stacks`), and `self.deltas` holds each parameter's rows of it (views, in DCTTopK's
+coefficient layout): that is what the checkpoint's "dct_momenta" saves and loads, bit-exact.
+`momentum()` decodes δ. The wire stays per tensor, in parameter order, and Q is decoded
+per tensor (DCTTopK.decompress, which keeps a zero scratch per tensor between steps).
 """
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from dataclasses import dataclass
 
@@ -45,9 +58,60 @@ class DeMoOptions(Options):
             raise UsageError(f"--demo-beta (demo.beta) must be below 1, got {self.beta}")
 
 
+def _as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Received bytes (rows: workers) as `dtype`: a view where offset and row length
+    allow, else a copy."""
+    try:
+        return buf.view(dtype)
+    except RuntimeError:
+        return buf.contiguous().view(dtype)
+
+
+def _extremes(tensors) -> torch.Tensor:
+    """Every tensor's min and max in one small tensor: finite exactly when all the tensors
+    are (NaN propagates through both), at a fraction of isfinite's cost on each."""
+    if not tensors:
+        return torch.zeros(0)
+    return torch.stack([m for t in tensors for m in torch.aminmax(t)])
+
+
 def _encoders(shapes, options, device=None) -> list[DCTTopK]:
     return [DCTTopK(s, options.chunk, options.topk, options.values, options.compact_index, device=device)
             for s in shapes]
+
+
+class _Group:
+    """Parameters whose blocks have the same dims and whose rows are equally long (1-D: the
+    same chunk), transformed and top-k'd as one stack of rows: a GPT's many equal layer
+    shapes then cost one matmul / topk / scatter each, not one per tensor. Member m's blocks
+    are rows [r0, r1) of the stack's (blocks, block) coefficients, in the member's own order."""
+
+    def __init__(self, members, encoders, options, device):
+        self.members = members
+        first = encoders[members[0]]
+        self.one_d = len(first.dims) == 1
+        self.widths = [math.prod(encoders[m].shape) if self.one_d else encoders[m].shape[0] for m in members]
+        shape = (sum(self.widths),) if self.one_d else (sum(self.widths), math.prod(first.shape[1:]))
+        self.enc = DCTTopK(shape, options.chunk, options.topk, options.values, options.compact_index,
+                           device=device, dims=first.dims)
+        ends = list(itertools.accumulate(encoders[m].blocks for m in members))
+        self.rows = list(zip([0] + ends[:-1], ends))
+
+    def stack(self, tensors):
+        """The members' tensors (None: zeros) as the fp32 stack the encoder transforms; None if all are."""
+        if all(t is None for t in tensors):
+            return None
+        tail, device = (() if self.one_d else self.enc.shape[1:]), self.enc.mats[0].device
+        return torch.cat([torch.zeros(n, *tail, device=device) if t is None else t.reshape(n, *tail).float()
+                          for t, n in zip(tensors, self.widths)])
+
+
+def _groups(encoders, options, device) -> list[_Group]:
+    by_key = {}
+    for i, e in enumerate(encoders):
+        key = e.dims if len(e.dims) == 1 else (e.dims, math.prod(e.shape[1:]))
+        by_key.setdefault(key, []).append(i)
+    return [_Group(members, encoders, options, device) for members in by_key.values()]
 
 
 @register("demo")
@@ -64,9 +128,11 @@ class DeMo(Strategy):
         self.weight_decay = float(self.settings.param_groups[0].get("weight_decay", 0.0))
         self.encoders = _encoders([tuple(p.shape) for p in self.params], self.options,
                                   device=self.params[0].device)
-        self.deltas = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        # δ̂ = DCT(δ), kept per group (see the docstring); self.deltas: each parameter's rows
+        self.groups = _groups(self.encoders, self.options, self.params[0].device)
+        self._stacks = [torch.zeros(g.enc.blocks, g.enc.block, device=self.params[0].device) for g in self.groups]
+        self._split_deltas()
         self.sizes = [e.nbytes() for e in self.encoders]
-        self.micro = 0
         self.compress_s = 0.0
         self._watch_forward()
 
@@ -91,10 +157,8 @@ class DeMo(Strategy):
     def begin_step(self):
         self.lr = self.lr_for_step(self.settings, self.steps_done)
         self._tally.lr = self.lr
-        self.micro = 0
 
     def after_backward(self):
-        self.micro += 1
         if self.micro < self.accum:
             return False
         self._step()
@@ -104,21 +168,28 @@ class DeMo(Strategy):
 
     @torch.no_grad()
     def _step(self):
-        """δ's new value is staged and θ changes only after the gather: a step that a non-finite
+        """δ̂'s new value is staged and θ changes only after the gather: a step that a non-finite
         gradient on any rank makes every rank's decoded Q non-finite is skipped without a trace."""
         lr, beta, wd = self.lr, self.options.beta, self.weight_decay
         t0 = time.perf_counter()
-        sent, staged = [], []
-        self.poison_nonfinite(*(p.grad for p in self.params if p.grad is not None))
-        for p, delta, enc in zip(self.params, self.deltas, self.encoders):
+        grads = [group.stack([self.params[m].grad for m in group.members]) for group in self.groups]
+        present = [g for g in grads if g is not None]
+        if self.poison_nonfinite(_extremes(present)):  # what is sent, not p.grad, is poisoned
+            for g in present:
+                g.fill_(float("nan"))
+        packed, staged = [None] * len(self.params), []
+        for group, delta, g in zip(self.groups, self._stacks, grads):
             new = delta.mul(beta)
-            if p.grad is not None:
-                new.add_(p.grad, alpha=lr)
-            idx, val = enc.compress(new)
-            new.sub_(enc.decompress([idx], [val]))
+            if g is not None:
+                new.add_(group.enc.encode(g), alpha=lr)
+            top, val = group.enc.topk(new)
+            # Remove what was sent as the receivers decode it: exactly zero for fp32 values,
+            # the rounding / sign error stays for bf16 / sign. No inverse DCT needed here.
+            new.scatter_(-1, top, val - group.enc.unpack(*group.enc.pack(top, val))[1])
             staged.append(new)
-            sent += [idx.reshape(-1).view(torch.uint8), val.reshape(-1).view(torch.uint8)]
-        mine = torch.cat(sent)
+            for m, (r0, r1) in zip(group.members, group.rows):  # the wire stays per tensor
+                packed[m] = self.encoders[m].pack(top[r0:r1], val[r0:r1])
+        mine = torch.cat([t.reshape(-1).view(torch.uint8) for pair in packed for t in pair])
         gathered = torch.empty(self.comm.world * mine.numel(), dtype=torch.uint8, device=mine.device)
         self.compress_s += time.perf_counter() - t0
         self.comm.all_gather(gathered, mine)
@@ -128,17 +199,28 @@ class DeMo(Strategy):
         at, qs = 0, []
         for enc, (idx0, val0) in zip(self.encoders, self._templates()):
             ni, nv = idx0.numel() * idx0.element_size(), val0.numel() * val0.element_size()
-            idxs = [rows[w, at:at + ni].clone().view(idx0.dtype) for w in range(self.comm.world)]
-            vals = [rows[w, at + ni:at + ni + nv].clone().view(val0.dtype) for w in range(self.comm.world)]
+            # every worker's (index, value) of this tensor, as (world, n) views of the buffer
+            idxs, vals = _as(rows[:, at:at + ni], idx0.dtype), _as(rows[:, at + ni:at + ni + nv], val0.dtype)
             at += ni + nv
             qs.append(enc.decompress(idxs, vals))
-        if self.received_finite(*qs):
-            for p, delta, new, q in zip(self.params, self.deltas, staged, qs):
-                if wd != 0.0:
-                    p.mul_(1.0 - lr * wd)
-                p.add_(q.sign().to(p.dtype), alpha=-lr)
-                delta.copy_(new)
+        if self.received_finite(_extremes(qs)):
+            if wd != 0.0:
+                torch._foreach_mul_(self.params, 1.0 - lr * wd)
+            torch._foreach_add_(self.params, [q.sign().to(p.dtype) for p, q in zip(self.params, qs)], alpha=-lr)
+            self._stacks[:] = staged
+            self._split_deltas()
         self.compress_s += time.perf_counter() - t0
+
+    def _split_deltas(self):
+        """self.deltas: per parameter, a view of its rows of its group's δ̂ (blocks, block)."""
+        self.deltas = [None] * len(self.params)
+        for group, stack in zip(self.groups, self._stacks):
+            for m, (r0, r1) in zip(group.members, group.rows):
+                self.deltas[m] = stack[r0:r1]
+
+    def momentum(self) -> list[torch.Tensor]:
+        """δ in the parameters' domain (the inverse DCT of the δ̂ kept), one per parameter."""
+        return [enc.decode(d) for enc, d in zip(self.encoders, self.deltas)]
 
     def _templates(self):
         """Per tensor, empty (index, value) tensors of the sent dtypes and sizes."""
@@ -152,12 +234,14 @@ class DeMo(Strategy):
         return self._tmpl
 
     def extra_state(self):
-        return {"deltas": [d.clone() for d in self.deltas], "micro": self.micro}
+        return {"dct_momenta": [d.clone() for d in self.deltas]}
 
     def load_extra_state(self, sd):
-        for d, saved in zip(self.deltas, sd["deltas"], strict=True):
+        if "dct_momenta" not in sd:  # lowcomm before δ̂ saved δ under "deltas"
+            raise UsageError("demo: this checkpoint holds DeMo's momentum in the parameters' domain, "
+                             "from an older lowcomm; it cannot be resumed by this version")
+        for d, saved in zip(self.deltas, sd["dct_momenta"], strict=True):
             d.copy_(saved)
-        self.micro = sd["micro"]
 
     def report(self):
         steps = max(self.steps_done, 1)

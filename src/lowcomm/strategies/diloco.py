@@ -185,7 +185,6 @@ class OuterSync(Strategy):
         self.inner_steps = 0
         self.syncs = 0                            # fragment syncs done (diloco: outer steps)
         self.last_loss = float("nan")
-        self.micro = 0
         self._watch_forward()
 
     # -- layout ------------------------------------------------------------------
@@ -254,10 +253,8 @@ class OuterSync(Strategy):
     # -- the push-style core -------------------------------------------------------
     def begin_step(self):
         self._tally.lr = self.lr_for_step(self.inner, self.steps_done)
-        self.micro = 0
 
     def after_backward(self):
-        self.micro += 1
         if self.micro < self.accum:
             return False
         # Inner steps are local: a non-finite loss or gradient skips this rank's inner step only.
@@ -484,7 +481,7 @@ class OuterSync(Strategy):
                 "own_s": self.own_s, "sched_s": self.sched_s, "c_ref": self.c_ref, "c_mine": self.c_mine,
                 "is_ref": self.is_ref, "costs": list(self.costs),
                 "inner_steps": self.inner_steps, "syncs": self.syncs, "last_loss": self.last_loss,
-                "micro": self.micro, "outer_residuals": self.ef.state_dict() if self.ef else {}}
+                "outer_residuals": self.ef.state_dict() if self.ef else {}}
 
     def load_extra_state(self, sd: dict) -> None:
         for g, saved in zip(self.globals, sd["globals"], strict=True):
@@ -492,7 +489,7 @@ class OuterSync(Strategy):
         self.since = list(sd["since"])
         self.pending = dict(sd["pending"])
         self.landed = {i: v.clone() for i, v in sd["landed"].items()}
-        for key in ("own_s", "sched_s", "c_ref", "c_mine", "is_ref", "costs", "inner_steps", "syncs", "last_loss", "micro"):
+        for key in ("own_s", "sched_s", "c_ref", "c_mine", "is_ref", "costs", "inner_steps", "syncs", "last_loss"):
             setattr(self, key, sd[key])
         if self.ef is not None:
             self.ef.load_state_dict(sd.get("outer_residuals", {}))

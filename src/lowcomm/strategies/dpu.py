@@ -67,7 +67,6 @@ class DPU(ShardedStrategy):
         if self.delayed:
             self.rounds.start(estimate=False)
         self.flat.zero_grad()
-        self.micro = 0
 
     def end_of_accumulation(self):
         if self.synchronous:

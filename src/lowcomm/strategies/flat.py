@@ -132,7 +132,6 @@ class ShardedStrategy(Strategy):
         self.flat = FlatModel(model, comm.world, comm.rank, dtype=PARAM_DTYPES[self.options.param_dtype])
         self.start_from_rank0([self.flat.params])
         self.shard_opt = ShardOptimizer(self.flat, make_optimizer, separate_master=self.separate_master)
-        self.micro = 0  # micro-batches accumulated in the step (or round) in progress
         # model.zero_grad() would drop accumulated gradients (set_to_none=False) or cut
         # .grad loose from the flat buffer (True): refuse it with a clear error instead.
         model.zero_grad = self._refuse_zero_grad
@@ -172,7 +171,6 @@ class ShardedStrategy(Strategy):
         # A model.zero_grad() between micro-batches would detach .grad from the flat
         # buffer and silently drop gradients: say so at the backward that shows it.
         self.flat.check_views()
-        self.micro += 1
         return self.micro >= self.accum and self.end_of_accumulation()
 
     def end_of_accumulation(self) -> bool:
@@ -181,10 +179,9 @@ class ShardedStrategy(Strategy):
 
     def extra_state(self) -> dict:
         master = self.shard_opt.master.detach().clone() if not self.shard_opt.aliased else None
-        return {"master": master, "grads": self.flat.grads.clone(), "micro": self.micro}
+        return {"master": master, "grads": self.flat.grads.clone()}
 
     def load_extra_state(self, sd: dict) -> None:
         if sd["master"] is not None:
             self.shard_opt.master.data.copy_(sd["master"])
         self.flat.grads.copy_(sd["grads"])
-        self.micro = sd["micro"]

@@ -269,7 +269,7 @@ class PowerSGD(DDP):
         """torch's hook state (step count, error feedback, warm-started P/Q, its RNG)
         without the process group."""
         state = {slot: getattr(self.psgd, slot) for slot in self.psgd.__slots__ if slot != "process_group"}
-        return {"powersgd": {k: _clone(v) for k, v in state.items()}, "micro": self.micro,
+        return {"powersgd": {k: _clone(v) for k, v in state.items()}, 
                 "layout": {b: list(ids) for b, ids in self._layout.items()}}
 
     def load_extra_state(self, sd):
@@ -277,7 +277,6 @@ class PowerSGD(DDP):
             setattr(self.psgd, k, _clone(v))
         self._layout = {b: tuple(ids) for b, ids in sd["layout"].items()}
         self._pending = None
-        self.micro = sd["micro"]
 
     def skip_step(self):
         """The hook's error feedback and warm-started factors took in the non-finite gradient:

@@ -96,7 +96,6 @@ class Quantized(Strategy):
         # 1-bit Adam: after the warm-up, the optimizer's variance is frozen and its momentum compressed
         self.adam = FrozenAdam(self.optimizer, self.params) if self.options.onebit_adam else None
         self.warmup: int | None = None  # exact steps, known once the run's length is (first step)
-        self.micro = 0
         self.compress_s = 0.0  # CPU time spent compressing and decompressing
         self._watch_forward()
 
@@ -131,12 +130,10 @@ class Quantized(Strategy):
 
     def begin_step(self):
         self._tally.lr = self.lr_for_step(self.optimizer, self.steps_done)
-        self.micro = 0
         if self.warmup is None:
             self.warmup = self.options.exact_steps(self.total_steps)
 
     def after_backward(self):
-        self.micro += 1
         if self.micro < self.accum:
             return False
         if self.steps_done < self.warmup:  # 1-bit Adam's warm-up: Adam learns v from exact gradients
@@ -247,12 +244,11 @@ class Quantized(Strategy):
         return mean if self.received_finite(mean) else None
 
     def extra_state(self):
-        return {"residuals": self.ef.state_dict(), "micro": self.micro, "warmup": self.warmup,
+        return {"residuals": self.ef.state_dict(), "warmup": self.warmup,
                 "adam": self.adam.state_dict() if self.adam is not None else None}
 
     def load_extra_state(self, sd):
         self.ef.load_state_dict(sd["residuals"])
-        self.micro = sd["micro"]
         self.warmup = sd["warmup"]  # fixed for the run: a resume with another --steps keeps it
         if self.adam is not None:
             self.adam.load_state_dict(sd["adam"])

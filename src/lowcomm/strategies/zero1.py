@@ -31,7 +31,6 @@ class Zero1(ShardedStrategy):
     def begin_step(self):
         self._tally.lr = self.lr_for_step(self.shard_opt.optimizer, self.steps_done)
         self.flat.zero_grad()
-        self.micro = 0
 
     def end_of_accumulation(self):
         self.poison_nonfinite(self.flat.grads)  # a NaN anywhere reaches every shard: all ranks skip alike
