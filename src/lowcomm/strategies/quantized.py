@@ -70,7 +70,7 @@ class QuantizedOptions(Options):
         if total_steps is None:
             raise UsageError("quantized at 1 bit warms up for a fifth of the run: give the run's length "
                              "(wrap(..., total_steps=N)) or freeze_variance_after=N")
-        return int(total_steps * ONEBIT_WARMUP_SHARE)
+        return max(1, int(total_steps * ONEBIT_WARMUP_SHARE))  # Adam needs one v before it freezes
 
 
 def shard_len(num_params: int, world: int, block: int) -> int:
