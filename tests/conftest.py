@@ -15,22 +15,26 @@ import pytest
 # A 2-layer, width-64 GPT (~0.12 M parameters) learns the corpus faster per step than
 # the 1 M-parameter tiny preset (measured at 150 steps, W=2, seed 0: 2.82 vs 3.36 nats)
 # and costs about half the CPU per step, so it is the recipe of every convergence check.
+# lr 1e-3 and 300 steps, not 3e-3 and 150: at 3e-3 the step at which a run leaves the
+# unigram plateau (~3.3 nats) is chaotic, so comparisons measured luck (ddp alone, seeds
+# 0/1/2: 2.821 / 3.222 / 3.360 at 150 steps); here ddp gives 2.629 / 2.618 for seeds 0 / 1,
+# and every comparison below held for both seeds (measured).
 CORPUS_RECIPE = ["--workers", "2", "--n-layer", "2", "--n-head", "2", "--d-model", "64", "--seq-len", "64",
-                 "--micro-batch", "8", "--lr", "3e-3", "--warmup", "10", "--seed", "0",
+                 "--micro-batch", "8", "--lr", "1e-3", "--warmup", "10", "--seed", "0",
                  "--eval-batches", "8", "--quiet"]
-CORPUS_STEPS = 150
+CORPUS_STEPS = 300
 
 
 @pytest.fixture(scope="session")
 def corpus_run(tmp_path_factory):
-    """corpus_run(strategy, *flags, steps=150, eval_every=50) -> (summary dict, step records).
+    """corpus_run(strategy, *flags, steps=300, eval_every=100) -> (summary dict, step records).
     Identical calls within a session train once."""
     from lowcomm.cli import main
     from lowcomm.data.corpus import shakespeare_dir
 
     done: dict[tuple, tuple[dict, list[dict]]] = {}
 
-    def run(strategy: str, *flags: str, steps: int = CORPUS_STEPS, eval_every: int = 50):
+    def run(strategy: str, *flags: str, steps: int = CORPUS_STEPS, eval_every: int = 100):
         key = (strategy, flags, steps, eval_every)
         if key not in done:
             if shakespeare_dir() is None:

@@ -4,16 +4,16 @@ shared corpus recipe of tests/conftest.py: a 2-layer width-64 GPT).
 ACCO's optimizer step uses the micro-batches of two rounds (estimate + real), so
 at equal tokens its peer is ZeRO-1 with twice the accumulation: the same batch
 per update, the same number of updates, the same lr curve over tokens. Measured
-(150 rounds, micro-batch 8, seq 64; 153,600 tokens): zero1 (accum 2) 3.351, acco
-3.271, dpu (accum 1, 140 delayed updates) 3.290; with the 1 M-parameter tiny
-preset at 160 rounds: zero1 3.282, acco 3.296, dpu 3.300. With --slowdown 1,3 the
-fast rank computed 3x the micro-batches of the slow one (60 rounds: 3.711).
+(300 rounds, micro-batch 8, seq 64, lr 1e-3; 307,200 tokens), seeds 0 / 1: zero1
+(accum 2) 2.837 / 2.833, acco 2.838 / 2.852, dpu (accum 1, 290 delayed updates)
+2.803 / 2.795. With --slowdown 1,3 the fast rank computes 3x the micro-batches of
+the slow one.
 """
 from __future__ import annotations
 
 import pytest
 
-ROUNDS, WARMUP = 150, 10
+ROUNDS, WARMUP = 300, 10
 
 
 @pytest.mark.slow
@@ -42,7 +42,9 @@ def test_acco_with_a_three_times_slower_worker_still_converges(corpus_run):
     the slow one, so it computes about 3x the micro-batches, and the run still
     learns. That each micro-batch weighs 1/N of the true total is checked exactly
     in test_acco.py against the recurrence."""
-    run, _ = corpus_run("acco", "--accum", "1", "--slowdown", "1,3", steps=60, eval_every=0)
+    # 60 rounds at lr 3e-3 (1e-3 is too slow to learn in 60): only "it learned" is checked,
+    # and the unigram plateau (~3.3-3.4) lies below 4.0 whichever seed (measured 3.711).
+    run, _ = corpus_run("acco", "--accum", "1", "--slowdown", "1,3", "--lr", "3e-3", steps=60, eval_every=0)
     fast, slow = run["micro_batches_per_rank"]
     assert 2.3 <= fast / slow <= 3.8, f"fast/slow micro-batches {fast}/{slow}"
     assert run["tokens"] == (fast + slow) * 8 * 64

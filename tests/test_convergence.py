@@ -1,12 +1,12 @@
 """A short run on the bundled corpus learns: validation loss ends well below ln(256).
 
 Recipe (tests/conftest.py): ddp, W=2, a 2-layer width-64 GPT, micro-batch 8,
-seq-len 64, seed 0, AdamW lr 3e-3 with 10 warmup steps and cosine decay, 150
-steps. Measured: final validation loss 2.82 nats, against ln(256) = 5.545 at
+seq-len 64, seed 0, AdamW lr 1e-3 with 10 warmup steps and cosine decay, 300
+steps. Measured: final validation loss 2.629 nats (2.618 with seed 1), against ln(256) = 5.545 at
 initialisation. The threshold, 3.0, is below the validation cross-entropy of
 the best context-free (unigram) byte model fitted on the training split, 3.28
 nats, so passing needs the model to use context, not only byte frequencies;
-the margin to the measured 2.82 absorbs float noise.
+the margin to the measured 2.63 absorbs float noise.
 """
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ THRESHOLD = 3.0
 @pytest.mark.slow
 def test_ddp_learns_the_bundled_corpus(corpus_run):
     summary, records = corpus_run("ddp")
-    assert summary["steps"] == 150 and summary["workers"] == 2
+    assert summary["steps"] == 300 and summary["workers"] == 2
     assert summary["data"].startswith("shakespeare"), summary["data"]  # not the pydoc fallback
-    assert len(records) == 150
+    assert len(records) == 300
     assert abs(records[0]["loss"] - math.log(256)) < 0.1  # starts at chance
     vals = [r["val_loss"] for r in records if "val_loss" in r]
-    assert len(vals) == 3 and vals[0] > vals[1] > vals[2]  # steps 50, 100, 150: still improving
+    assert len(vals) == 3 and vals[0] > vals[1] > vals[2]  # steps 100, 200, 300: still improving
     assert summary["final_val_loss"] == pytest.approx(vals[-1])
     assert summary["final_val_loss"] < THRESHOLD, (
-        f"validation loss {summary['final_val_loss']:.3f} after 150 steps (measured 2.82; ln 256 = 5.545)")
+        f"validation loss {summary['final_val_loss']:.3f} after 300 steps (measured 2.63; ln 256 = 5.545)")
