@@ -38,10 +38,16 @@ def schedule(step):
     return 1e-2 * min(1.0, (step + 1) / 3)
 
 
-def build(name, seed=1234, **options):
+def build(name, seed=1234, lr_schedule=schedule, **options):
     model = make_model(seed)
     return model, make_strategy(name, model, lowcomm.Comm(), make_optimizer, accum=ACCUM,
-                                schedule=schedule, **options)
+                                schedule=lr_schedule, **options)
+
+
+def decaying(step):
+    """An lr that differs from make_optimizer's at every step, so that a resumed strategy
+    stepping with a stale lr (not the schedule's) shows."""
+    return 1e-2 / (step + 2)
 
 
 def steps(strategy, rank, n):
@@ -248,12 +254,13 @@ def _demo_checks(rank, world, path):
     # 3. state_dict -> load_state_dict: residuals and momenta bit-exact, same continuation
     for name, options in (("demo", {}), ("quantized", ONEBIT_ADAM), ("quantized", {"bits": 4}),
                           ("powersgd", {"start": 2}), ("powersgd", MULTI_BUCKET)):
-        model, strategy = build(name, **options)
+        lr_schedule = decaying if options is ONEBIT_ADAM else schedule
+        model, strategy = build(name, lr_schedule=lr_schedule, **options)
         steps(strategy, rank, 3)
         buf = io.BytesIO()
         torch.save(strategy.state_dict(), buf)
         steps(strategy, rank, 2)
-        model2, resumed = build(name, seed=99, **options)
+        model2, resumed = build(name, seed=99, lr_schedule=lr_schedule, **options)
         buf.seek(0)
         resumed.load_state_dict(torch.load(buf, weights_only=False))
         loaded = resumed.extra_state()

@@ -54,14 +54,19 @@ class FrozenAdam:
                              f"{type(optimizer).__name__}: pass freeze_variance_after=0 to compress gradients")
         self.optimizer = optimizer
         self.params = list(params)
-        self.group = {}
-        for group in optimizer.param_groups:
+        # Each parameter's group by index: optimizer.load_state_dict() replaces the group
+        # dicts (a resumed run's schedule sets lr in the new ones), so they are looked up anew.
+        self._group_of = {}
+        for i, group in enumerate(optimizer.param_groups):
             if group.get("amsgrad") or group.get("maximize"):
                 raise UsageError("1-bit Adam's frozen variance does not support amsgrad or maximize")
             for p in group["params"]:
-                self.group[p] = group
+                self._group_of[p] = i
         self.frozen_at: list[float] | None = None  # each tensor's step count when v froze
         self._denominators = None
+
+    def group(self, p) -> dict:
+        return self.optimizer.param_groups[self._group_of[p]]
 
     def state(self, p) -> dict:
         st = self.optimizer.state[p]
@@ -71,11 +76,11 @@ class FrozenAdam:
         return st
 
     def beta1(self, p) -> float:
-        return self.group[p]["betas"][0]
+        return self.group(p)["betas"][0]
 
     def gradient(self, p, g: torch.Tensor) -> torch.Tensor:
         """What Adam feeds its momentum: g, plus wd·θ when weight decay is coupled (Adam)."""
-        group = self.group[p]
+        group = self.group(p)
         if group["weight_decay"] and not group.get("decoupled_weight_decay", False):
             return g.add(p.detach(), alpha=group["weight_decay"])
         return g
@@ -90,7 +95,7 @@ class FrozenAdam:
         if self._denominators is None:
             self._denominators = []
             for p, t0 in zip(self.params, self.frozen_at):
-                group, v = self.group[p], self.state(p)["exp_avg_sq"]
+                group, v = self.group(p), self.state(p)["exp_avg_sq"]
                 bias2 = 1 - group["betas"][1] ** t0 if t0 > 0 else 1.0
                 self._denominators.append((v.sqrt() / math.sqrt(bias2)).add_(group["eps"]))
         return self._denominators
@@ -98,7 +103,7 @@ class FrozenAdam:
     @torch.no_grad()
     def apply(self, p, momentum: torch.Tensor, denominator: torch.Tensor) -> None:
         """m <- momentum, t <- t + 1, θ <- θ·(1 - lr·wd) - lr/(1 - β1^t) · m / denominator."""
-        group, st = self.group[p], self.state(p)
+        group, st = self.group(p), self.state(p)
         st["exp_avg"].copy_(momentum)
         st["step"] += 1
         lr = group["lr"]
