@@ -51,6 +51,20 @@ def test_zero1_exposes_everything_and_acco_hides_a_step_of_compute(capsys):
     acco_comm = count + rs + ag
     assert got["acco"]["exposed_comm_s"] == pytest.approx(acco_comm - COMPUTE, rel=1e-12)
     assert got["acco"]["step_s"] == pytest.approx(acco_comm, rel=1e-12)  # 0.060000096
+    # While the round's communication runs, each worker keeps computing micro-batches: the
+    # round lasts acco_comm, a micro-batch COMPUTE (accum 1), so 2.44 of them (at most 4).
+    assert got["acco"]["tokens_per_step"] == pytest.approx(T * acco_comm / COMPUTE, rel=1e-12)
+    assert got["acco"]["tokens_per_s"] == pytest.approx(T * acco_comm / COMPUTE / acco_comm, rel=1e-12)
+    assert got["zero1"]["tokens_per_s"] == pytest.approx(T / got["zero1"]["step_s"], rel=1e-12)
+
+
+def test_acco_extra_micro_batches_stop_at_max_accum_and_follow_slowdowns(capsys):
+    got, _ = plan(capsys, "--strategies", "acco", "--max-accum", "2", "--slowdown", "1,1,1,4")
+    # the slow worker's micro-batch takes 4 COMPUTE = 0.098 s > the round's communication, so
+    # the round lasts that long; the three others fit 4 micro-batches, capped at 2
+    assert got["acco"]["tokens_per_step"] == pytest.approx(T * (2 + 2 + 2 + 1) / 4, rel=1e-12)
+    got, _ = plan(capsys, "--strategies", "acco", "--deterministic")
+    assert got["acco"]["tokens_per_step"] == T  # exactly accum per round
 
 
 def test_diloco_pays_one_all_reduce_per_period(capsys):

@@ -7,6 +7,7 @@ worker (comm/link.py) and per-worker slowdowns f_r:
     exposed_s   = Strategy.exposed_comm_s(plan, StepCost(...))  (what the strategy declares it overlaps)
     step_s      = compute_s + overhead_s + exposed_s            (overhead_s: per-step work outside the
                                                                  forward/backward, measured by --calibrate)
+    tokens/s    = T * micro_batches_per_step / accum / step_s   (adaptive acco computes more while it waits)
     bytes/token = W * sum_op wire_bytes(op) * rate(op) / T
     memory      = Strategy.model_state_bytes(N, W, options)
 
@@ -57,6 +58,7 @@ class Prediction:
     bytes_per_token: float
     model_state_bytes: int
     tokens_per_s: float
+    tokens_per_step: float = 0.0  # T, or more for a strategy that computes while it waits (adaptive acco)
     tokens_to_target: float | None = None
     time_to_target_s: float | None = None
     options: dict = field(default_factory=dict)
@@ -88,19 +90,22 @@ def predict(name: str, cluster: Cluster, options: Options | None = None, steps: 
     unit = T / W * per_token                     # one 1x worker's compute per step
     compute = cluster.slowest * unit
     plan = cls.comm_plan(cluster.params, W, options, shapes=shapes)
-    cost = StepCost(cluster.price, compute, cluster.accum, steps)
+    factors = cluster.slowdown or (1.0,) * W
+    cost = StepCost(cluster.price, compute, cluster.accum, steps, tuple(f * unit for f in factors))
     exposed = cls.exposed_comm_s(plan, cost, options)
     rates = [cls.plan_rate(op, options, steps) for op in plan]
     comm = sum(cluster.price(op.collective, op.nbytes) * r for op, r in zip(plan, rates))
     wire = sum(op.wire_bytes(W) * r for op, r in zip(plan, rates))
     step = compute + overhead_s + exposed
-    factors = cluster.slowdown or (1.0,) * W
+    # tokens a step really computes: T, or more where workers keep computing while they wait
+    tokens = T * cls.micro_batches_per_step(cost, comm, options) / cluster.accum
     return Prediction(
         strategy=name, label=label(name, options), step_s=step, compute_s=compute, overhead_s=overhead_s,
         exposed_comm_s=exposed, comm_s=comm, idle_s=sum(compute - f * unit for f in factors) / len(factors),
-        wire_bytes_per_rank_per_step=wire, bytes_per_token=W * wire / T,
+        wire_bytes_per_rank_per_step=wire, bytes_per_token=W * wire / tokens,
         model_state_bytes=cls.model_state_bytes(cluster.params, W, options),
-        tokens_per_s=T / step if step > 0 else math.inf, options=asdict(options) if fields(options) else {})
+        tokens_per_s=tokens / step if step > 0 else math.inf, tokens_per_step=tokens,
+        options=asdict(options) if fields(options) else {})
 
 
 def rank(preds: list[Prediction]) -> list[Prediction]:

@@ -81,6 +81,19 @@ class ACCO(ShardedStrategy):
         return OverlappedRounds.plan(cls.flat_bytes(num_params, world, options))  # per round = per step
 
     @classmethod
+    def micro_batches_per_step(cls, cost, comm_s, options):
+        """A round lasts as long as the slowest worker's `accum` micro-batches or the previous
+        round's communication, whichever is longer; every worker keeps computing meanwhile,
+        up to max_accum (deterministic: exactly accum). The planner counts the extra tokens."""
+        accum = cost.accum
+        if options.deterministic or not cost.worker_compute_s:
+            return float(accum)
+        bound = options.rounds_bound(accum)
+        round_s = max(max(cost.worker_compute_s), comm_s)
+        per_worker = [min(bound, max(accum, round_s * accum / c)) if c > 0 else bound for c in cost.worker_compute_s]
+        return sum(per_worker) / len(per_worker)
+
+    @classmethod
     def model_state_bytes(cls, num_params, world, options):
         # ZeRO-1's, plus the communication buffer B and the estimate round's snapshot of
         # the master shard and its AdamW moments (extra_memory_bytes measures the same).

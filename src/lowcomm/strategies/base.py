@@ -170,6 +170,12 @@ class Strategy:
         return max(0.0, comm - cls.comm_overlap * cost.compute_s)
 
     @classmethod
+    def micro_batches_per_step(cls, cost: StepCost, comm_s: float, options: Options) -> float:
+        """Micro-batches a worker computes per trainer step, averaged over the workers:
+        `accum`, except where a strategy computes more while it waits (adaptive acco)."""
+        return float(cost.accum)
+
+    @classmethod
     def plan_rate(cls, op: PlannedOp, options: Options, steps: int | None = None) -> float:
         """How often `op` runs per trainer step: averaged over a run of `steps` steps, or in
         the steady state (transients such as warm-up steps or a final sync left out)."""

@@ -49,3 +49,4 @@ class StepCost:
     compute_s: float                    # one step's compute on the slowest worker
     accum: int = 1                      # micro-batches per step
     steps: int | None = None            # a run of this many trainer steps; None: the steady state
+    worker_compute_s: tuple = ()        # each worker's compute of `accum` micro-batches (slowdowns in)
