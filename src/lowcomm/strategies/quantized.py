@@ -52,10 +52,6 @@ class QuantizedOptions(Options):
             "second moment and send its compressed momentum; 0: compress gradients from the first step "
             "into the unchanged optimizer; -1: a fifth of the run at 1 bit, 0 at 8 or 4 bits", min=-1)
 
-    def check(self):
-        if self.freeze_variance_after < 0 and self.bits != 1:
-            self.freeze_variance_after = 0
-
     @property
     def onebit_adam(self) -> bool:
         """Whether the optimizer's variance is frozen after an exact warm-up (1-bit Adam)."""
