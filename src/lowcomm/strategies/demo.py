@@ -67,14 +67,6 @@ def _as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return buf.contiguous().view(dtype)
 
 
-def _extremes(tensors) -> torch.Tensor:
-    """Every tensor's min and max in one small tensor: finite exactly when all the tensors
-    are (NaN propagates through both), at a fraction of isfinite's cost on each."""
-    if not tensors:
-        return torch.zeros(0)
-    return torch.stack([m for t in tensors for m in torch.aminmax(t)])
-
-
 def _encoders(shapes, options, device=None) -> list[DCTTopK]:
     return [DCTTopK(s, options.chunk, options.topk, options.values, options.compact_index, device=device)
             for s in shapes]
@@ -173,10 +165,7 @@ class DeMo(Strategy):
         lr, beta, wd = self.lr, self.options.beta, self.weight_decay
         t0 = time.perf_counter()
         grads = [group.stack([self.params[m].grad for m in group.members]) for group in self.groups]
-        present = [g for g in grads if g is not None]
-        if self.poison_nonfinite(_extremes(present)):  # what is sent, not p.grad, is poisoned
-            for g in present:
-                g.fill_(float("nan"))
+        self.poison_nonfinite(*(g for g in grads if g is not None))  # what is sent, not p.grad
         packed, staged = [None] * len(self.params), []
         for group, delta, g in zip(self.groups, self._stacks, grads):
             new = delta.mul(beta)
@@ -203,7 +192,7 @@ class DeMo(Strategy):
             idxs, vals = _as(rows[:, at:at + ni], idx0.dtype), _as(rows[:, at + ni:at + ni + nv], val0.dtype)
             at += ni + nv
             qs.append(enc.decompress(idxs, vals))
-        if self.received_finite(_extremes(qs)):
+        if self.received_finite(*qs):
             if wd != 0.0:
                 torch._foreach_mul_(self.params, 1.0 - lr * wd)
             torch._foreach_add_(self.params, [q.sign().to(p.dtype) for p, q in zip(self.params, qs)], alpha=-lr)
