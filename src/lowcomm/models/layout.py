@@ -1,0 +1,86 @@
+"""A model's layout, in the one place that knows it: trainable tensor shapes and block structure.
+
+Every strategy's communication plan is priced from a `ModelLayout`, never from a bare
+parameter count: DeMo's chunks and PowerSGD's matrices depend on each tensor's shape,
+Streaming DiLoCo's fragments on which transformer block a tensor sits in. The layout
+comes from the model itself (`layout_of(model)`, also on the meta device), so the
+trainer, the planner and the contract tests price the same thing.
+
+Fragments (Streaming DiLoCo's rule, from the paper): tensors of transformer block i go
+to fragment i mod F; tensors outside blocks (embeddings, final norm) to fragment 0. A
+model whose blocks are unknown is cut into F contiguous groups of nearly equal size
+(in `parameters()` order, a tensor never split).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+OUTSIDE = -1  # block index of a tensor that belongs to no transformer block
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    shapes: tuple[tuple[int, ...], ...]  # trainable parameters, in model.parameters() order
+    blocks: tuple[int, ...] | None = None  # each tensor's transformer block (OUTSIDE: none); None: unknown
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def numels(self) -> list[int]:
+        return [math.prod(s) for s in self.shapes]
+
+    def fragments(self, F: int) -> list[list[int]]:
+        """Tensor indices of each of F fragments (some may be empty: fewer blocks than F)."""
+        if self.blocks is not None and any(b != OUTSIDE for b in self.blocks):
+            return [[j for j, b in enumerate(self.blocks) if max(b, 0) % F == f] for f in range(F)]
+        return contiguous_groups(self.numels, F)
+
+    def fragment_numels(self, F: int) -> list[int]:
+        numels = self.numels
+        return [sum(numels[j] for j in group) for group in self.fragments(F)]
+
+
+def contiguous_groups(numels: list[int], F: int) -> list[list[int]]:
+    """Indices of consecutive tensors in F groups of nearly equal size (a tensor goes to the
+    group its middle element falls in)."""
+    total, before, out = sum(numels), 0, [[] for _ in range(F)]
+    for j, n in enumerate(numels):
+        out[min(F - 1, int((before + n / 2) * F // max(total, 1)))].append(j)
+        before += n
+    return out
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def layout_of(model: nn.Module) -> ModelLayout:
+    """The layout of `model`'s trainable parameters; its blocks are found in a `blocks`
+    ModuleList (lowcomm's GPT) or the usual transformers names (`model.layers`, `h`, ...)."""
+    params = trainable(model)
+    where = {}
+    for b, block in enumerate(_block_list(model) or []):
+        for p in block.parameters():
+            where[id(p)] = b
+    blocks = tuple(where.get(id(p), OUTSIDE) for p in params) if where else None
+    return ModelLayout(tuple(tuple(p.shape) for p in params), blocks)
+
+
+_BLOCK_PATHS = ("blocks", "model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers", "layers", "h")
+
+
+def _block_list(model: nn.Module) -> nn.ModuleList | None:
+    for path in _BLOCK_PATHS:
+        node = model
+        for part in path.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if isinstance(node, nn.ModuleList) and len(node) > 0:
+            return node
+    return None
