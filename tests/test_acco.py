@@ -19,7 +19,7 @@ from dist_utils import rel_err, run_dist
 
 import lowcomm
 from lowcomm.models import GPT, lm_loss
-from lowcomm.strategies.base import Pacer
+from lowcomm.comm.pacer import Pacer
 
 # The GPU check (bench/gpu_check.sh) reruns this file with CUDA tensors and other W.
 DEVICE = torch.device(os.environ.get("LOWCOMM_TEST_DEVICE", "cpu"))
@@ -96,7 +96,7 @@ def _acco_worker(rank, world, rounds, slowdown=None, max_accum=0):
     model = make_model()
     comm = lowcomm.Comm()
     deterministic = slowdown is None
-    strat = lowcomm.make_strategy("acco", model, comm, make_optimizer, accum=ACCUM,
+    strat = lowcomm.make_run("acco", model, comm, make_optimizer, accum=ACCUM,
                                   deterministic=deterministic, max_accum=max_accum)
     next_batch = Counter(rank)
     loss_fn = lm_loss
@@ -188,7 +188,7 @@ def test_acco_fast_worker_contributes_more_and_every_micro_batch_weighs_the_same
 
 def _dpu_worker(rank, world, steps, warmup):
     model = make_model()
-    strat = lowcomm.make_strategy("dpu", model, lowcomm.Comm(), make_optimizer, accum=ACCUM,
+    strat = lowcomm.make_run("dpu", model, lowcomm.Comm(), make_optimizer, accum=ACCUM,
                                   warmup_steps=warmup)
     next_batch = Counter(rank)
     for _ in range(steps):

@@ -79,7 +79,7 @@ def _train(cfg, rank, world):
             K.load(t, K.read(Path(cfg.resume_from)))
         loop(t, Path(cfg.out) if rank == 0 else None, quiet=True)
     finally:
-        t.strategy.close()
+        t.run.close()
     return flat(t.model)
 
 

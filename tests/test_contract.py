@@ -23,9 +23,11 @@ import pytest
 import torch
 
 import lowcomm
+from lowcomm.models.layout import layout_of
 from lowcomm.cli import main
 from lowcomm.metrics.trace import comm_wire_bytes, nesting_errors
-from lowcomm.strategies import available, get, make_strategy
+from lowcomm.run import make_run
+from lowcomm.strategies import available, get
 from lowcomm.strategies.options import cli_flag, type_name
 
 from dist_utils import run_dist
@@ -56,7 +58,7 @@ def schedule(step: int) -> float:
 def build(name: str, seed: int = 1234):
     torch.manual_seed(seed)
     model = make_model()
-    strategy = make_strategy(name, model, lowcomm.Comm(), make_optimizer, accum=ACCUM,
+    strategy = make_run(name, model, lowcomm.Comm(), make_optimizer, accum=ACCUM,
                              schedule=schedule, **get(name).reproducible_options)
     return model, strategy
 
@@ -88,10 +90,10 @@ def tensors(obj, prefix=""):
 def plan_bytes(name: str, params: int, world: int, steps: int, options: dict) -> int:
     cls = get(name)
     opts = cls.Options(**options).validate(name)
-    shapes = [tuple(p.shape) for p in make_model().parameters()]  # the CLI run's model (same dims)
-    assert sum(math.prod(s) for s in shapes) == params
+    layout = layout_of(make_model())  # the CLI run's model (same dims)
+    assert layout.numel == params
     return sum(op.wire_bytes(world) * cls.plan_occurrences(op, steps, opts)
-               for op in cls.comm_plan(params, world, opts, shapes=shapes))
+               for op in cls.comm_plan(layout, world, opts))
 
 
 def cli_option_flags(options: dict) -> list[str]:
@@ -152,12 +154,12 @@ def _first_life(rank, world, names, path):
         pull_steps(strategy, rank, 3)
         torch.save(strategy.state_dict(), Path(path) / f"{name}-rank{rank}.pt")
         pull_steps(strategy, rank, 3)
-        state = strategy.state_dict()
+        straight = (flat(model), strategy.state_dict())  # before close(): it may sync once more
         for s in (pull, push, strategy):
             s.close()
         left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
         out[name] = {"pull": flat(model_pull), "push": flat(model_push), "tokens": tokens,
-                     "straight": (flat(model), state), "threads_left": left}
+                     "straight": straight, "threads_left": left}
     out["trainer"] = trainer_life(rank, world, path, resume=False)
     return out
 
@@ -193,14 +195,14 @@ def trainer_life(rank, world, path, resume: bool):
         t.load_state_dict(torch.load(file, weights_only=False))
     else:
         for _ in range(3):
-            t.strategy.step(t.next_batch, lowcomm.lm_loss)
+            t.run.step(t.next_batch, lowcomm.lm_loss)
             t.step += 1
         torch.save(t.state_dict(), file)
     losses = []
     for _ in range(3):
-        losses.append(t.strategy.step(t.next_batch, lowcomm.lm_loss).loss)
+        losses.append(t.run.step(t.next_batch, lowcomm.lm_loss).loss)
         t.step += 1
-    t.strategy.close()
+    t.run.close()
     return losses, flat(t.model), t.loader.state_dict()
 
 

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import lowcomm
+from lowcomm.models.layout import ModelLayout, layout_of
 from lowcomm.cli import main
-from lowcomm.strategies import get, make_strategy
+from lowcomm.run import make_run
+from lowcomm.strategies import get
 from lowcomm.strategies.diloco import OUTER_BLOCK, outer_compressor, outer_quantizer
 from lowcomm.strategies.streaming_diloco import StreamingDiLoCo
 
@@ -43,7 +45,7 @@ def adamw(params):
 def build(name, make_optimizer, total_steps=None, **options):
     torch.manual_seed(1234)
     model = make_model()
-    strategy = make_strategy(name, model, lowcomm.Comm(), make_optimizer, accum=ACCUM, **options)
+    strategy = make_run(name, model, lowcomm.Comm(), make_optimizer, accum=ACCUM, **options)
     strategy.total_steps = total_steps
     return model, strategy
 
@@ -57,9 +59,10 @@ def train(strategy, rank, steps):
 def plan_bytes(name: str, params: int, world: int, steps: int, options: dict) -> int:
     cls = get(name)
     opts = cls.Options(**options).validate(name)
-    shapes = [tuple(p.shape) for p in make_model().parameters()]
+    layout = layout_of(make_model())
+    assert layout.numel == params
     return sum(op.wire_bytes(world) * cls.plan_occurrences(op, steps, opts)
-               for op in cls.comm_plan(params, world, opts, shapes=shapes))
+               for op in cls.comm_plan(layout, world, opts))
 
 
 EXACT = dict(sync_every=1, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
@@ -234,7 +237,7 @@ def test_sparseloco_is_diloco_with_the_papers_defaults():
     assert (c.chunk, c.k, c.values.bits, c.values.scheme) == (4096, 64, 2, "stat")
     # per 4096 values: 64 int16 indices, 64 2-bit codes; one mean + 4-entry table per fragment
     assert c.nbytes(3 * 4096) == 3 * (64 * 2 + 16) + 5 * 4
-    plan = get("sparseloco").comm_plan(3 * 4096, 4, o)
+    plan = get("sparseloco").comm_plan(ModelLayout(((3 * 4096,),)), 4, o)
     assert [(op.collective, op.nbytes, op.every) for op in plan] == [("all_gather", 4 * (3 * 144 + 20 + 16), 15)]
 
 
@@ -275,17 +278,15 @@ def test_outer_quantizer_round_trip():
 def test_gpt_fragments_are_strided_over_blocks():
     model = lowcomm.GPT(256, 16, n_layer=6, n_head=2, d_model=16)
     block = sum(p.numel() for p in model.blocks[0].parameters())
-    sizes = StreamingDiLoCo.layout(model, 3)
+    sizes = layout_of(model).fragment_numels(3)
     assert sizes[1] == sizes[2] == 2 * block                 # blocks 1,4 and 2,5
     assert sizes[0] == model.num_params() - 4 * block        # blocks 0,3 + embeddings + final norm
     plain = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
-    assert StreamingDiLoCo.layout(plain, 2) == [144, 144]    # contiguous, nearly equal
-    # the plan derives the same sizes from the parameter shapes alone
+    assert layout_of(plain).fragment_numels(2) == [144, 144]    # contiguous, nearly equal
+    # the plan prices the fragments the strategy syncs
     opts = StreamingDiLoCo.Options(fragments=3).validate("streaming_diloco")
-    for m in (model, plain, make_model()):
-        shapes = [tuple(p.shape) for p in m.parameters()]
-        count = sum(p.numel() for p in m.parameters())
-        assert StreamingDiLoCo.fragment_numels(count, opts, shapes) == StreamingDiLoCo.layout(m, 3)
+    plan = StreamingDiLoCo.comm_plan(layout_of(model), 2, opts)
+    assert [op.nbytes for op in plan] == [4 * n for n in sizes]
 
 
 # -- --sync-by time with a 2x slower worker (through the CLI; timing, so slow-marked) ----------

@@ -133,7 +133,7 @@ def _train_lowcomm(rank: int, world: int, strategy: str, kind: str, optim: str =
     make_opt, ocfg = OPTIMIZERS[optim]
     model = make_model()
     comm = lowcomm.Comm()
-    strat = lowcomm.make_strategy(strategy, model, comm, make_opt, accum=ACCUM,
+    strat = lowcomm.make_run(strategy, model, comm, make_opt, accum=ACCUM,
                                   schedule=lr_schedule(ocfg, STEPS))
     losses, lrs = [], []
     for step in range(STEPS):

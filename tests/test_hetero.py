@@ -6,7 +6,7 @@ import pytest
 
 from lowcomm import config as C
 from lowcomm.cli import main
-from lowcomm.strategies.base import Pacer
+from lowcomm.comm.pacer import Pacer
 
 
 def test_pacer_sleeps_f_minus_one_times_the_compute():

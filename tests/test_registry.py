@@ -13,9 +13,11 @@ import pytest
 import torch
 
 import lowcomm
+from lowcomm.models.layout import ModelLayout
 from lowcomm import config as C
 from lowcomm.cli import build_parser, config_from_args
-from lowcomm.strategies import available, get, make_strategy, option, register
+from lowcomm.run import make_run
+from lowcomm.strategies import available, get, option, register
 from lowcomm.strategies.flat import ShardedOptions
 from lowcomm.strategies.options import cli_flag
 from lowcomm.strategies.plan import PlannedOp
@@ -71,10 +73,10 @@ def test_a_registered_strategy_gets_flag_help_toml_and_checks(toy, tmp_path):
         C.validate(cfg)
     # the Python API takes it as a keyword, with the same default
     torch.manual_seed(0)
-    strategy = make_strategy("toy", torch.nn.Linear(3, 1), lowcomm.Comm(), lambda p: torch.optim.SGD(p, lr=0.1))
+    strategy = make_run("toy", torch.nn.Linear(3, 1), lowcomm.Comm(), lambda p: torch.optim.SGD(p, lr=0.1))
     assert strategy.options.toy_shrink == 1.0
     with pytest.raises(C.UsageError, match="unknown option 'shrink' for strategy 'toy'"):
-        make_strategy("toy", torch.nn.Linear(3, 1), lowcomm.Comm(), lambda p: torch.optim.SGD(p, lr=0.1), shrink=2)
+        make_run("toy", torch.nn.Linear(3, 1), lowcomm.Comm(), lambda p: torch.optim.SGD(p, lr=0.1), shrink=2)
 
 
 def test_the_toy_strategy_trains_with_its_option(toy):
@@ -83,7 +85,7 @@ def test_the_toy_strategy_trains_with_its_option(toy):
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 1)
         start = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
-        s = make_strategy("toy", model, lowcomm.Comm(), lambda p: torch.optim.SGD(p, lr=0.1), toy_shrink=shrink)
+        s = make_run("toy", model, lowcomm.Comm(), lambda p: torch.optim.SGD(p, lr=0.1), toy_shrink=shrink)
         x = torch.randn(8, 3)
         for _ in range(3):
             s.step(lambda: (x, x.sum(1, keepdim=True)), lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
@@ -138,5 +140,5 @@ def test_readme_documents_every_strategy_option():
 def test_comm_plan_is_declared_by_every_strategy():
     for name in available():
         cls = get(name)
-        plan = cls.comm_plan(1000, 4, cls.Options())
+        plan = cls.comm_plan(ModelLayout(((1000,),)), 4, cls.Options())
         assert plan and all(isinstance(op, PlannedOp) and op.nbytes > 0 for op in plan), name

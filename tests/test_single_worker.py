@@ -32,7 +32,7 @@ def make_optimizer(params):
 def train(name: str) -> torch.Tensor:
     model = make_model()
     options = {"deterministic": True} if name == "acco" else {}
-    strategy = lowcomm.make_strategy(name, model, lowcomm.Comm(), make_optimizer, accum=ACCUM, **options)
+    strategy = lowcomm.make_run(name, model, lowcomm.Comm(), make_optimizer, accum=ACCUM, **options)
     counter = iter(range(10_000))
     # acco: an optimizer step takes two rounds; an even count ends holding the real θ
     for _ in range(STEPS if name != "acco" else 2 * STEPS):

@@ -186,7 +186,7 @@ def _strategy_steps(rank: int, world: int) -> dict:
                     loss_fn = _mlp_loss
                 P = sum(p.numel() for p in model.parameters())
                 comm = lowcomm.Comm()
-                strat = lowcomm.make_strategy(strategy, model, comm,
+                strat = lowcomm.make_run(strategy, model, comm,
                                               lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                                               accum=accum, **opts)
                 wire, ops = [], []

@@ -188,7 +188,7 @@ def test_bad_losses_are_refused(loss, needle):
 def test_wrap_takes_options_and_emulation_by_name():
     _, run = _run("acco", max_accum=8, link="100mbit,1ms", slowdown=2.0)
     assert run.strategy.max_accum == 8 and run.strategy.comm.link.bandwidth == 12.5e6
-    assert run.strategy.pacer.slowdown == 2.0
+    assert run.pacer.slowdown == 2.0
     run.close()
     for kw, needle in (({"max_acum": 8}, "unknown option 'max_acum' for strategy 'acco'"),
                        ({"link": "fast"}, "must be BANDWIDTH,LATENCY"),
@@ -199,7 +199,7 @@ def test_wrap_takes_options_and_emulation_by_name():
 
 
 def test_tokens_are_counted_for_tuple_and_dict_batches():
-    from lowcomm.strategies.base import batch_tokens
+    from lowcomm.strategies.context import batch_tokens
     ids = torch.zeros(4, 32, dtype=torch.long)
     assert batch_tokens((ids, ids)) == 128
     assert batch_tokens({"input_ids": ids, "labels": ids}) == 128

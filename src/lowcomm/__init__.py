@@ -3,9 +3,12 @@ from .comm import Comm, CommStats
 from .config import RunConfig
 from .errors import RunError, UsageError
 from .models import GPT, build_hf_causal_lm, lm_loss
-from .strategies import StepResult, Strategy, available, make_strategy
-from .wrap import Run, wrap
+from .run import RunDriver, make_run
+from .strategies import StepResult, Strategy, available
+from .wrap import wrap
+
+make_strategy = make_run  # the name of lowcomm 0.1's builder
 
 __version__ = "0.1.0"
 __all__ = ["Comm", "CommStats", "RunConfig", "RunError", "UsageError", "GPT", "build_hf_causal_lm", "lm_loss",
-           "Run", "StepResult", "Strategy", "available", "make_strategy", "wrap", "__version__"]
+           "RunDriver", "StepResult", "Strategy", "available", "make_run", "make_strategy", "wrap", "__version__"]

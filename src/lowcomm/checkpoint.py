@@ -141,7 +141,7 @@ def save(trainer, out_dir: Path, keep: int, wall_s: float = 0.0) -> Path | None:
 
     step, rank, comm = trainer.step, trainer.rank, trainer.comm
     t0 = time.perf_counter()
-    from .strategies.base import all_finite
+    from .strategies.context import all_finite
     bad = torch.tensor([0.0 if all_finite(*(p.detach() for p in trainer.model.parameters())) else 1.0],
                        device=trainer.device)
     if comm.meta_all_reduce(bad, op="max").item():  # agreed: no rank waits in a save the others left
@@ -154,7 +154,7 @@ def save(trainer, out_dir: Path, keep: int, wall_s: float = 0.0) -> Path | None:
     comm.barrier()
     state = {**trainer.state_dict(), "run": {"wall_s": wall_s}}
     strategy_state = state.pop("strategy")
-    replicated = getattr(trainer.strategy, "checkpoint_replicated", False)
+    replicated = getattr(trainer.run, "checkpoint_replicated", False)
     sd = {f"rank{rank}": _namespace(state)}
     if replicated:
         sd["shared"] = _namespace({"strategy": strategy_state})  # identical on every rank: stored once
@@ -312,7 +312,7 @@ def load(trainer, found: Found) -> dict:
     same_world = found.world == trainer.world
     state = read_state(found, trainer.rank if same_world else None)
     if not same_world:  # replicated strategy state on a new world size: the data order starts anew
-        trainer.strategy.load_state_dict(state["strategy"])
+        trainer.run.load_state_dict(state["strategy"])
         trainer.step = found.step
         return {}
     trainer.load_state_dict(state)

@@ -28,9 +28,8 @@ from .metrics.trace import Tracer, write_trace
 from .data.loader import ShardedBatches
 from .models import GPT, build_hf_causal_lm, lm_loss
 from .optim import adamw_factory, lr_schedule
-from .strategies import Strategy
-from .strategies import get as get_strategy
-from .strategies.base import Pacer
+from .models.layout import layout_of
+from .run import RunDriver, link_seed, make_pacer, make_run
 
 
 START_TIMEOUT_S = 300.0  # collectives before training starts: ranks may start minutes apart
@@ -111,7 +110,7 @@ class Trainer:
     backend: str
     comm: Comm
     model: torch.nn.Module
-    strategy: Strategy
+    run: RunDriver
     loader: ShardedBatches
     val: list
     source: str
@@ -126,12 +125,12 @@ class Trainer:
     def state_dict(self) -> dict:
         """The whole trainer-level state at a step boundary: the strategy's (parameters,
         optimizer, buffers), the data loader's reading position and the RNG states."""
-        return {"step": self.step, "strategy": self.strategy.state_dict(),
+        return {"step": self.step, "strategy": self.run.state_dict(),
                 "loader": self.loader.state_dict(), "rng": _rng_state(self.device)}
 
     def load_state_dict(self, sd: dict) -> None:
         self.step = sd["step"]
-        self.strategy.load_state_dict(sd["strategy"])
+        self.run.load_state_dict(sd["strategy"])
         self.loader.load_state_dict(sd["loader"])
         _set_rng_state(sd["rng"], self.device)
 
@@ -153,7 +152,7 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
     """Model, data, strategy, emulation and tracing of one rank (group already initialised)."""
     backend = dist.get_backend()
     device = pick_device(cfg, backend, local_rank)
-    comm = Comm(link=C.make_link(cfg, seed=cfg.seed * 7919 + rank))  # each NIC jitters on its own
+    comm = Comm(link=C.make_link(cfg, seed=link_seed(cfg.seed, rank)))
     model = build_model(cfg, device)
     verify_identical_params(model, comm)
 
@@ -162,21 +161,17 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
     loader = ShardedBatches(train_tokens, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.seed)
     val = val_batches(val_tokens, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches)
 
-    options = C.resolve_options(cfg)
-    strategy = get_strategy(cfg.strategy)(model, comm, adamw_factory(cfg.optim), accum=cfg.accum,
-                                          schedule=lr_schedule(cfg.optim, cfg.steps), options=options)
-    strategy.total_steps = cfg.steps
-    slowdown = cfg.slowdown[rank] if cfg.slowdown else 1.0
-    straggle_p, straggle_f = cfg.stragglers or (0.0, 1.0)
-    if slowdown != 1.0 or straggle_p > 0:
-        strategy.pacer = Pacer(rank, world, slowdown, straggle_p, straggle_f, cfg.seed)
+    pacer = make_pacer(rank, world, cfg.slowdown[rank] if cfg.slowdown else 1.0, cfg.stragglers, cfg.seed)
+    run = make_run(cfg.strategy, model, comm, adamw_factory(cfg.optim), accum=cfg.accum,
+                   schedule=lr_schedule(cfg.optim, cfg.steps), total_steps=cfg.steps, pacer=pacer,
+                   options=C.resolve_options(cfg))
     tracer = Tracer(rank) if cfg.trace else None
     if tracer is not None:
-        for opt in strategy.optimizers():
+        for opt in run.optimizers():
             tracer.watch_optimizer(opt)
         tracer.align(comm, device)
         comm.tracer = tracer
-    return Trainer(cfg, rank, world, device, backend, comm, model, strategy, loader, val, source, tracer)
+    return Trainer(cfg, rank, world, device, backend, comm, model, run, loader, val, source, tracer)
 
 
 @dataclass
@@ -192,7 +187,7 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
     """Train up to cfg.steps (or --stop-at) steps; rank 0 logs every step and shows progress.
     Checkpoints (every --checkpoint-every steps, at the end, at --stop-at, or when asked
     through checkpoint.request()) are written at log gathers, after the steps' records."""
-    cfg, comm, strategy = t.cfg, t.comm, t.strategy
+    cfg, comm, run = t.cfg, t.comm, t.run
     lead = t.rank == 0 and out_dir is not None
     log = StepLog(out_dir, resume_after=t.step if cfg.resume_from else None) if lead else None
     view = ProgressView(cfg.steps, f"{cfg.strategy} W={t.world}", enabled=lead and not quiet)
@@ -224,7 +219,7 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
         while t.step < end:
             hang_if_asked(t.rank, t.step + 1)
             loss_fn = nan_loss_if_asked(t.rank, t.step + 1, lm_loss)
-            pending.append(result_vector(strategy.step(t.next_batch, loss_fn)))
+            pending.append(result_vector(run.step(t.next_batch, loss_fn)))
             t.step += 1
             step = t.step
             kill_if_asked(t.rank, step)
@@ -244,7 +239,7 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
             pending.clear()
             bad_in_row = check_steps(records, bad_in_row, cfg.max_bad_steps, lead, log)
             if evaluate_now:
-                with strategy.evaluating() as eval_model:
+                with run.evaluating() as eval_model:
                     val_loss = evaluate(eval_model, t.val, comm, t.device)
                 records[-1]["val_loss"] = val_loss
             for record in records:
@@ -298,10 +293,10 @@ def check_steps(records: list[dict], bad_in_row: int, max_bad: int, lead: bool, 
 
 def summarize(t: Trainer, run: LoopResult, out_dir: Path | None, quiet: bool) -> dict | None:
     """Gather every rank's measurements; rank 0 writes summary.json (and trace.json)."""
-    comm, strategy = t.comm, t.strategy
+    comm, strategy = t.comm, t.run.strategy
     peak = comm.meta_all_gather(torch.tensor([float(peak_memory_bytes(t.device))], device=t.device)).max()
     mine = comm.snapshot()
-    slept = strategy.pacer.slept_s if strategy.pacer is not None else 0.0
+    slept = t.run.pacer.slept_s if t.run.pacer is not None else 0.0
     link_times = comm.meta_all_gather(torch.tensor(
         [mine.busy_s, mine.emulated_s, slept], dtype=torch.float64, device=t.device)).cpu()
     events = t.tracer.gather(comm, t.device) if t.tracer is not None else None
@@ -312,8 +307,7 @@ def summarize(t: Trainer, run: LoopResult, out_dir: Path | None, quiet: bool) ->
     if not lead:
         return None
     cls = type(strategy)
-    shapes = [tuple(p.shape) for p in t.model.parameters() if p.requires_grad]
-    plan = cls.comm_plan(sum(math.prod(s) for s in shapes), t.world, strategy.options, shapes=shapes)
+    plan = cls.comm_plan(layout_of(t.model), t.world, strategy.options)
     planned = t.world * sum(op.wire_bytes(t.world) * cls.plan_occurrences(op, t.cfg.steps, strategy.options)
                             for op in plan)
     summary = build_summary(
@@ -336,12 +330,15 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
         if cfg.resume_from:
             from . import checkpoint
             t.wall_before = checkpoint.load(t, checkpoint.read(Path(cfg.resume_from))).get("wall_s", 0.0)
-        run = loop(t, out_dir, quiet)
-    finally:
-        t.strategy.close()  # a failed run must not leave a strategy's communication thread behind
-    if run.stopped:  # a part of a run: summary.json is written by the part that reaches cfg.steps
+        result = loop(t, out_dir, quiet)
+    except BaseException:
+        t.run.release()  # no communication thread left behind; no collective, a peer may be gone
+        raise
+    if result.stopped:  # a part of a run: summary.json is written by the part that reaches cfg.steps
+        t.run.release()
         return None
-    return summarize(t, run, out_dir, quiet)
+    t.run.close()  # collective: every rank ends on the same final parameters
+    return summarize(t, result, out_dir, quiet)
 
 
 def num_params(model: torch.nn.Module) -> int:

@@ -13,7 +13,7 @@
 
 The strategy is told "a backward just finished" and decides whether to keep
 accumulating, start or finish a communication round, swap parameters, or
-step: the same core `strategy.step()` drives (strategies/base.py). The
+step: the same driver (run.py) the CLI's trainer runs `step()` on. The
 process group is the one you made, torchrun's (initialised here from its
 environment when you have not), or none for a single process.
 """
@@ -28,65 +28,17 @@ import torch.distributed as dist
 from .comm import Comm
 from .comm.link import LinkModel, split_link_spec
 from .errors import UsageError
-from .strategies import make_strategy
-from .strategies.base import MakeOptimizer, Pacer, Schedule, StepResult, Strategy
+from .run import RunDriver, link_seed, make_pacer, make_run
+from .strategies.base import MakeOptimizer
+from .strategies.context import Schedule
 from .values import parse_slowdown, parse_stragglers
-
-
-class Run:
-    """A model under a communication strategy, driven by the user's own loop."""
-
-    def __init__(self, strategy: Strategy):
-        self.strategy = strategy
-        self.result: StepResult | None = None  # the latest finished optimizer step
-        self.stepped = False                   # did the latest backward finish one?
-
-    @property
-    def model(self) -> torch.nn.Module:
-        """The module to run the training forward on (for ddp the DistributedDataParallel
-        wrapper: reach your own attributes through `run.model.module`)."""
-        return self.strategy.train_model
-
-    def backward(self, loss: torch.Tensor) -> StepResult | None:
-        """Backpropagate one micro-batch's loss; the strategy accumulates, communicates and
-        steps as it decides. Returns (and keeps in `result`) the StepResult when this backward
-        finished an optimizer step, else None."""
-        result = self.strategy.backward(loss)
-        self.stepped = result is not None
-        if result is not None:
-            self.result = result
-        return result
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps (for acco: rounds) finished so far."""
-        return self.strategy.steps_done
-
-    def evaluating(self):
-        """`with run.evaluating() as model:` the parameters to evaluate; between steps only."""
-        return self.strategy.evaluating()
-
-    def state_dict(self) -> dict:
-        return self.strategy.state_dict()
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.strategy.load_state_dict(sd)
-
-    def close(self) -> None:
-        self.strategy.close()
-
-    def __enter__(self) -> "Run":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def wrap(model: torch.nn.Module, make_optimizer: MakeOptimizer, strategy: str = "ddp", *, accum: int = 1,
          schedule: Schedule | None = None, total_steps: int | None = None,
          link: str | LinkModel | None = None, slowdown: float | Sequence[float] | None = None,
          stragglers: str | tuple[float, float] | None = None, seed: int = 0,
-         group: dist.ProcessGroup | None = None, **options) -> Run:
+         group: dist.ProcessGroup | None = None, **options) -> RunDriver:
     """Put `model` under `strategy` for a loop of your own.
 
     make_optimizer(params) builds the inner optimizer; accum is micro-batches per
@@ -99,14 +51,11 @@ def wrap(model: torch.nn.Module, make_optimizer: MakeOptimizer, strategy: str = 
     _join_group_if_torchrun(model)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
-    comm = Comm(group, link=_link(link, seed * 7919 + rank))
-    s = make_strategy(strategy, model, comm, make_optimizer, accum=accum, schedule=schedule, **options)
-    s.total_steps = total_steps
+    comm = Comm(group, link=_link(link, link_seed(seed, rank)))
     factor = _slowdown(slowdown, rank, world)
     straggle = parse_stragglers(stragglers, "stragglers") if stragglers is not None else None
-    if factor != 1.0 or straggle is not None:
-        s.pacer = Pacer(rank, world, factor, *(straggle or (0.0, 1.0)), seed=seed)
-    return Run(s)
+    return make_run(strategy, model, comm, make_optimizer, accum=accum, schedule=schedule, total_steps=total_steps,
+                    pacer=make_pacer(rank, world, factor, straggle, seed), **options)
 
 
 def _join_group_if_torchrun(model: torch.nn.Module) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..strategies.base import StepResult
+from ..strategies.context import StepResult
 
 FIELDS = ("loss", "micro_batches", "tokens", "wire_bytes", "compute_s", "comm_s",
           "exposed_comm_s", "wall_s", "lr", "skipped")

@@ -63,11 +63,11 @@ class ACCO(ShardedStrategy):
     separate_master = True  # the master keeps θ_t while the model holds θ̃ or a round's result
     comm_overlap = 1.0      # a round's communication runs while the next micro-batches compute
 
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule, options)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.deterministic = self.options.deterministic
-        self.max_accum = self.options.rounds_bound(accum)
-        self.rounds = OverlappedRounds(self.flat, self.shard_opt, comm)
+        self.max_accum = self.options.rounds_bound(self.accum)
+        self.rounds = OverlappedRounds(self.flat, self.shard_opt, self.comm)
         self.starting = True           # the start-up micro-batch at θ_0 comes first
         self.estimate_next = True      # the first round is an estimate round
         self.holds_estimate = False    # does the model hold θ̃ rather than θ?
@@ -77,8 +77,8 @@ class ACCO(ShardedStrategy):
         self.lr = float("nan")
 
     @classmethod
-    def comm_plan(cls, num_params, world, options, shapes=None):
-        return OverlappedRounds.plan(cls.flat_bytes(num_params, world, options))  # per round = per step
+    def comm_plan(cls, layout, world, options):
+        return OverlappedRounds.plan(cls.flat_bytes(layout.numel, world, options))  # per round = per step
 
     @classmethod
     def micro_batches_per_step(cls, cost, comm_s, options):
@@ -104,7 +104,7 @@ class ACCO(ShardedStrategy):
     def loss_scale(self):
         return 1.0  # G sums micro-batch gradients; the round divides by the global count N
 
-    def begin_step(self):
+    def begin_step(self, ctx):
         if self.starting:  # G must hold ∇θ_0 before the first round can start
             self.flat.zero_grad()
         else:
@@ -113,34 +113,48 @@ class ACCO(ShardedStrategy):
     def start_round(self):
         estimate = self.estimate_next
         if estimate:  # the estimate and the real round that follows share one lr
-            self.lr = self.lr_for_step(self.shard_opt.optimizer,
-                                       self.applied // (self.comm.world * self.accum))
+            self.lr = self.set_lr(self.applied // (self.comm.world * self.accum))
         self.rounds.start(estimate)
         if not estimate:
             self.flat.zero_grad()
             self.local_count = 0
 
-    def after_backward(self):
+    def after_backward(self, ctx):
         self.flat.check_views()
         if self.starting:  # start-up: one micro-batch at θ_0 fills G and B
             self.starting = False
             self.local_count = 1
             self.rounds.load_gradients(self.local_count)
             self.start_round()
-            self.micro = 0  # the start-up micro-batch belongs to no round
+            ctx.micro = 0  # the start-up micro-batch belongs to no round
             return False
         self.local_count += 1
         # Keep computing while the round is in flight: at least accum, at most max_accum.
-        if self.micro < self.accum or (not self.deterministic and self.micro < self.max_accum
-                                       and self.rounds.in_flight()):
+        if ctx.micro < self.accum or (not self.deterministic and ctx.micro < self.max_accum
+                                      and self.rounds.in_flight()):
             return False
-        self.end_round()
+        self.end_round(ctx)
         return True
 
-    def end_round(self):
+    def rounds_started(self):
+        return self.steps_done + self.rounds.engine.pending
+
+    def finish(self, rounds):
+        """The run ends: this rank completes the rounds the others started (the micro-batches
+        of an unfinished round are dropped), then the model gets the real θ."""
+        while self.steps_done < rounds:
+            if not self.rounds.engine.pending:
+                self.start_round()
+            self.end_round(None)
+            self.steps_done += 1
+        if self.holds_estimate:
+            self.flat.params.copy_(self.comm.meta_all_gather(self.shard_opt.own_params()).view(-1))
+            self.holds_estimate = False
+
+    def end_round(self, ctx):
         total = self.rounds.wait()
-        if self.rounds.skipped:  # G may still hold the bad gradient: the next real round zeroes it
-            self.skip_step()
+        if self.rounds.skipped and ctx is not None:  # G may still hold the bad gradient: the next real round zeroes it
+            ctx.skip()
         estimate = self.estimate_next
         if not estimate:
             self.applied += total
@@ -149,7 +163,8 @@ class ACCO(ShardedStrategy):
         self.rounds.load_gradients(self.local_count)
         self.holds_estimate = estimate
         self.estimate_next = not estimate
-        self._tally.lr = self.lr
+        if ctx is not None:
+            ctx.lr = self.lr
 
     @contextmanager
     def swapped_for_eval(self):

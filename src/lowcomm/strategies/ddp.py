@@ -39,8 +39,7 @@ def paced_hook(strategy: "DDP", bucket: dist.GradBucket) -> torch.futures.Future
     """The hook DDP calls for every bucket: pay the emulated slowdown of the compute so far
     (a slower device would issue this bucket that much later, and the peers must wait for
     it inside the reduction, not at some later sync point), then the strategy's comm_hook."""
-    if strategy.pacer is not None:
-        strategy.pacer.pay(strategy.steps_done, strategy.comm.tracer)
+    strategy.pace()
     strategy.buckets_sent += 1
     return strategy.comm_hook(bucket)
 
@@ -50,8 +49,8 @@ class DDP(Strategy):
     Options = DDPOptions
     checkpoint_replicated = True  # parameters and optimizer state are the same on every rank
 
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule, options)
+    def __init__(self, model, comm, make_optimizer, *args, **kwargs):
+        super().__init__(model, comm, make_optimizer, *args, **kwargs)
         self.ddp = DistributedDataParallel(model, process_group=comm.group,
                                            bucket_cap_mb=self.options.bucket_mb)
         # A proxy, not self: DDP's C++ reducer keeps the state alive, and a
@@ -60,7 +59,6 @@ class DDP(Strategy):
         self.ddp.register_comm_hook(weakref.proxy(self), paced_hook)
         self.optimizer = make_optimizer(model.parameters())
         self.buckets_sent = 0  # in the current step: none after a synced backward means DDP was bypassed
-        self._watch_forward()
 
     def comm_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """How one bucket of gradients is reduced (the seam subclasses replace, e.g. powersgd):
@@ -75,11 +73,11 @@ class DDP(Strategy):
         return [self.optimizer]
 
     @classmethod
-    def comm_plan(cls, num_params, world, options, shapes=None):
+    def comm_plan(cls, layout, world, options):
         # One all-reduce of the fp32 gradients per step, split into buckets (each
         # bucket's ring count is rounded down on its own, so at W=3 the total can be
         # a few bytes under this line's).
-        return [PlannedOp("all_reduce", 4 * num_params, what="gradients (fp32, in buckets)")]
+        return [PlannedOp("all_reduce", 4 * layout.numel, what="gradients (fp32, in buckets)")]
 
     @classmethod
     def exposed_comm_s(cls, plan, cost, options):
@@ -108,18 +106,22 @@ class DDP(Strategy):
         it in forward, so it must be right before the next forward begins."""
         self.ddp.require_backward_grad_sync = last
 
-    def begin_step(self):
-        self._tally.lr = self.lr_for_step(self.optimizer, self.steps_done)
+    def begin_step(self, ctx):
+        ctx.lr = self.set_lr(ctx.step)
         self.buckets_sent = 0
         self._sync_next(self.accum == 1)
 
     def paces_backward(self):
         return not self.ddp.require_backward_grad_sync  # the hook paces before each bucket
 
-    def after_backward(self):
-        if self.micro < self.accum:
-            self._sync_next(self.micro + 1 == self.accum)
+    def after_backward(self, ctx):
+        if ctx.micro < self.accum:
+            self._sync_next(ctx.micro + 1 == self.accum)
             return False
+        self.update(ctx)
+        return True
+
+    def update(self, ctx):
         if self.buckets_sent == 0:
             raise UsageError("the loss was not computed through the DDP wrapper, so no gradient was "
                              "all-reduced: run the forward on run.model (strategy.train_model), not on "
@@ -129,13 +131,12 @@ class DDP(Strategy):
         if self.comm.world > 1:
             # Measured to the end of that backward, so the wait is the tail of its
             # micro-batch span (nested in it, as the trace draws it).
-            end = self._tally.last_compute_end
-            exposed = max(0.0, min(end - self.comm.last_issue_s, self._tally.last_compute_s))
+            end = ctx.last_compute_end
+            exposed = max(0.0, min(end - self.comm.last_issue_s, ctx.last_compute_s))
             self.comm.add_exposed(exposed, end=end)
-            self._tally.compute_s -= exposed
-        # The all-reduce carried any NaN to every rank: all skip alike (see Strategy.received_finite).
-        if self.received_finite(*(p.grad for p in self.model.parameters() if p.grad is not None)):
+            ctx.compute_s -= exposed
+        # The all-reduce carried any NaN to every rank: all skip alike (see StepContext.received_finite).
+        if ctx.received_finite(*(p.grad for p in self.model.parameters() if p.grad is not None)):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._sync_next(self.accum == 1)
-        return True

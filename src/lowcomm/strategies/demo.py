@@ -35,7 +35,6 @@ import torch
 
 from ..compress import DCTTopK
 from ..errors import UsageError
-from ._gpt_shapes import gpt_shapes
 from .base import Strategy
 from .options import Options, option
 from .plan import PlannedOp
@@ -110,10 +109,8 @@ def _groups(encoders, options, device) -> list[_Group]:
 class DeMo(Strategy):
     Options = DeMoOptions
 
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule, options)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.start_from_rank0(p.data for p in self.params)
+    def __init__(self, model, comm, make_optimizer, *args, **kwargs):
+        super().__init__(model, comm, make_optimizer, *args, **kwargs)
         # The run's AdamW is built only to read lr / weight decay (and carry the schedule);
         # it never steps and holds no state.
         self.settings = make_optimizer(self.params)
@@ -126,14 +123,11 @@ class DeMo(Strategy):
         self._split_deltas()
         self.sizes = [e.nbytes() for e in self.encoders]
         self.compress_s = 0.0
-        self._watch_forward()
 
     @classmethod
-    def comm_plan(cls, num_params, world, options, shapes=None):
-        """One all_gather per step of every tensor's (indices, values). Depends on the
-        parameter shapes: pass `shapes`, else lowcomm's GPT with this count is assumed."""
-        shapes = shapes if shapes is not None else gpt_shapes(num_params)
-        per_worker = sum(e.nbytes() for e in _encoders(shapes, options))
+    def comm_plan(cls, layout, world, options):
+        """One all_gather per step of every tensor's (indices, values): depends on each shape."""
+        per_worker = sum(e.nbytes() for e in _encoders(layout.shapes, options))
         return [PlannedOp("all_gather", world * per_worker, what="DCT top-k (index, value) of every tensor")]
 
     @classmethod
@@ -146,26 +140,22 @@ class DeMo(Strategy):
     def optimizer_state_bytes(self):
         return sum(d.numel() * d.element_size() for d in self.deltas)
 
-    def begin_step(self):
-        self.lr = self.lr_for_step(self.settings, self.steps_done)
-        self._tally.lr = self.lr
+    def begin_step(self, ctx):
+        self.lr = ctx.lr = self.set_lr(ctx.step)
 
-    def after_backward(self):
-        if self.micro < self.accum:
-            return False
-        self._step()
+    def update(self, ctx):
+        self._step(ctx)
         for p in self.params:
             p.grad = None
-        return True
 
     @torch.no_grad()
-    def _step(self):
+    def _step(self, ctx):
         """δ̂'s new value is staged and θ changes only after the gather: a step that a non-finite
         gradient on any rank makes every rank's decoded Q non-finite is skipped without a trace."""
         lr, beta, wd = self.lr, self.options.beta, self.weight_decay
         t0 = time.perf_counter()
         grads = [group.stack([self.params[m].grad for m in group.members]) for group in self.groups]
-        self.poison_nonfinite(*(g for g in grads if g is not None))  # what is sent, not p.grad
+        ctx.poison_nonfinite(*(g for g in grads if g is not None))  # what is sent, not p.grad
         packed, staged = [None] * len(self.params), []
         for group, delta, g in zip(self.groups, self._stacks, grads):
             new = delta.mul(beta)
@@ -192,7 +182,7 @@ class DeMo(Strategy):
             idxs, vals = _as(rows[:, at:at + ni], idx0.dtype), _as(rows[:, at + ni:at + ni + nv], val0.dtype)
             at += ni + nv
             qs.append(enc.decompress(idxs, vals))
-        if self.received_finite(*qs):
+        if ctx.received_finite(*qs):
             if wd != 0.0:
                 torch._foreach_mul_(self.params, 1.0 - lr * wd)
             torch._foreach_add_(self.params, [q.sign().to(p.dtype) for p, q in zip(self.params, qs)], alpha=-lr)

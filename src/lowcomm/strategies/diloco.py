@@ -66,7 +66,9 @@ import torch.nn as nn
 
 from ..compress import Compressor, ErrorFeedback, IntQuantizer, parse_spec
 from ..errors import UsageError
-from .base import StepResult, Strategy
+from ..models.layout import ModelLayout
+from .base import Strategy
+from .context import all_finite
 from .options import Options, option
 from .plan import PlannedOp
 from .registry import register
@@ -148,8 +150,8 @@ class OuterSync(Strategy):
         # SGD's momentum (and an error-feedback residual when outer gradients are compressed)
         return 24 * num_params + (4 * num_params if getattr(options, "outer_compress", "none") != "none" else 0)
 
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule, options)
+    def __init__(self, model, comm, make_optimizer, *args, **kwargs):
+        super().__init__(model, comm, make_optimizer, *args, **kwargs)
         o = self.options
         self.H = o.sync_every
         self.time_mode = o.sync_by == "time"
@@ -160,15 +162,9 @@ class OuterSync(Strategy):
         self.ef = ErrorFeedback(self.compressor, enabled=use_ef, decay=o.outer_ef_decay) \
             if self.compressor is not None else None
         self.compress_s = 0.0  # CPU time spent compressing and decoding outer gradients
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        if not self.params:
-            raise ValueError("the model has no trainable parameters")
-        # Every rank starts from rank 0's θ (bookkeeping, like zero1's).
-        start = comm.meta_broadcast(torch.cat([p.detach().reshape(-1) for p in self.params]), src=0)
-        self._write(self.params, start)
         self.inner = make_optimizer(self.params)
         # (fragment index f, its parameters), empty fragments dropped.
-        self.fragments = [(f, ps) for f, ps in enumerate(self.fragment_params(model, self.params)) if ps]
+        self.fragments = [(f, ps) for f, ps in enumerate(self.fragment_params()) if ps]
         self.globals = [nn.Parameter(self._flat(ps).float().clone(), requires_grad=False)
                         for _, ps in self.fragments]
         o_m = o.outer_momentum
@@ -185,11 +181,11 @@ class OuterSync(Strategy):
         self.inner_steps = 0
         self.syncs = 0                            # fragment syncs done (diloco: outer steps)
         self.last_loss = float("nan")
-        self._watch_forward()
+        self._ctx = None  # the step in progress (a sync that sees a non-finite Δ marks it skipped)
 
     # -- layout ------------------------------------------------------------------
-    def fragment_params(self, model, params) -> list[list[nn.Parameter]]:
-        return [params]
+    def fragment_params(self) -> list[list[nn.Parameter]]:
+        return [self.params]
 
     @staticmethod
     def _flat(params) -> torch.Tensor:
@@ -206,8 +202,8 @@ class OuterSync(Strategy):
 
     # -- plan --------------------------------------------------------------------
     @classmethod
-    def fragment_numels(cls, num_params: int, options, shapes=None) -> list[int]:
-        return [num_params]
+    def fragment_numels(cls, layout: ModelLayout, options) -> list[int]:
+        return [layout.numel]
 
     @classmethod
     def fragment_count(cls, options) -> int:
@@ -226,10 +222,10 @@ class OuterSync(Strategy):
                          what=f"fragment {f}: {options.outer_precision} outer gradient")
 
     @classmethod
-    def comm_plan(cls, num_params, world, options, shapes=None):
+    def comm_plan(cls, layout, world, options):
         H, F = options.sync_every, cls.fragment_count(options)
         plan = []
-        for f, numel in enumerate(cls.fragment_numels(num_params, options, shapes)):
+        for f, numel in enumerate(cls.fragment_numels(layout, options)):
             if numel == 0:
                 continue
             offset = (f * H) // F
@@ -251,42 +247,33 @@ class OuterSync(Strategy):
         return op.occurrences(steps - 1) + 1
 
     # -- the push-style core -------------------------------------------------------
-    def begin_step(self):
-        self._tally.lr = self.lr_for_step(self.inner, self.steps_done)
+    def begin_step(self, ctx):
+        self._ctx = ctx
+        ctx.lr = self.set_lr(ctx.step, [self.inner])
+        # --sync-by time: a slot this rank has no inner step for is an empty trainer step
+        # (0 micro-batches; syncs still run). Only pull-style: a user's backward() always steps.
+        if self.time_mode and ctx.pull and not self._steps_this_slot():
+            self._end_of_slot(ctx, did_step=False)
+            ctx.end_idle(self.last_loss)  # the rank's latest inner loss, not a fake 0
 
-    def after_backward(self):
-        if self.micro < self.accum:
-            return False
+    def update(self, ctx):
         # Inner steps are local: a non-finite loss or gradient skips this rank's inner step only.
-        if self.poison_nonfinite(*(p.grad for p in self.params if p.grad is not None)):
-            self.skip_step()
+        if ctx.poison_nonfinite(*(p.grad for p in self.params if p.grad is not None)):
+            ctx.skip()
         else:
             self.inner.step()
         self.inner.zero_grad(set_to_none=True)
         self.inner_steps += 1
         # The slot's whole cost so far: data, compute (emulated slowdown included), inner step.
-        self.costs.append(time.perf_counter() - self._tally.t0)
+        self.costs.append(time.perf_counter() - ctx.t0)
         self.since = [s + 1 for s in self.since]
-        self.last_loss = self._tally.loss_sum / max(self._tally.micro_batches, 1)
-        self._end_of_slot(did_step=True)
-        return True
+        self.last_loss = ctx.mean_loss
+        self._end_of_slot(ctx, did_step=True)
 
-    def step(self, next_batch, loss_fn) -> StepResult:
-        """As Strategy.step, except that under --sync-by time a slot this rank has no
-        inner step for is an empty trainer step (0 micro-batches; syncs still run)."""
-        if self.time_mode and not self.mid_step and not self._steps_this_slot():
-            self._check_open()
-            self.ensure_step_begun()
-            self._end_of_slot(did_step=False)
-            result = self._finish()
-            result.loss = self.last_loss  # the rank's latest inner loss, not a fake 0
-            return result
-        return super().step(next_batch, loss_fn)
-
-    def _end_of_slot(self, did_step: bool) -> None:
+    def _end_of_slot(self, ctx, did_step: bool) -> None:
         t = self.steps_done + 1  # this trainer step, counted from 1
         if self.time_mode:
-            self.own_s += time.perf_counter() - self._tally.t0
+            self.own_s += time.perf_counter() - ctx.t0
             self.sched_s += self.c_ref
             if t == 1:
                 self.costs = []  # the first step pays one-off set-up costs: not a speed sample
@@ -395,7 +382,9 @@ class OuterSync(Strategy):
         return total.mul_(factor), infos
 
     def _outer_step(self, i: int, avg: torch.Tensor) -> None:
-        if not self.received_finite(avg):  # the same Δ on every rank: all keep θ_global alike
+        if not all_finite(avg):  # the same Δ on every rank: all keep θ_global alike
+            if self._ctx is not None:
+                self._ctx.skip()
             return
         g = self.globals[i]
         g.grad = avg
@@ -461,18 +450,18 @@ class OuterSync(Strategy):
         finally:
             self._write(self.params, local)
 
-    def eval_model(self):
-        return self.model
-
     def optimizers(self):
         return [self.inner, self.outer]
 
-    def state_dict(self) -> dict:
-        # Finish syncs in flight first: their outer step changes the outer optimizer's
-        # state, which the base class saves before extra_state() runs.
-        self._check_safe_point("state_dict()")
-        self._collect()
-        return super().state_dict()
+    def rounds_started(self) -> int:
+        """1 while a sync is owed (inner steps since a fragment's last sync, or a merge pending):
+        the driver takes the most over the ranks, so all of them do the final sync or none."""
+        return int(any(self.since) or bool(self.pending))
+
+    def finish(self, rounds: int) -> None:
+        """A run that ends between syncs (no total_steps given) ends on θ_global all the same."""
+        if rounds:
+            self._final_sync()
 
     def extra_state(self) -> dict:
         self._collect()

@@ -30,15 +30,15 @@ class DPU(ShardedStrategy):
     separate_master = True  # the model keeps θ_t while the round computes θ_{t+1}
     comm_overlap = 1.0      # once delayed, a round's communication runs beside the next step's compute
 
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule, options)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.warmup_steps = self.options.warmup_steps
-        self.rounds = OverlappedRounds(self.flat, self.shard_opt, comm)
+        self.rounds = OverlappedRounds(self.flat, self.shard_opt, self.comm)
         self.updates = 0
 
     @classmethod
-    def comm_plan(cls, num_params, world, options, shapes=None):
-        return OverlappedRounds.plan(cls.flat_bytes(num_params, world, options))
+    def comm_plan(cls, layout, world, options):
+        return OverlappedRounds.plan(cls.flat_bytes(layout.numel, world, options))
 
     @classmethod
     def plan_occurrences(cls, op, steps, options):
@@ -60,27 +60,38 @@ class DPU(ShardedStrategy):
     def loss_scale(self):
         return 1.0  # B sums micro-batch gradients; the round divides by the global count
 
-    def begin_step(self):
-        self._tally.lr = self.lr_for_step(self.shard_opt.optimizer, self.updates)
+    def begin_step(self, ctx):
+        ctx.lr = self.set_lr(self.updates)
         self.synchronous = self.steps_done < self.warmup_steps
         self.delayed = not self.synchronous and self.rounds.buffer_count > 0  # g(θ_{t-1}) waits in B
         if self.delayed:
             self.rounds.start(estimate=False)
         self.flat.zero_grad()
 
-    def end_of_accumulation(self):
+    def update(self, ctx):
         if self.synchronous:
             self.rounds.load_gradients(self.accum)
             self.rounds.start(estimate=False)
         if self.synchronous or self.delayed:
-            self.rounds.wait()
-            if self.rounds.skipped:
-                self.skip_step()
-            self.rounds.swap_in()
-            self.updates += 1
+            self._land_round(ctx)
         if not self.synchronous:
             self.rounds.load_gradients(self.accum)  # g(θ_t), applied next step
-        return True
+
+    def _land_round(self, ctx):
+        self.rounds.wait()
+        if self.rounds.skipped and ctx is not None:
+            ctx.skip()
+        self.rounds.swap_in()
+        self.updates += 1
+
+    def rounds_started(self):
+        return self.updates + self.rounds.engine.pending
+
+    def finish(self, rounds):
+        """The run ends: a round in flight lands (every rank has one in flight, or none);
+        the gradient waiting in B for the next step is dropped."""
+        if self.rounds.engine.pending:
+            self._land_round(None)
 
     def extra_state(self):
         return {**super().extra_state(), **self.rounds.state(), "updates": self.updates}

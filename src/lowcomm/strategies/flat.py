@@ -9,6 +9,10 @@ ShardOptimizer: the inner optimizer over this rank's shard only, holding an
 fp32 master copy of it (an alias of the parameter shard when parameters are
 already fp32, so no memory is spent twice). Optimizer state therefore costs
 1/W of DDP's.
+
+Parameter groups (e.g. no weight decay on biases and norms): the flat buffer is laid
+out group by group, so each group's part of a shard is one contiguous piece, and the
+shard's optimizer has one param group per piece with that group's hyperparameters.
 """
 from __future__ import annotations
 
@@ -19,18 +23,27 @@ import torch.nn as nn
 
 from ..errors import UsageError
 from .base import Strategy
+from .context import StepContext
 from .options import Options, option
 from .plan import flat_numel
 
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the model's own dtype
 
 
+def param_groups_of(reference: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[tuple[dict, list]]:
+    """(hyperparameters, parameters in model order) of each param group of `reference`."""
+    member = {id(p): g for g, group in enumerate(reference.param_groups) for p in group["params"]}
+    return [({k: v for k, v in group.items() if k != "params"}, [p for p in params if member.get(id(p)) == g])
+            for g, group in enumerate(reference.param_groups)]
+
+
 class FlatModel:
-    def __init__(self, model: nn.Module, world: int, rank: int, dtype: torch.dtype | None = None):
+    """`params` in the order they are laid out (group by group); `group_ends` ends each group's range."""
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], world: int, rank: int,
+                 dtype: torch.dtype | None = None, group_ends: list[int] | None = None):
         self.model = model
-        self.params_list = [p for p in model.parameters() if p.requires_grad]
-        if not self.params_list:
-            raise ValueError("the model has no trainable parameters")
+        self.params_list = params
         first = self.params_list[0]
         dtype = dtype or first.dtype
         self.numel = sum(p.numel() for p in self.params_list)
@@ -46,6 +59,17 @@ class FlatModel:
             p.grad = self.grads[offset:offset + n].view_as(p)
             offset += n
         self.own = slice(rank * self.shard_size, (rank + 1) * self.shard_size)
+        self.group_ends = group_ends or [self.numel]
+
+    def own_pieces(self) -> list[tuple[int, int, int]]:
+        """(group, start, end) of each group's piece of the own shard, in shard coordinates."""
+        pieces, begin = [], 0
+        for g, end in enumerate(self.group_ends):
+            a, b = max(begin, self.own.start), min(end, self.own.stop)
+            if a < b:
+                pieces.append((g, a - self.own.start, b - self.own.start))
+            begin = end
+        return pieces
 
     def zero_grad(self) -> None:
         self.grads.zero_()
@@ -65,19 +89,35 @@ class ShardOptimizer:
     ACCO and DPU load other parameters (estimates, gathered results) into the
     model while the master must keep holding the real θ."""
 
-    def __init__(self, flat: FlatModel, make_optimizer, separate_master: bool = False):
+    def __init__(self, flat: FlatModel, make_optimizer, reference: torch.optim.Optimizer,
+                 separate_master: bool = False):
         self.flat = flat
         own = flat.params[flat.own]
         self.aliased = own.dtype == torch.float32 and not separate_master
         master = own if self.aliased else own.detach().float().clone()
         self.master = nn.Parameter(master, requires_grad=False)
-        self.optimizer = make_optimizer([self.master])
+        if len(reference.param_groups) == 1:
+            self.pieces = [(self.master, slice(None))]
+            self.optimizer = make_optimizer([self.master])
+            return
+        # One param group per group's piece of the shard, views of the master (same storage).
+        self.pieces, groups = [], []
+        for g, a, b in flat.own_pieces():
+            piece = nn.Parameter(self.master.data[a:b], requires_grad=False)
+            self.pieces.append((piece, slice(a, b)))
+            hyper = {k: v for k, v in reference.param_groups[g].items() if k != "params"}
+            groups.append({**hyper, "params": [piece]})
+        self.optimizer = type(reference)(groups)
+        self.optimizer.defaults = dict(reference.defaults)  # the schedule scales from the run's default lr
 
     def step(self, shard_grad: torch.Tensor) -> None:
         """One inner-optimizer step of the own shard from its (already averaged) gradient."""
-        self.master.grad = shard_grad if shard_grad.dtype == torch.float32 else shard_grad.float()
+        grad = shard_grad if shard_grad.dtype == torch.float32 else shard_grad.float()
+        for piece, where in self.pieces:
+            piece.grad = grad[where]
         self.optimizer.step()
-        self.master.grad = None
+        for piece, _ in self.pieces:
+            piece.grad = None
 
     def own_params(self) -> torch.Tensor:
         """The own shard in parameter precision, ready to all-gather."""
@@ -127,15 +167,19 @@ class ShardedStrategy(Strategy):
     Options = ShardedOptions
     separate_master = False
 
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule, options)
-        self.flat = FlatModel(model, comm.world, comm.rank, dtype=PARAM_DTYPES[self.options.param_dtype])
-        self.start_from_rank0([self.flat.params])
-        self.shard_opt = ShardOptimizer(self.flat, make_optimizer, separate_master=self.separate_master)
+    def __init__(self, model, comm, make_optimizer, *args, **kwargs):
+        super().__init__(model, comm, make_optimizer, *args, **kwargs)
+        # Read the run's param groups from an optimizer over the model (it never steps).
+        reference = make_optimizer(self.params)
+        groups = param_groups_of(reference, self.params)
+        ordered = [p for _, ps in groups for p in ps]
+        ordered += [p for p in self.params if all(p is not q for q in ordered)]  # in no group: never stepped
+        ends = [sum(p.numel() for _, ps in groups[:g + 1] for p in ps) for g in range(len(groups))]
+        self.flat = FlatModel(model, ordered, comm.world, comm.rank, PARAM_DTYPES[self.options.param_dtype], ends)
+        self.shard_opt = ShardOptimizer(self.flat, make_optimizer, reference, separate_master=self.separate_master)
         # model.zero_grad() would drop accumulated gradients (set_to_none=False) or cut
         # .grad loose from the flat buffer (True): refuse it with a clear error instead.
         model.zero_grad = self._refuse_zero_grad
-        self._watch_forward()
 
     def _refuse_zero_grad(self, set_to_none: bool = True) -> None:
         raise UsageError(f"do not call zero_grad() on a model trained with '{self.name}': the strategy "
@@ -167,15 +211,11 @@ class ShardedStrategy(Strategy):
     def loss_scale(self) -> float:
         return 1.0 / self.accum
 
-    def after_backward(self) -> bool:
+    def after_backward(self, ctx: StepContext) -> bool:
         # A model.zero_grad() between micro-batches would detach .grad from the flat
         # buffer and silently drop gradients: say so at the backward that shows it.
         self.flat.check_views()
-        return self.micro >= self.accum and self.end_of_accumulation()
-
-    def end_of_accumulation(self) -> bool:
-        """Called after each micro-batch from the accum-th on; True ends the step."""
-        raise NotImplementedError
+        return super().after_backward(ctx)
 
     def extra_state(self) -> dict:
         master = self.shard_opt.master.detach().clone() if not self.shard_opt.aliased else None

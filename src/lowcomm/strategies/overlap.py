@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..comm import Comm
-from .base import all_finite, fill_nan_if_nonfinite
+from .context import all_finite, fill_nan_if_nonfinite
 from .flat import FlatModel, ShardOptimizer
 from .plan import PlannedOp
 
@@ -153,6 +153,11 @@ class OverlappedRounds:
         return [PlannedOp("all_reduce", 8, what="micro-batch count (float64)"),
                 PlannedOp("reduce_scatter", flat_bytes, what="gradient sum"),
                 PlannedOp("all_gather", flat_bytes, what="parameters")]
+
+    def use_comm(self, comm: Comm) -> None:
+        """Between rounds: the next rounds run on `comm`."""
+        assert not self.engine.pending, "the group changed while a round is in flight"
+        self.comm = self.engine.comm = comm
 
     def close(self) -> None:
         self.engine.close()

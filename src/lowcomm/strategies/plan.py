@@ -8,9 +8,10 @@ traffic has one source of truth.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 from ..comm.wire import wire_bytes
+from .options import Options
 
 
 @dataclass(frozen=True)
@@ -50,3 +51,53 @@ class StepCost:
     accum: int = 1                      # micro-batches per step
     steps: int | None = None            # a run of this many trainer steps; None: the steady state
     worker_compute_s: tuple = ()        # each worker's compute of `accum` micro-batches (slowdowns in)
+
+
+class Planned:
+    """What `lowcomm plan` (planner.py) asks a strategy class, with defaults that fit a
+    strategy whose collectives start after its compute. A strategy overrides what its
+    schedule changes (ddp's buckets, acco's overlap, a warm-up's transients)."""
+
+    @classmethod
+    def plan_occurrences(cls, op: PlannedOp, steps: int, options: Options) -> int:
+        """How often `op` runs in a run of `steps` trainer steps (transients included)."""
+        return op.occurrences(steps)
+
+    # Share of one step's compute that this strategy's collectives run behind: 0 means
+    # they start after the compute and are exposed in full (zero1, diloco); 1 means a
+    # whole step of compute can hide them (acco, dpu). A strategy with a finer schedule
+    # (ddp's buckets, streaming_diloco's delayed merge) overrides exposed_comm_s instead.
+    comm_overlap: ClassVar[float] = 0.0
+
+    @classmethod
+    def exposed_comm_s(cls, plan: list[PlannedOp], cost: StepCost, options: Options) -> float:
+        """Modeled seconds per trainer step that a worker waits on the network."""
+        comm = sum(cost.price(op.collective, op.nbytes) * cls.plan_rate(op, options, cost.steps) for op in plan)
+        return max(0.0, comm - cls.comm_overlap * cost.compute_s)
+
+    @classmethod
+    def micro_batches_per_step(cls, cost: StepCost, comm_s: float, options: Options) -> float:
+        """Micro-batches a worker computes per trainer step, averaged over the workers:
+        `accum`, except where a strategy computes more while it waits (adaptive acco)."""
+        return float(cost.accum)
+
+    @classmethod
+    def plan_rate(cls, op: PlannedOp, options: Options, steps: int | None = None) -> float:
+        """How often `op` runs per trainer step: averaged over a run of `steps` steps, or in
+        the steady state (transients such as warm-up steps or a final sync left out)."""
+        if steps is not None:
+            return cls.plan_occurrences(op, steps, options) / steps
+        return (cls.plan_occurrences(op, 2 * STEADY, options) - cls.plan_occurrences(op, STEADY, options)) / STEADY
+
+    @classmethod
+    def model_state_bytes(cls, num_params: int, world: int, options: Options) -> int:
+        """Bytes per worker of parameters, gradients and optimizer state (activations not
+        included). Here: fp32 θ and ∇θ and AdamW's two moments, replicated on every worker."""
+        return 16 * num_params
+
+
+# A steady-state horizon in trainer steps, divisible by every usual period (powers of two, 10^k,
+# 500): plan_rate counts occurrences between STEADY and 2*STEADY, past any transient.
+STEADY = 2**12 * 10**6
+
+

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as _default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 
-from ._gpt_shapes import gpt_shapes
 from .base import Strategy
 from .ddp import DDP, DDPOptions
 from .options import option
@@ -115,8 +114,8 @@ class PowerSGD(DDP):
     Options = PowerSGDOptions
     checkpoint_replicated = False  # the hook's error feedback differs per rank
 
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule, options)
+    def __init__(self, model, comm, make_optimizer, *args, **kwargs):
+        super().__init__(model, comm, make_optimizer, *args, **kwargs)
         _route_hook_collectives()
         self.psgd = _psgd.PowerSGDState(process_group=_CountedGroup(comm),
                                         matrix_approximation_rank=self.options.rank,
@@ -237,13 +236,12 @@ class PowerSGD(DDP):
         self._layout[b] = ids
 
     @classmethod
-    def comm_plan(cls, num_params, world, options, shapes=None):
+    def comm_plan(cls, layout, world, options):
         """Plain all-reduce for the first `start` steps, then torch's three all-reduces per
-        bucket. Depends on the shapes: pass `shapes`, else lowcomm's GPT is assumed. (As for
-        ddp, each bucket's op is rounded on its own, so at W=3 the count can be a few bytes
-        under this plan.)"""
-        shapes = shapes if shapes is not None else gpt_shapes(num_params)
-        unc, ps, qs = powersgd_sizes(shapes, options.rank)
+        bucket, sized by each tensor's shape. (As for ddp, each bucket's op is rounded on its
+        own, so at W=3 the count can be a few bytes under this plan.)"""
+        num_params = layout.numel
+        unc, ps, qs = powersgd_sizes(layout.shapes, options.rank)
         after = [PlannedOp("all_reduce", 4 * unc, offset=options.start + 1, what="uncompressed tensors"),
                  PlannedOp("all_reduce", 4 * ps, offset=options.start + 1, what="PowerSGD P factors"),
                  PlannedOp("all_reduce", 4 * qs, offset=options.start + 1, what="PowerSGD Q factors")]
@@ -278,10 +276,14 @@ class PowerSGD(DDP):
         self._layout = {b: tuple(ids) for b, ids in sd["layout"].items()}
         self._pending = None
 
-    def skip_step(self):
+    def update(self, ctx):
+        super().update(ctx)
+        if ctx.skipped:
+            self._forget()
+
+    def _forget(self):
         """The hook's error feedback and warm-started factors took in the non-finite gradient:
         drop them (torch's hook starts them afresh, identically on every rank)."""
-        super().skip_step()
         for memory in (self.psgd.error_dict, self.psgd.q_memory_dict, self.psgd.p_memory_dict):
             memory.clear()
         self._layout, self._pending = {}, None

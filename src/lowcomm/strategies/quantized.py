@@ -29,7 +29,8 @@ import torch
 from ..compress import ErrorFeedback, quantizer_for_bits
 from ..optim import FrozenAdam
 from ..errors import UsageError
-from .base import Strategy, fill_nan_if_nonfinite
+from .base import Strategy
+from .context import fill_nan_if_nonfinite
 from .options import Options, option
 from .plan import PlannedOp
 from .registry import register
@@ -79,10 +80,8 @@ def shard_len(num_params: int, world: int, block: int) -> int:
 class Quantized(Strategy):
     Options = QuantizedOptions
 
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule, options)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.start_from_rank0(p.data for p in self.params)
+    def __init__(self, model, comm, make_optimizer, *args, **kwargs):
+        super().__init__(model, comm, make_optimizer, *args, **kwargs)
         self.numel = sum(p.numel() for p in self.params)
         self.world = comm.world
         self.m = shard_len(self.numel, self.world, self.options.block_size)
@@ -93,10 +92,10 @@ class Quantized(Strategy):
         self.adam = FrozenAdam(self.optimizer, self.params) if self.options.onebit_adam else None
         self.warmup: int | None = None  # exact steps, known once the run's length is (first step)
         self.compress_s = 0.0  # CPU time spent compressing and decompressing
-        self._watch_forward()
 
     @classmethod
-    def comm_plan(cls, num_params, world, options, shapes=None):
+    def comm_plan(cls, layout, world, options):
+        num_params = layout.numel
         m = shard_len(num_params, world, options.block_size)
         q = quantizer_for_bits(options.bits, options.block_size)
         total = world * q.nbytes(m)
@@ -124,23 +123,20 @@ class Quantized(Strategy):
     def optimizers(self):
         return [self.optimizer]
 
-    def begin_step(self):
-        self._tally.lr = self.lr_for_step(self.optimizer, self.steps_done)
+    def begin_step(self, ctx):
+        ctx.lr = self.set_lr(ctx.step)
         if self.warmup is None:
             self.warmup = self.options.exact_steps(self.total_steps)
 
-    def after_backward(self):
-        if self.micro < self.accum:
-            return False
+    def update(self, ctx):
         if self.steps_done < self.warmup:  # 1-bit Adam's warm-up: Adam learns v from exact gradients
-            if self._exact_mean_gradient():
+            if self._exact_mean_gradient(ctx):
                 self.optimizer.step()
         elif self.adam is not None:
-            self._onebit_adam_step()
-        elif self._compressed_mean_gradient():
+            self._onebit_adam_step(ctx)
+        elif self._compressed_mean_gradient(ctx):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return True
 
     # -- what is reduced -------------------------------------------------------------
     def _flat_grad(self) -> torch.Tensor:
@@ -160,21 +156,21 @@ class Quantized(Strategy):
             p.grad = flat[at:at + n].view_as(p).to(p.dtype).clone()
             at += n
 
-    def _exact_mean_gradient(self) -> bool:
+    def _exact_mean_gradient(self, ctx) -> bool:
         """1-bit Adam's warm-up: a plain fp32 all-reduce, so Adam's second moment is learnt
         from true gradients before it is frozen."""
         flat = self._flat_grad()[:self.numel]
-        self.poison_nonfinite(flat)
+        ctx.poison_nonfinite(flat)
         self.comm.all_reduce(flat)
         flat /= self.world
-        if not self.received_finite(flat):
+        if not ctx.received_finite(flat):
             return False
         self._set_grads(flat)
         return True
 
-    def _compressed_mean_gradient(self) -> bool:
+    def _compressed_mean_gradient(self, ctx) -> bool:
         """The compressed mean gradient into p.grad; False when it is not finite (skipped)."""
-        mean = self._compressed_mean(self._flat_grad())
+        mean = self._compressed_mean(ctx, self._flat_grad())
         if mean is None:
             return False
         t0 = time.perf_counter()
@@ -183,7 +179,7 @@ class Quantized(Strategy):
         return True
 
     @torch.no_grad()
-    def _onebit_adam_step(self) -> None:
+    def _onebit_adam_step(self, ctx) -> None:
         """1-bit Adam's compression stage (Tang et al. 2021, Algorithm 1): with v frozen the
         update is linear in the momentum, so error feedback on the momentum is sound:
             m_w <- β1·m + (1 - β1)·g_w          (m: the momentum every rank shares)
@@ -198,7 +194,7 @@ class Quantized(Strategy):
             g = adam.gradient(p, local[at:at + n].view_as(p))
             local[at:at + n] = torch.lerp(adam.state(p)["exp_avg"], g, 1 - adam.beta1(p)).reshape(-1)
             at += n
-        mean = self._compressed_mean(local)
+        mean = self._compressed_mean(ctx, local)
         if mean is None:
             return
         at = 0
@@ -212,14 +208,14 @@ class Quantized(Strategy):
         rank) is sent without touching the residual, so the skipped step leaves no trace."""
         return self.q.compress(x) if bad else self.ef.compress(key, x)[0]
 
-    def _compressed_mean(self, flat: torch.Tensor) -> torch.Tensor | None:
+    def _compressed_mean(self, ctx, flat: torch.Tensor) -> torch.Tensor | None:
         """The two-stage compressed mean of every rank's `flat` (W·m values); None when it is
         not finite (the step is then skipped on every rank)."""
         W, m, q = self.world, self.m, self.q
         nb = q.nbytes(m)
         t0 = time.perf_counter()
         flat = flat.view(W, m)
-        payload = self._compress("worker", flat, self.poison_nonfinite(flat))  # W rows: one per shard owner
+        payload = self._compress("worker", flat, ctx.poison_nonfinite(flat))  # W rows: one per shard owner
         send = q.to_bytes(payload).reshape(-1)
         recv = torch.empty_like(send)
         self.compress_s += time.perf_counter() - t0
@@ -237,7 +233,7 @@ class Quantized(Strategy):
         t0 = time.perf_counter()
         mean = q.decompress(q.from_bytes(gathered.view(W, nb), m)).reshape(-1)
         self.compress_s += time.perf_counter() - t0
-        return mean if self.received_finite(mean) else None
+        return mean if ctx.received_finite(mean) else None
 
     def extra_state(self):
         return {"residuals": self.ef.state_dict(), "warmup": self.warmup,

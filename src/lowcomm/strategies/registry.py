@@ -11,12 +11,9 @@ import importlib
 import pkgutil
 from dataclasses import dataclass, fields
 
-import torch.nn as nn
-
-from ..comm import Comm
 from ..errors import UsageError
-from .base import MakeOptimizer, Schedule, Strategy
-from .options import build_options, cli_flag, type_name
+from .base import Strategy
+from .options import cli_flag, type_name
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 _discovered = False
@@ -58,15 +55,6 @@ def get(name: str) -> type[Strategy]:
     if name not in _REGISTRY:
         raise UsageError(f"unknown strategy '{name}' (choose from: {', '.join(available())})")
     return _REGISTRY[name]
-
-
-def make_strategy(name: str, model: nn.Module, comm: Comm, make_optimizer: MakeOptimizer,
-                  accum: int = 1, schedule: Schedule | None = None, **options) -> Strategy:
-    """Build a registered strategy by name. `options` are its Options fields as
-    keywords (e.g. max_accum=8 for acco); defaults equal the CLI's."""
-    cls = get(name)
-    return cls(model, comm, make_optimizer, accum=accum, schedule=schedule,
-               options=build_options(cls.Options, options, name))
 
 
 def reproducible_flags(name: str) -> list[str]:

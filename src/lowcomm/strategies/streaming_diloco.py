@@ -37,13 +37,10 @@ threads while the τ inner steps run; only the wait at t+τ can be exposed.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import torch.nn as nn
-
 from ..errors import UsageError
-from ..models.gpt import GPT
+from ..models.layout import layout_of
 from .diloco import OuterOptions, OuterSync
 from .options import option
 from .registry import register
@@ -65,60 +62,17 @@ class StreamingOptions(OuterOptions):
                              f"({self.sync_every}): a fragment must land before its next sync")
 
 
-def fragment_of_params(model: nn.Module, params: list, F: int) -> list[list]:
-    """The fragments' parameters (see the module docstring)."""
-    if isinstance(model, GPT):
-        where = {}
-        for b, block in enumerate(model.blocks):
-            for p in block.parameters():
-                where[id(p)] = b % F
-        return [[p for p in params if where.get(id(p), 0) == f] for f in range(F)]
-    return [[params[j] for j in group] for group in contiguous_groups([p.numel() for p in params], F)]
-
-
-def contiguous_groups(numels: list[int], F: int) -> list[list[int]]:
-    """Indices of consecutive tensors in F groups of nearly equal size (a tensor goes to the
-    group its middle element falls in)."""
-    total, before, out = sum(numels), 0, [[] for _ in range(F)]
-    for j, n in enumerate(numels):
-        out[min(F - 1, int((before + n / 2) * F // max(total, 1)))].append(j)
-        before += n
-    return out
-
-
-def gpt_blocks_of_shapes(shapes: list[tuple[int, ...]]) -> list[int] | None:
-    """For the shapes of a lowcomm GPT (embeddings, n_layer blocks of 8 tensors, final
-    norm), each tensor's block index (-1 outside blocks); None for any other model."""
-    if len(shapes) < 12 or (len(shapes) - 4) % 8:
-        return None
-    d = shapes[0][-1]
-    block = [(d,), (d,), (3 * d, d), (d, d), (d,), (d,), (4 * d, d), (d, 4 * d)]
-    n_layer = (len(shapes) - 4) // 8
-    if len(shapes[0]) != 2 or len(shapes[1]) != 2 or shapes[1][1] != d or \
-            [tuple(s) for s in shapes[-2:]] != [(d,), (d,)]:
-        return None
-    if any([tuple(s) for s in shapes[2 + 8 * b:10 + 8 * b]] != block for b in range(n_layer)):
-        return None
-    return [-1, -1] + [b for b in range(n_layer) for _ in range(8)] + [-1, -1]
-
-
 @register("streaming_diloco")
 class StreamingDiLoCo(OuterSync):
     Options = StreamingOptions
 
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule, options)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.tau, self.alpha = self.options.fragment_delay, self.options.merge_alpha
         self.in_flight: dict[int, tuple] = {}  # fragment i -> its collectives in flight
 
-    def fragment_params(self, model, params):
-        return fragment_of_params(model, params, self.options.fragments)
-
-    @classmethod
-    def layout(cls, model: nn.Module, F: int) -> list[int]:
-        """Numel of each fragment of `model`."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        return [sum(p.numel() for p in ps) for ps in fragment_of_params(model, params, F)]
+    def fragment_params(self):
+        return [[self.params[j] for j in group] for group in layout_of(self.model).fragments(self.options.fragments)]
 
     @classmethod
     def exposed_comm_s(cls, plan, cost, options):
@@ -133,15 +87,8 @@ class StreamingDiLoCo(OuterSync):
         return options.fragments
 
     @classmethod
-    def fragment_numels(cls, num_params, options, shapes=None):
-        F = options.fragments
-        if shapes is None:
-            return [num_params // F + (1 if f < num_params % F else 0) for f in range(F)]
-        numels = [math.prod(s) for s in shapes]
-        blocks = gpt_blocks_of_shapes(shapes)
-        if blocks is not None:
-            return [sum(n for n, b in zip(numels, blocks) if max(b, 0) % F == f) for f in range(F)]
-        return [sum(numels[j] for j in group) for group in contiguous_groups(numels, F)]
+    def fragment_numels(cls, layout, options):
+        return layout.fragment_numels(options.fragments)
 
     # -- overlapped syncs --------------------------------------------------------------
     def _start_sync(self, i: int, t: int) -> None:

@@ -17,25 +17,24 @@ from .registry import register
 
 @register("zero1")
 class Zero1(ShardedStrategy):
-    def __init__(self, model, comm, make_optimizer, accum=1, schedule=None, options=None):
-        super().__init__(model, comm, make_optimizer, accum, schedule, options)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.shard_grad = torch.empty(self.flat.shard_size, dtype=self.flat.grads.dtype,
                                       device=self.flat.grads.device)
 
     @classmethod
-    def comm_plan(cls, num_params, world, options, shapes=None):
-        flat = cls.flat_bytes(num_params, world, options)
+    def comm_plan(cls, layout, world, options):
+        flat = cls.flat_bytes(layout.numel, world, options)
         return [PlannedOp("reduce_scatter", flat, what="gradients"),
                 PlannedOp("all_gather", flat, what="parameters")]
 
-    def begin_step(self):
-        self._tally.lr = self.lr_for_step(self.shard_opt.optimizer, self.steps_done)
+    def begin_step(self, ctx):
+        ctx.lr = self.set_lr(ctx.step)
         self.flat.zero_grad()
 
-    def end_of_accumulation(self):
-        self.poison_nonfinite(self.flat.grads)  # a NaN anywhere reaches every shard: all ranks skip alike
+    def update(self, ctx):
+        ctx.poison_nonfinite(self.flat.grads)  # a NaN anywhere reaches every shard: all ranks skip alike
         self.comm.reduce_scatter(self.shard_grad, self.flat.grads, op="avg")
-        if self.received_finite(self.shard_grad):
+        if ctx.received_finite(self.shard_grad):
             self.shard_opt.step(self.shard_grad)
         self.comm.all_gather(self.flat.params, self.shard_opt.own_params())
-        return True

@@ -1,0 +1,143 @@
+"""What the run driver hands a strategy for the optimizer step in progress (`StepContext`),
+and the small numeric helpers every strategy shares (non-finite checks, the lr schedule).
+
+The non-finite protocol: a step whose loss or gradient is not finite on some rank is
+skipped on every rank without an extra collective. The rank that sees it fills what it is
+about to send with NaN (`ctx.poison_nonfinite`), the strategy's own reduction carries the
+NaN to every rank, and each rank checks what it received (`ctx.received_finite`) before it
+applies anything: all ranks hold the same reduced values, so they agree. The driver logs
+skipped steps and the trainer stops after --max-bad-steps of them in a row.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..comm import CommStats
+
+Schedule = Callable[[int], float]  # optimizer step (0-based) -> learning rate
+
+
+@dataclass
+class StepContext:
+    """One optimizer step as the driver tallies it; strategies read and set the marked fields."""
+    step: int                      # optimizer steps finished before this one (the schedule's index)
+    t0: float                      # perf_counter() when the step began
+    comm_before: CommStats         # Comm's counters then (the step's bytes and times are the difference)
+    pull: bool = False             # driven by step() (pulls batches), not by a user's backward() calls
+    lr: float = float("nan")       # strategy: the lr this step applies (reported)
+    micro: int = 0                 # micro-batches of this step so far (a strategy may restart the count)
+    micro_batches: int = 0         # micro-batches this rank computed in this step (the driver's count)
+    loss_sum: float = 0.0
+    tokens: int = 0
+    compute_s: float = 0.0         # forward/backward time; a strategy moves measured waits out of it
+    last_compute_s: float = 0.0    # the latest micro-batch's compute (DDP's exposed tail)
+    last_compute_end: float = 0.0  # perf_counter() when it ended
+    nonfinite_loss: bool = False   # a micro-batch of this step had a non-finite loss on this rank
+    skipped: bool = False          # the step's update was not applied
+    idle: bool = False             # strategy: this rank computes nothing in this step (an empty slot)
+    idle_loss: float = float("nan")  # what an idle step reports as its loss
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / max(self.micro_batches, 1)
+
+    def skip(self) -> None:
+        """Mark this step's update as not applied (a strategy whose state saw the bad values
+        clears that state itself)."""
+        self.skipped = True
+
+    def end_idle(self, loss: float) -> None:
+        """Pull-style only: this rank has no micro-batch in this step; report `loss`."""
+        self.idle, self.idle_loss = True, loss
+
+    def poison_nonfinite(self, *local: torch.Tensor) -> bool:
+        """Before sending: True (and `local` filled with NaN) when this rank's loss in this
+        step, or a value of `local`, is not finite."""
+        return fill_nan_if_nonfinite(*local, force=self.nonfinite_loss)
+
+    def received_finite(self, *received: torch.Tensor) -> bool:
+        """After the reduction, before the update: False (and the step skipped) when a
+        received value is not finite; the caller then applies nothing."""
+        if all_finite(*received):
+            return True
+        self.skip()
+        return False
+
+
+@dataclass
+class StepResult:
+    loss: float            # mean loss of this rank's micro-batches
+    micro_batches: int     # micro-batches this rank computed
+    tokens: int            # tokens this rank consumed
+    wire_bytes: int        # ring-model bytes this rank sent
+    compute_s: float       # forward/backward time
+    comm_s: float          # time collectives were in flight (overlapped or not)
+    exposed_comm_s: float  # time this rank waited on the network
+    wall_s: float
+    lr: float
+    skipped: bool = False  # the step was not applied: a loss or gradient was not finite
+
+
+def all_finite(*tensors: torch.Tensor | None) -> bool:
+    """Whether every value of every tensor is finite (one host sync for all of them). A tensor
+    is finite exactly when its min and max are (NaN and inf reach both), and aminmax is about
+    10x cheaper on CPU than an elementwise isfinite pass; integer tensors are always finite."""
+    ends = [m.float() for t in tensors if t is not None and t.numel() and t.is_floating_point()
+            for m in torch.aminmax(t)]
+    return bool(torch.stack(ends).isfinite().all()) if ends else True
+
+
+def fill_nan_if_nonfinite(*tensors: torch.Tensor, force: bool = False) -> bool:
+    """Fill every tensor with NaN when one of them holds a non-finite value (or `force`); True then."""
+    bad = force or not all_finite(*tensors)
+    if bad:
+        for t in tensors:
+            t.fill_(float("nan"))
+    return bad
+
+
+def apply_schedule(optimizers: Iterable[torch.optim.Optimizer], schedule: Schedule | None, step: int) -> float:
+    """Set every param group's lr for optimizer step `step`, as torch's LambdaLR does: each
+    group keeps its own initial lr and follows the schedule's factor, schedule(step) / the
+    optimizer's default lr (a group at the default lr gets schedule(step) itself, exactly).
+    Returns the run's lr at this step (the schedule's value, or the first group's lr)."""
+    lr = float("nan")
+    for optimizer in optimizers:
+        base = optimizer.defaults.get("lr")
+        if schedule is None or base is None:
+            lr = float(optimizer.param_groups[0]["lr"]) if math.isnan(lr) else lr
+            continue
+        lr = float(schedule(step))
+        for group in optimizer.param_groups:
+            initial = group.setdefault("initial_lr", group["lr"])
+            group["lr"] = lr if initial == base else (initial * lr / base if base else 0.0)
+    return lr
+
+
+def batch_tokens(batch: Any) -> int:
+    """Tokens in a micro-batch: the input tensor's element count; for a dict batch
+    the attention mask's ones (padding is not a token), else its input_ids."""
+    if isinstance(batch, dict):
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            return int(mask.sum())
+        first = batch.get("input_ids", next((v for v in batch.values() if isinstance(v, torch.Tensor)), None))
+    else:
+        first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    return first.numel() if isinstance(first, torch.Tensor) else 0
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a nested state (dicts, lists, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
