@@ -111,14 +111,14 @@ def _acco_worker(rank, world, rounds, slowdown=None, max_accum=0):
             return lm_loss(model, batch)
     estimate_left_state_alone, counts = [], []
     for i in range(rounds):
-        before = [t.clone() for t in strat.shard_opt._state_tensors()] if strat.estimate_next else None
+        before = [t.clone() for t in strat.strategy.shard_opt._state_tensors()] if strat.strategy.estimate_next else None
         counts.append(strat.step(next_batch, loss_fn).micro_batches)
         if before is not None:
-            after = strat.shard_opt._state_tensors()
+            after = strat.strategy.shard_opt._state_tensors()
             estimate_left_state_alone.append(
                 len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after)))
     return {"params": flat(model).cpu(), "estimate_clean": estimate_left_state_alone, "counts": counts,
-            "micro": next_batch.k, "holds_estimate": strat.holds_estimate}
+            "micro": next_batch.k, "holds_estimate": strat.strategy.holds_estimate}
 
 
 def acco_reference(counts: list[list[int]]) -> torch.Tensor:

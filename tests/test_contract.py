@@ -14,7 +14,6 @@ Strategies whose rounds adapt to timing (acco) run with their `reproducible_opti
 from __future__ import annotations
 
 import json
-import math
 import threading
 from dataclasses import fields
 from pathlib import Path
@@ -55,11 +54,11 @@ def schedule(step: int) -> float:
     return 1e-2 * min(1.0, (step + 1) / 3)
 
 
-def build(name: str, seed: int = 1234):
+def build(name: str, seed: int = 1234, make_opt=make_optimizer):
     torch.manual_seed(seed)
     model = make_model()
-    strategy = make_run(name, model, lowcomm.Comm(), make_optimizer, accum=ACCUM,
-                             schedule=schedule, **get(name).reproducible_options)
+    strategy = make_run(name, model, lowcomm.Comm(), make_opt, accum=ACCUM,
+                        schedule=schedule, **get(name).reproducible_options)
     return model, strategy
 
 
@@ -315,3 +314,105 @@ def test_python_api_defaults_are_the_cli_defaults():
         cfg = C.RunConfig(strategy=name)
         C.validate(cfg)
         assert cfg.strategy_options() == get(name).Options().validate(name)
+
+
+# -- ending a user's loop, param groups, a replaced group: every strategy, one W=2 spawn ------
+
+LOOP_LENGTHS = (5, 7, 8, 11)  # backward() calls per rank: mid-step, step boundaries, adaptive rounds
+
+
+def grouped_optimizer(params):
+    """The common recipe's shape: no decay (and here no learning) on biases and norms, decay on the rest."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() < 2], "lr": 0.0, "weight_decay": 0.0},
+                              {"params": [p for p in params if p.dim() >= 2]}], lr=1e-2, weight_decay=0.1)
+
+
+def matrices_only_optimizer(params):
+    """The same run with the lr-0 group left out of the optimizer: its tensors are frozen instead."""
+    return torch.optim.AdamW([p for p in params if p.dim() >= 2], lr=1e-2, weight_decay=0.1)
+
+
+def _ends_and_groups(rank, world, names):
+    """Per strategy: loops of equal length on every rank ended by close(), with the default
+    (timing-dependent) options and a 3x slower rank 1; a run with two param groups, and the
+    same run with the lr-0 group frozen; a run whose Comm is replaced after 3 steps."""
+    from lowcomm.comm.pacer import Pacer
+    out = {}
+    for name in names:
+        ends = []
+        for n in LOOP_LENGTHS:
+            torch.manual_seed(7)
+            model = make_model()
+            run = lowcomm.make_run(name, model, lowcomm.Comm(), make_optimizer, accum=ACCUM,
+                                   pacer=Pacer(rank, world, slowdown=3.0 if rank == 1 else 1.0))
+            for micro in range(n):
+                run.backward(lowcomm.lm_loss(run.model, batch(0, rank, micro)))
+            run.close()
+            ends.append(flat(model))
+        grouped = build(name, make_opt=grouped_optimizer)
+        pull_steps(grouped[1], rank, 4)
+        grouped[1].close()
+        frozen_model = make_model_seeded(1234)
+        for p in frozen_model.parameters():
+            p.requires_grad_(p.dim() >= 2)
+        frozen = lowcomm.make_run(name, frozen_model, lowcomm.Comm(), matrices_only_optimizer, accum=ACCUM,
+                                  schedule=schedule, **get(name).reproducible_options)
+        pull_steps(frozen, rank, 4)
+        frozen.close()
+        straight, swapped = build(name), build(name)
+        pull_steps(straight[1], rank, 6)
+        pull_steps(swapped[1], rank, 3)
+        swapped[1].use_comm(lowcomm.Comm())
+        pull_steps(swapped[1], rank, 3)
+        out[name] = {"ends": ends, "initial": flat(make_model_seeded(1234)), "grouped": flat(grouped[0]),
+                     "frozen": flat(frozen_model), "straight": flat(straight[0]), "swapped": flat(swapped[0])}
+        for _, run in (straight, swapped):
+            run.close()
+    return out
+
+
+def make_model_seeded(seed: int):
+    torch.manual_seed(seed)
+    return make_model()
+
+
+@pytest.fixture(scope="module")
+def ends_and_groups():
+    return run_dist(_ends_and_groups, 2, STRATEGIES, timeout=600)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_close_ends_a_users_loop_on_the_same_parameters_everywhere(name, ends_and_groups):
+    """Equal backward() counts on every rank, adaptive rounds, a slow rank: close() agrees on a
+    last round, drains it, and every rank holds the same final parameters."""
+    rank0, rank1 = ends_and_groups[0][name]["ends"], ends_and_groups[1][name]["ends"]
+    for n, a, b in zip(LOOP_LENGTHS, rank0, rank1):
+        assert torch.equal(a, b), f"{name}: ranks end a loop of {n} backward() calls on different parameters"
+
+
+# Strategies that compress across tensor boundaries (a flat vector's blocks or chunks): leaving
+# tensors out changes what is compressed, so only the frozen group is compared exactly.
+CROSS_TENSOR_COMPRESSION = {"quantized", "sparseloco", "onebit_adam"}
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_each_param_group_keeps_its_own_lr_and_weight_decay(name, ends_and_groups):
+    """AdamW with biases and norms at lr 0 / no decay and the matrices at lr 1e-2 / decay 0.1:
+    the first group never moves, and the matrices train exactly as when the first group is frozen."""
+    model = make_model()
+    is_matrix = torch.cat([torch.full((p.numel(),), p.dim() >= 2) for p in model.parameters()])
+    for r in ends_and_groups:
+        got = r[name]
+        assert torch.equal(got["grouped"][~is_matrix], got["initial"][~is_matrix]), "the lr-0 group moved"
+        assert not torch.equal(got["grouped"][is_matrix], got["initial"][is_matrix]), "the matrices did not train"
+        if name not in CROSS_TENSOR_COMPRESSION:
+            torch.testing.assert_close(got["grouped"], got["frozen"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_a_replaced_comm_between_steps_continues_bit_identically(name, ends_and_groups):
+    """The driver's one place where a run's group changes (use_comm), exercised with the same
+    group: the run goes on exactly as if nothing had changed."""
+    for r in ends_and_groups:
+        assert torch.equal(r[name]["straight"], r[name]["swapped"])

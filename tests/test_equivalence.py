@@ -155,7 +155,7 @@ def _train_lowcomm(rank: int, world: int, strategy: str, kind: str, optim: str =
 
 def _flat_views(strat, model) -> dict:
     """Do the model's params and grads still view zero1's flat buffers, at the right offsets?"""
-    flat = strat.flat
+    flat = strat.strategy.flat
     p_base, g_base = flat.params.data_ptr(), flat.grads.data_ptr()
     p_ok, g_ok, values_ok = True, True, True
     offset = 0

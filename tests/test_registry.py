@@ -34,9 +34,9 @@ class ToyShrunkZero1(Zero1):
     """ZeRO-1 whose averaged gradient is scaled by --toy-shrink (a strategy defined in a test)."""
     Options = ToyOptions
 
-    def end_of_accumulation(self):
+    def update(self, ctx):
         self.flat.grads.mul_(self.options.toy_shrink)
-        return super().end_of_accumulation()
+        super().update(ctx)
 
 
 

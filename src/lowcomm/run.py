@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from .comm import Comm, CommStats
+from .comm.control import agree_max, control_group
 from .comm.pacer import Pacer
 from .errors import UsageError
 from .strategies.base import MakeOptimizer, Strategy
@@ -80,6 +81,8 @@ class RunDriver:
         self._last_loss = None                   # weakref to the latest loss backpropagated
         self._evaluating = self._closed = False
         self._hook = strategy.train_model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        if strategy.comm.world > 1:
+            control_group(strategy.comm.group)  # made now, while nothing is in flight (see close)
 
     # -- what a user's loop sees ----------------------------------------------------------
     @property
@@ -265,9 +268,8 @@ class RunDriver:
             self.ctx = None
             s = self.strategy
             rounds = s.rounds_started()
-            if self.comm.world > 1:
-                device = s.params[0].device
-                rounds = int(self.comm.meta_all_gather(torch.tensor([float(rounds)], device=device)).max())
+            if self.comm.world > 1:  # beside any round still in flight on the run's group
+                rounds = agree_max(rounds, self.comm.group)
             s.finish(rounds)
         finally:
             self.release()
@@ -295,3 +297,6 @@ class RunDriver:
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return self.strategy.optimizers()
+
+    def optimizer_state_bytes(self) -> int:
+        return self.strategy.optimizer_state_bytes()

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import resource
 import signal
 import sys
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import config as C
+from . import faults
 from .comm import Comm
 from .data import VOCAB_SIZE, load_bytes, split, val_batches
 from .errors import RunError
@@ -171,6 +171,7 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
             tracer.watch_optimizer(opt)
         tracer.align(comm, device)
         comm.tracer = tracer
+    run = faults.inject(run, rank)  # test-only faults, when a test asked for them
     return Trainer(cfg, rank, world, device, backend, comm, model, run, loader, val, source, tracer)
 
 
@@ -217,12 +218,9 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
     pending: list[torch.Tensor] = []  # this rank's results not yet gathered
     try:
         while t.step < end:
-            hang_if_asked(t.rank, t.step + 1)
-            loss_fn = nan_loss_if_asked(t.rank, t.step + 1, lm_loss)
-            pending.append(result_vector(run.step(t.next_batch, loss_fn)))
+            pending.append(result_vector(run.step(t.next_batch, lm_loss)))
             t.step += 1
             step = t.step
-            kill_if_asked(t.rank, step)
             evaluate_now = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
             checkpoint_now = bool(every and step % every == 0) or (step == end and bool(every or cfg.stop_at))
             if not (evaluate_now or checkpoint_now or step == end or step % cfg.log_every == 0):
@@ -397,40 +395,6 @@ def use_training_timeout(cfg: C.RunConfig) -> None:
     As torchtitan does after its first step, with torch's setter for the group's timeout."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
     _set_pg_timeout(timedelta(seconds=cfg.timeout))
-
-
-def hang_if_asked(rank: int, step: int) -> None:
-    """Test-only fault: LOWCOMM_TEST_HANG_AT=RANK:STEP makes that rank block forever
-    before that step's collectives (alive but stuck), as a hung peer would."""
-    if (rank, step) in _fault_spec("HANG_AT"):
-        while True:
-            time.sleep(3600)
-
-
-def _fault_spec(name: str) -> list[tuple[int, int]]:
-    """LOWCOMM_TEST_<name>=RANK:STEP[,RANK:STEP...] (test-only fault injection)."""
-    spec = os.environ.get(f"LOWCOMM_TEST_{name}", "")
-    return [tuple(int(x) for x in part.split(":")) for part in spec.split(",") if part.strip()]
-
-
-def kill_if_asked(rank: int, step: int) -> None:
-    """Test-only fault: LOWCOMM_TEST_KILL_AT=RANK:STEP[,...] SIGKILLs that rank after that step;
-    the i-th entry fires in launch attempt i (LOWCOMM_ATTEMPT, or torchrun's restart count),
-    so a restarted run is killed by the next entry, not again by the same one."""
-    kills = _fault_spec("KILL_AT")
-    attempt = int(os.environ.get("LOWCOMM_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    if attempt < len(kills) and kills[attempt] == (rank, step):
-        if os.environ.get("LOWCOMM_TEST_KILL_LOG"):  # when it died, for bench/faults.py's time to notice
-            with open(os.environ["LOWCOMM_TEST_KILL_LOG"], "a") as f:
-                f.write(f"{time.time()}\n")
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def nan_loss_if_asked(rank: int, step: int, loss_fn):
-    """Test-only fault: LOWCOMM_TEST_NAN_AT=RANK:STEP[,...] makes that rank's loss NaN in that step."""
-    if (rank, step) not in _fault_spec("NAN_AT"):
-        return loss_fn
-    return lambda model, batch: loss_fn(model, batch) * float("nan")
 
 
 def leave_group() -> None:

@@ -32,9 +32,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from .flat import ShardedOptions, ShardedStrategy
+from .flat import ShardedOptions
 from .options import option
-from .overlap import OverlappedRounds
+from .overlap import OverlappedStrategy
 from .plan import flat_numel
 from .registry import register
 
@@ -57,17 +57,14 @@ class AccoOptions(ShardedOptions):
 
 
 @register("acco")
-class ACCO(ShardedStrategy):
+class ACCO(OverlappedStrategy):
     Options = AccoOptions
     reproducible_options = {"deterministic": True}
-    separate_master = True  # the master keeps θ_t while the model holds θ̃ or a round's result
-    comm_overlap = 1.0      # a round's communication runs while the next micro-batches compute
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.deterministic = self.options.deterministic
         self.max_accum = self.options.rounds_bound(self.accum)
-        self.rounds = OverlappedRounds(self.flat, self.shard_opt, self.comm)
         self.starting = True           # the start-up micro-batch at θ_0 comes first
         self.estimate_next = True      # the first round is an estimate round
         self.holds_estimate = False    # does the model hold θ̃ rather than θ?
@@ -75,10 +72,6 @@ class ACCO(ShardedStrategy):
         self.applied = 0               # global micro-batches in applied real updates
         self.real_rounds = 0
         self.lr = float("nan")
-
-    @classmethod
-    def comm_plan(cls, layout, world, options):
-        return OverlappedRounds.plan(cls.flat_bytes(layout.numel, world, options))  # per round = per step
 
     @classmethod
     def micro_batches_per_step(cls, cost, comm_s, options):
@@ -100,9 +93,6 @@ class ACCO(ShardedStrategy):
         n = flat_numel(num_params, world)
         return super().model_state_bytes(num_params, world, options) + cls.flat_bytes(num_params, world, options) \
             + 12 * n // world
-
-    def loss_scale(self):
-        return 1.0  # G sums micro-batch gradients; the round divides by the global count N
 
     def begin_step(self, ctx):
         if self.starting:  # G must hold ∇θ_0 before the first round can start
@@ -182,14 +172,13 @@ class ACCO(ShardedStrategy):
             self.flat.params.copy_(estimate)
 
     def extra_state(self):
-        return {**super().extra_state(), **self.rounds.state(), "starting": self.starting,
+        return {**super().extra_state(), "starting": self.starting,
                 "estimate_next": self.estimate_next, "holds_estimate": self.holds_estimate,
                 "local_count": self.local_count, "applied": self.applied,
                 "real_rounds": self.real_rounds, "lr": self.lr}
 
     def load_extra_state(self, sd):
         super().load_extra_state(sd)
-        self.rounds.load_state(sd)
         for key in ("starting", "estimate_next", "holds_estimate", "local_count", "applied",
                     "real_rounds", "lr"):
             setattr(self, key, sd[key])
@@ -203,10 +192,6 @@ class ACCO(ShardedStrategy):
         zero1_aliases = self.flat.params.dtype == m.dtype
         return (b.numel() * b.element_size() + (m.numel() * m.element_size() if zero1_aliases else 0)
                 + self.rounds.snapshot_bytes)
-
-    def release(self) -> None:
-        super().release()
-        self.rounds.close()
 
     def report(self) -> dict:
         return {"rounds": self.steps_done, "real_rounds": self.real_rounds,

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .flat import ShardedOptions, ShardedStrategy
+from .flat import ShardedOptions
 from .options import option
-from .overlap import OverlappedRounds
+from .overlap import OverlappedStrategy
 from .registry import register
 
 
@@ -25,20 +25,13 @@ class DpuOptions(ShardedOptions):
 
 
 @register("dpu")
-class DPU(ShardedStrategy):
+class DPU(OverlappedStrategy):
     Options = DpuOptions
-    separate_master = True  # the model keeps θ_t while the round computes θ_{t+1}
-    comm_overlap = 1.0      # once delayed, a round's communication runs beside the next step's compute
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.warmup_steps = self.options.warmup_steps
-        self.rounds = OverlappedRounds(self.flat, self.shard_opt, self.comm)
         self.updates = 0
-
-    @classmethod
-    def comm_plan(cls, layout, world, options):
-        return OverlappedRounds.plan(cls.flat_bytes(layout.numel, world, options))
 
     @classmethod
     def plan_occurrences(cls, op, steps, options):
@@ -56,9 +49,6 @@ class DPU(ShardedStrategy):
     def model_state_bytes(cls, num_params, world, options):
         # ZeRO-1's plus the round buffer B
         return super().model_state_bytes(num_params, world, options) + cls.flat_bytes(num_params, world, options)
-
-    def loss_scale(self):
-        return 1.0  # B sums micro-batch gradients; the round divides by the global count
 
     def begin_step(self, ctx):
         ctx.lr = self.set_lr(self.updates)
@@ -94,16 +84,11 @@ class DPU(ShardedStrategy):
             self._land_round(None)
 
     def extra_state(self):
-        return {**super().extra_state(), **self.rounds.state(), "updates": self.updates}
+        return {**super().extra_state(), "updates": self.updates}
 
     def load_extra_state(self, sd):
         super().load_extra_state(sd)
-        self.rounds.load_state(sd)
         self.updates = sd["updates"]
-
-    def release(self) -> None:
-        super().release()
-        self.rounds.close()
 
     def report(self) -> dict:
         return {"optimizer_steps": self.updates, "warmup_steps": self.warmup_steps}

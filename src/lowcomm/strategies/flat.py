@@ -96,18 +96,22 @@ class ShardOptimizer:
         self.aliased = own.dtype == torch.float32 and not separate_master
         master = own if self.aliased else own.detach().float().clone()
         self.master = nn.Parameter(master, requires_grad=False)
-        if len(reference.param_groups) == 1:
-            self.pieces = [(self.master, slice(None))]
-            self.optimizer = make_optimizer([self.master])
-            return
-        # One param group per group's piece of the shard, views of the master (same storage).
+        # One param group per group's piece of the shard, views of the master (same storage),
+        # built by the run's optimizer class with each group's hyperparameters.
         self.pieces, groups = [], []
-        for g, a, b in flat.own_pieces():
-            piece = nn.Parameter(self.master.data[a:b], requires_grad=False)
+        whole = len(reference.param_groups) == 1  # the whole shard (padding too) is one piece
+        for g, a, b in [(0, None, None)] if whole else flat.own_pieces():
+            piece = self.master if whole else nn.Parameter(self.master.data[a:b], requires_grad=False)
             self.pieces.append((piece, slice(a, b)))
             hyper = {k: v for k, v in reference.param_groups[g].items() if k != "params"}
             groups.append({**hyper, "params": [piece]})
-        self.optimizer = type(reference)(groups)
+        try:
+            self.optimizer = type(reference)(groups)
+        except TypeError:  # an optimizer class that cannot be built from param groups alone
+            if len(groups) > 1:
+                raise UsageError(f"{type(reference).__name__} cannot be rebuilt from param groups for a "
+                                 f"sharded strategy; give it default arguments or use one param group") from None
+            self.optimizer = make_optimizer([self.master])
         self.optimizer.defaults = dict(reference.defaults)  # the schedule scales from the run's default lr
 
     def step(self, shard_grad: torch.Tensor) -> None:

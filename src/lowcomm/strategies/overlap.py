@@ -28,7 +28,7 @@ import torch
 
 from ..comm import Comm
 from .context import all_finite, fill_nan_if_nonfinite
-from .flat import FlatModel, ShardOptimizer
+from .flat import FlatModel, ShardedStrategy, ShardOptimizer
 from .plan import PlannedOp
 
 
@@ -161,3 +161,38 @@ class OverlappedRounds:
 
     def close(self) -> None:
         self.engine.close()
+
+
+class OverlappedStrategy(ShardedStrategy):
+    """ZeRO-1's layout with its rounds beside compute (acco, dpu): micro-batch gradients are
+    summed (a round divides by the global count N), and the fp32 master is kept apart from
+    the parameters the model holds while a round computes the next ones."""
+
+    separate_master = True
+    comm_overlap = 1.0  # a round's communication runs behind the next micro-batches' compute
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rounds = OverlappedRounds(self.flat, self.shard_opt, self.comm)
+
+    @classmethod
+    def comm_plan(cls, layout, world, options):
+        return OverlappedRounds.plan(cls.flat_bytes(layout.numel, world, options))  # per round = per step
+
+    def loss_scale(self) -> float:
+        return 1.0
+
+    def extra_state(self) -> dict:
+        return {**super().extra_state(), **self.rounds.state()}
+
+    def load_extra_state(self, sd: dict) -> None:
+        super().load_extra_state(sd)
+        self.rounds.load_state(sd)
+
+    def use_comm(self, comm: Comm) -> None:
+        super().use_comm(comm)
+        self.rounds.use_comm(comm)
+
+    def release(self) -> None:
+        super().release()
+        self.rounds.close()

@@ -1,0 +1,73 @@
+"""Test-only fault injection, kept out of the training loop: `inject(run, rank)` returns the
+run unchanged unless a LOWCOMM_TEST_* variable asks for a fault, and then a stand-in whose
+step() misbehaves at the asked step (the tests of supervision and recovery use it):
+
+    LOWCOMM_TEST_HANG_AT=RANK:STEP    that rank blocks forever before that step (alive but stuck)
+    LOWCOMM_TEST_NAN_AT=RANK:STEP     that rank's loss is NaN in that step
+    LOWCOMM_TEST_KILL_AT=RANK:STEP    that rank is SIGKILLed after that step; the i-th entry fires in
+                                      launch attempt i (LOWCOMM_ATTEMPT, or torchrun's restart count)
+Each takes a comma-separated list of RANK:STEP.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+def inject(run, rank: int):
+    """`run`, or a stand-in for it that injects the faults the environment asks for."""
+    if not any(_fault_spec(name) for name in ("HANG_AT", "NAN_AT", "KILL_AT")):
+        return run
+    return _FaultyRun(run, rank)
+
+
+class _FaultyRun:
+    """The run with faults around step(); everything else is the run's own."""
+
+    def __init__(self, run, rank: int):
+        self._run, self._rank = run, rank
+
+    def __getattr__(self, name):
+        return getattr(self._run, name)
+
+    def step(self, next_batch, loss_fn):
+        step = self._run.steps_done + 1
+        hang_if_asked(self._rank, step)
+        result = self._run.step(next_batch, nan_loss_if_asked(self._rank, step, loss_fn))
+        kill_if_asked(self._rank, step)
+        return result
+
+
+def hang_if_asked(rank: int, step: int) -> None:
+    """Test-only fault: LOWCOMM_TEST_HANG_AT=RANK:STEP makes that rank block forever
+    before that step's collectives (alive but stuck), as a hung peer would."""
+    if (rank, step) in _fault_spec("HANG_AT"):
+        while True:
+            time.sleep(3600)
+
+
+def _fault_spec(name: str) -> list[tuple[int, int]]:
+    """LOWCOMM_TEST_<name>=RANK:STEP[,RANK:STEP...] (test-only fault injection)."""
+    spec = os.environ.get(f"LOWCOMM_TEST_{name}", "")
+    return [tuple(int(x) for x in part.split(":")) for part in spec.split(",") if part.strip()]
+
+
+def kill_if_asked(rank: int, step: int) -> None:
+    """Test-only fault: LOWCOMM_TEST_KILL_AT=RANK:STEP[,...] SIGKILLs that rank after that step;
+    the i-th entry fires in launch attempt i (LOWCOMM_ATTEMPT, or torchrun's restart count),
+    so a restarted run is killed by the next entry, not again by the same one."""
+    kills = _fault_spec("KILL_AT")
+    attempt = int(os.environ.get("LOWCOMM_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if attempt < len(kills) and kills[attempt] == (rank, step):
+        if os.environ.get("LOWCOMM_TEST_KILL_LOG"):  # when it died, for bench/faults.py's time to notice
+            with open(os.environ["LOWCOMM_TEST_KILL_LOG"], "a") as f:
+                f.write(f"{time.time()}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def nan_loss_if_asked(rank: int, step: int, loss_fn):
+    """Test-only fault: LOWCOMM_TEST_NAN_AT=RANK:STEP[,...] makes that rank's loss NaN in that step."""
+    if (rank, step) not in _fault_spec("NAN_AT"):
+        return loss_fn
+    return lambda model, batch: loss_fn(model, batch) * float("nan")
