@@ -77,12 +77,13 @@ def main() -> int:
               "--model", args.model, "--micro-batch", str(args.micro_batch),
               "--eval-every", str(max(1, args.steps // 4)), "--eval-batches", "4", "--quiet", "--overwrite"]
     names = strategies.split(",")
-    # short runs: let DPU's delayed updates and PowerSGD's compression start early enough to be measured
-    from lowcomm.strategies import get
-    periodic = any("sync_every" in get(n).Options.__dataclass_fields__ for n in names)
-    knobs = ["--sync-every", str(args.sync_every)] if periodic else []
-    knobs += ["--dpu-warmup", "2"] if "dpu" in names else []
-    knobs += ["--powersgd-start", "2"] if "powersgd" in names else []
+    # short runs: a few syncs per run, and DPU's delayed updates and PowerSGD's compression starting
+    # early enough to be measured; each flag only where a chosen strategy declares it
+    from lowcomm.strategies import option_table
+    table = option_table()
+    wanted = {"--sync-every": args.sync_every, "--dpu-warmup": 2, "--powersgd-start": 2}
+    knobs = [word for flag, value in wanted.items() if set(names) & set(getattr(table.get(flag), "strategies", ()))
+             for word in (flag, str(value))]
     common += knobs
     print(f"calibration (no link cost), then {len(SCENARIOS)} scenarios; runs under {root}", flush=True)
     common += ["--timeout", str(args.timeout)]

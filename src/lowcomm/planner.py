@@ -12,29 +12,44 @@ worker (comm/link.py) and per-worker slowdowns f_r:
     memory      = Strategy.model_state_bytes(N, W, options)
 
 Every collective is priced by LinkModel.duration, the formula the emulator sleeps by,
-and every strategy's traffic comes from its own comm_plan: nothing here knows what a
-strategy sends or overlaps.
+and every strategy's traffic comes from its own comm_plan of the model's real layout
+(`model_layout`: the model built on the meta device; `--params N` sizes a GPT by the
+rule of models/size.py first): nothing here knows what a strategy sends or overlaps.
 """
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import cache
+
+import torch
 
 from .comm.link import LinkModel
+from .errors import UsageError
+from .models.layout import ModelLayout, meta_layout
+from .models.size import ASPECT, HEAD_DIM, MAX_LAYERS, MAX_PARAMS, WIDTH_STEP, dims_for
 from .strategies import get as get_strategy
 from .strategies.options import Options
 from .strategies.plan import StepCost
+from .values import parse_count
+
+MODEL_KEYS = ("preset", "n_layer", "n_head", "d_model")  # the model flags --params may come with
 
 
 @dataclass
 class Cluster:
-    params: int                 # N
+    layout: ModelLayout         # the model's trainable shapes and blocks (N = layout.numel)
     workers: int                # W
     tokens_per_step: int        # T, all workers together
     seconds_per_token: float    # one 1x worker's forward+backward per token
     link: LinkModel | None = None
     slowdown: tuple = ()        # f_r per worker (empty: all 1)
     accum: int = 1              # micro-batches per step (ddp overlaps only the last one's backward)
+
+    @property
+    def params(self) -> int:
+        return self.layout.numel
 
     def price(self, collective: str, nbytes: int) -> float:
         return self.link.duration(collective, nbytes, self.workers) if self.link is not None else 0.0
@@ -73,23 +88,90 @@ def flops_seconds_per_token(params: int, flops_per_s: float) -> float:
     return 6 * params / flops_per_s
 
 
-def label(name: str, options: Options) -> str:
-    """'diloco H=64': the knob that sets how often a strategy talks, where it has one."""
-    period = getattr(options, "sync_every", None)
-    return f"{name} H={period}" if period is not None else name
+def model_layout(cfg) -> ModelLayout:
+    """The layout of `cfg`'s model (lowcomm's GPT, or --model hf:<arch>), built on the meta
+    device; a model of more than MAX_PARAMS parameters or MAX_LAYERS layers is refused."""
+    params, n_layer = model_params(cfg), cfg.model.dims()[0]
+    if params > MAX_PARAMS or n_layer > MAX_LAYERS:
+        raise UsageError(f"the model has {params:.3g} parameters in {n_layer} layers, more than the plan builds "
+                         f"(at most {MAX_PARAMS:.0e} in {MAX_LAYERS}); give smaller --n-layer or --d-model")
+    return _built(cfg)
+
+
+def model_params(cfg) -> int:
+    """`cfg`'s model's parameter count, from the model itself at one and two layers (each layer
+    adds the same count): quick at any depth."""
+    one, two = (_built(_with(cfg, n_layer=n)).numel for n in (1, 2))
+    return one + (cfg.model.dims()[0] - 1) * (two - one)
+
+
+def _built(cfg) -> ModelLayout:
+    from .worker import build_model
+    return meta_layout(lambda: build_model(cfg, torch.device("meta")))
+
+
+def _with(cfg, **model):
+    """A copy of `cfg` whose model has these fields."""
+    out = copy.copy(cfg)
+    out.model = replace(cfg.model, **model)
+    return out
+
+
+def size_model(cfg, raw_params: str, given: set[str]) -> int:
+    """Give `cfg` the model of about `raw_params` parameters (--params; models/size.py's rule)
+    and return that count. `given`: the MODEL_KEYS set by flags; those dimensions are kept,
+    the others (and any a config file set) follow from the count."""
+    params = parse_count(raw_params, "--params")
+    m = cfg.model
+    if "preset" in given and m.hf_architecture is None:
+        raise UsageError(f"--params and --model {m.preset} both set the model's size: give one "
+                         f"(--n-layer, --n-head or --d-model may come with --params)")
+    free = _with(cfg, preset=m.preset if m.hf_architecture is not None else "tiny",
+                 **{k: getattr(m, k) if k in given else 0 for k in MODEL_KEYS[1:]})
+
+    @cache
+    def count(n_layer: int, n_head: int, d_model: int) -> int:
+        return _built(_with(free, n_layer=n_layer, n_head=n_head, d_model=d_model)).numel
+
+    try:
+        dims = dims_for(params, count, free.model.n_layer, free.model.n_head, free.model.d_model)
+    except ValueError as e:
+        raise UsageError(f"--params {raw_params}: {e}; give the model with --model, --n-layer, --n-head, "
+                         f"--d-model") from None
+    cfg.model = replace(free.model, **dict(zip(MODEL_KEYS[1:], dims)))
+    return params
+
+
+def model_dims(cfg, layout: ModelLayout, asked: int | None = None) -> dict:
+    """The model a plan priced: its architecture, dimensions and count (and the --params
+    count it was sized from, if it was)."""
+    n_layer, n_head, d_model = cfg.model.dims()
+    return {"architecture": cfg.model.hf_architecture or "gpt", "n_layer": n_layer, "n_head": n_head,
+            "d_model": d_model, "seq_len": cfg.model.seq_len, "params": layout.numel, "sized_from_params": asked}
+
+
+def describe_model(dims: dict) -> str:
+    """model_dims in one line, with the rule that sized the model from --params."""
+    asked = dims["sized_from_params"]
+    rule = (f"; sized from --params {asked:,}: d_model a multiple of {WIDTH_STEP} near {ASPECT} x n_layer, "
+            f"head dim {HEAD_DIM}" if asked is not None else "")
+    return (f"model: {'GPT' if dims['architecture'] == 'gpt' else 'hf:' + dims['architecture']} "
+            f"--n-layer {dims['n_layer']} --n-head {dims['n_head']} --d-model {dims['d_model']} "
+            f"--seq-len {dims['seq_len']}, {dims['params']:,} params{rule}")
 
 
 def predict(name: str, cluster: Cluster, options: Options | None = None, steps: int | None = None,
-            shapes=None, seconds_per_token: float | None = None, overhead_s: float = 0.0) -> Prediction:
-    """One strategy's step on `cluster`: steady state, or averaged over a run of `steps` steps
-    (warm-up steps and a final sync included, as the strategy's plan_occurrences says)."""
+            seconds_per_token: float | None = None, overhead_s: float = 0.0) -> Prediction:
+    """One strategy's step on `cluster` (its model's layout priced by the strategy's comm_plan):
+    steady state, or averaged over a run of `steps` steps (warm-up steps and a final sync
+    included, as the strategy's plan_occurrences says)."""
     cls = get_strategy(name)
     options = options if options is not None else cls.Options()
     W, T = cluster.workers, cluster.tokens_per_step
     per_token = cluster.seconds_per_token if seconds_per_token is None else seconds_per_token
     unit = T / W * per_token                     # one 1x worker's compute per step
     compute = cluster.slowest * unit
-    plan = cls.comm_plan(cluster.params, W, options, shapes=shapes)
+    plan = cls.comm_plan(cluster.layout, W, options)
     factors = cluster.slowdown or (1.0,) * W
     cost = StepCost(cluster.price, compute, cluster.accum, steps, tuple(f * unit for f in factors))
     exposed = cls.exposed_comm_s(plan, cost, options)
@@ -100,7 +182,7 @@ def predict(name: str, cluster: Cluster, options: Options | None = None, steps: 
     # tokens a step really computes: T, or more where workers keep computing while they wait
     tokens = T * cls.micro_batches_per_step(cost, comm, options) / cluster.accum
     return Prediction(
-        strategy=name, label=label(name, options), step_s=step, compute_s=compute, overhead_s=overhead_s,
+        strategy=name, label=cls.plan_label(options), step_s=step, compute_s=compute, overhead_s=overhead_s,
         exposed_comm_s=exposed, comm_s=comm, idle_s=sum(compute - f * unit for f in factors) / len(factors),
         wire_bytes_per_rank_per_step=wire, bytes_per_token=W * wire / tokens,
         model_state_bytes=cls.model_state_bytes(cluster.params, W, options),

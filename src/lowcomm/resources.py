@@ -2,9 +2,8 @@
 
 The memory estimate is deliberately a floor, so a run it refuses cannot work
 and a run it lets through may still need more (strategy buffers, allocator
-slack). Per worker, in bytes, for a model of P parameters (lowcomm's GPT:
-P = V·d + S·d + L·(12d² + 4d) + 2d, tied head; a transformers model is
-counted the same way):
+slack). Per worker, in bytes, for a model of P parameters (counted from the
+model itself, built on the meta device: lowcomm's GPT or a transformers one):
 
     WORKER_BASE                    a Python process with torch imported (~220 MiB measured)
     + the strategy's model state   its `model_state_bytes` (the planner's figure): e.g. 16 P
@@ -25,22 +24,19 @@ import os
 import sys
 from pathlib import Path
 
+from .data import VOCAB_SIZE as VOCAB
 from .errors import UsageError
 
-VOCAB = 256
 WORKER_BASE = 220 * 2**20
-
-
-def gpt_params(vocab: int, seq_len: int, n_layer: int, d_model: int) -> int:
-    return vocab * d_model + seq_len * d_model + n_layer * (12 * d_model * d_model + 4 * d_model) + 2 * d_model
 
 
 def worker_bytes(cfg) -> tuple[int, int]:
     """(bytes one worker needs at least, parameter count) for a validated `cfg`."""
+    from .planner import model_layout
     from .strategies import registry
     n_layer, n_head, d_model = cfg.model.dims()
     s, b = cfg.model.seq_len, cfg.micro_batch
-    params = gpt_params(VOCAB, s, n_layer, d_model)
+    params = model_layout(cfg).numel
     state = registry.get(cfg.strategy).model_state_bytes(params, cfg.workers, cfg.strategy_options())
     activations = 4 * n_layer * b * s * (16 * d_model + n_head * s) + 12 * b * s * VOCAB
     return WORKER_BASE + state + activations, params

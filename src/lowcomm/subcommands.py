@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -165,12 +164,10 @@ def _plan(args) -> int:
     if unused:
         raise UsageError(f"{unused[0]} applies to none of the strategies planned ({', '.join(names)})")
 
-    shapes = None
-    if args.params is not None:
-        params = parse_count(args.params, "--params")
-    else:
-        shapes = _model_shapes(cfg)
-        params = sum(math.prod(s) for s in shapes)
+    given = {k for k in planner.MODEL_KEYS if getattr(args, "model__" + k) is not None}
+    asked = planner.size_model(cfg, args.params, given) if args.params is not None else None
+    layout = planner.model_layout(cfg)
+    params, dims = layout.numel, planner.model_dims(cfg, layout, asked)
     tokens = parse_count(args.tokens_per_step, "--tokens-per-step") if args.tokens_per_step else cfg.tokens_per_step
     per_token = None  # seconds per token of one 1x worker: from --worker-tflops, else measured per strategy
     if args.worker_tflops is not None:
@@ -180,7 +177,7 @@ def _plan(args) -> int:
         per_token = planner.flops_seconds_per_token(params, tflops * 1e12)
     elif bench is None:
         raise UsageError("give --worker-tflops X (one worker's sustained TFLOP/s) or --calibrate BENCHDIR")
-    cluster = planner.Cluster(params, cfg.workers, tokens, 0.0, C.make_link(cfg), tuple(cfg.slowdown), cfg.accum)
+    cluster = planner.Cluster(layout, cfg.workers, tokens, 0.0, C.make_link(cfg), tuple(cfg.slowdown), cfg.accum)
 
     target = _target(args)
     if bench is not None:
@@ -191,7 +188,7 @@ def _plan(args) -> int:
     for name in names:
         run = runs.get(name)
         scale = params / run.summary["params"] if run is not None else 1.0
-        p = planner.predict(name, cluster, options[name], steps=cfg.steps if args.steps else None, shapes=shapes,
+        p = planner.predict(name, cluster, options[name], steps=cfg.steps if args.steps else None,
                             seconds_per_token=per_token if per_token is not None else measured.get(name, fallback),
                             overhead_s=run.overhead_s() * scale if run is not None else 0.0)
         if run is not None and target is not None:
@@ -204,23 +201,15 @@ def _plan(args) -> int:
     if args.json:
         print(json.dumps({"cluster": {"params": params, "workers": cfg.workers, "tokens_per_step": tokens,
                                       "link": C.to_dict(cfg)["link"], "slowdown": list(cfg.slowdown),
-                                      "accum": cfg.accum, "steps": cfg.steps if args.steps else None},
+                                      "accum": cfg.accum, "steps": cfg.steps if args.steps else None,
+                                      "model": dims},
                           "target_loss": target, "ranked": [asdict(p) for p in ranked],
                           "recommendation": why}, indent=2))
     else:
+        print(planner.describe_model(dims))
         print(_plan_table(ranked, cluster, cfg, target))
         print("\n" + why)
     return 0
-
-
-def _model_shapes(cfg: C.RunConfig) -> list[tuple[int, ...]]:
-    """The trainable parameter shapes of --model, built on the meta device (no memory)."""
-    import torch
-
-    from .worker import build_model
-    with torch.device("meta"):
-        model = build_model(cfg, torch.device("meta"))
-    return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
 
 
 def _plan_table(ranked, cluster, cfg, target) -> str:

@@ -1,9 +1,10 @@
 """A strategy's declared communication plan: what one rank sends, and how often.
 
-Each strategy answers `comm_plan(num_params, world, options)` with a list of
-PlannedOp. The contract tests check it against the bytes Comm counts, and the
-planner prices it with LinkModel's formulas (comm/wire.py), so the strategy's
-traffic has one source of truth.
+Each strategy answers `comm_plan(layout, world, options)` (layout: the model's
+`ModelLayout`, models/layout.py) with a list of PlannedOp. The contract tests check
+it against the bytes Comm counts, and the planner prices it with LinkModel's
+formulas (comm/wire.py), so the strategy's traffic has one source of truth.
+`Planned` holds what else `lowcomm plan` asks a strategy, with the defaults most keep.
 """
 from __future__ import annotations
 
@@ -57,6 +58,14 @@ class Planned:
     """What `lowcomm plan` (planner.py) asks a strategy class, with defaults that fit a
     strategy whose collectives start after its compute. A strategy overrides what its
     schedule changes (ddp's buckets, acco's overlap, a warm-up's transients)."""
+
+    name: ClassVar[str] = ""
+
+    @classmethod
+    def plan_label(cls, options: Options) -> str:
+        """The strategy as a plan's table names it, with the option that sets how often it
+        talks where it has one (e.g. 'diloco H=64')."""
+        return cls.name
 
     @classmethod
     def plan_occurrences(cls, op: PlannedOp, steps: int, options: Options) -> int:
