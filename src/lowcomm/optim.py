@@ -2,16 +2,20 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from .config import OptimConfig
+from .errors import UsageError
+
+if TYPE_CHECKING:  # only a type: optim sits below config (strategies import it)
+    from .config import OptimConfig
 
 
 def adamw_factory(cfg: OptimConfig):
-    """make_optimizer(params) for strategies: AdamW with the run's settings.
-    Weight decay applies to every parameter: sharded strategies see one flat
-    shard, so per-parameter groups would not survive the flattening."""
+    """make_optimizer(params) for strategies: AdamW with the run's settings, weight decay on
+    every parameter (a Python-API user's own make_optimizer may return param groups: every
+    strategy honours each group's lr and weight decay)."""
     def make(params):
         return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                  weight_decay=cfg.weight_decay)
@@ -48,7 +52,6 @@ class FrozenAdam:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params):
-        from .errors import UsageError
         if not isinstance(optimizer, torch.optim.Adam):
             raise UsageError(f"freezing the second moment (1-bit Adam) needs torch.optim.Adam or AdamW, got "
                              f"{type(optimizer).__name__}: pass freeze_variance_after=0 to compress gradients")
