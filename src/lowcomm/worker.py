@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import gc
 import math
-import resource
 import signal
 import sys
 import threading
@@ -16,19 +15,18 @@ import torch
 import torch.distributed as dist
 
 from . import config as C
-from . import faults
+from . import faults, run_end
 from .comm import Comm
 from .data import VOCAB_SIZE, load_bytes, split, val_batches
 from .errors import RunError
 from .metrics.progress import ProgressView
-from .metrics.summary import Totals, build_summary, describe
+from .metrics.summary import Totals
 from .checkpoint import take_request as take_checkpoint_request
-from .metrics.runlog import StepLog, result_vector, step_record, write_json_atomic
-from .metrics.trace import Tracer, write_trace
+from .metrics.runlog import StepLog, result_vector, step_record
+from .metrics.trace import Tracer
 from .data.loader import ShardedBatches
 from .models import GPT, build_hf_causal_lm, lm_loss
 from .optim import adamw_factory, lr_schedule
-from .models.layout import layout_of
 from .run import RunDriver, link_seed, make_pacer, make_run
 
 
@@ -72,12 +70,6 @@ def evaluate(model: torch.nn.Module, batches, comm: Comm, device) -> float:
     model.train(was_training)
     comm.meta_all_reduce(total)
     return float(total[0] / total[1])
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def build_model(cfg: C.RunConfig, device: torch.device) -> torch.nn.Module:
@@ -164,7 +156,7 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
     pacer = make_pacer(rank, world, cfg.slowdown[rank] if cfg.slowdown else 1.0, cfg.stragglers, cfg.seed)
     run = make_run(cfg.strategy, model, comm, adamw_factory(cfg.optim), accum=cfg.accum,
                    schedule=lr_schedule(cfg.optim, cfg.steps), total_steps=cfg.steps, pacer=pacer,
-                   options=C.resolve_options(cfg))
+                   options=cfg.strategy_options())  # resolved and validated once, at launch
     tracer = Tracer(rank) if cfg.trace else None
     if tracer is not None:
         for opt in run.optimizers():
@@ -188,31 +180,21 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
     """Train up to cfg.steps (or --stop-at) steps; rank 0 logs every step and shows progress.
     Checkpoints (every --checkpoint-every steps, at the end, at --stop-at, or when asked
     through checkpoint.request()) are written at log gathers, after the steps' records."""
-    cfg, comm, run = t.cfg, t.comm, t.run
+    cfg, run = t.cfg, t.run
     lead = t.rank == 0 and out_dir is not None
     log = StepLog(out_dir, resume_after=t.step if cfg.resume_from else None) if lead else None
     view = ProgressView(cfg.steps, f"{cfg.strategy} W={t.world}", enabled=lead and not quiet)
     if lead and not quiet:
-        print(f"lowcomm: {cfg.strategy} on {t.world} worker(s) ({t.backend}), "
-              f"{model_name(cfg)} {num_params(t.model) / 1e6:.2f}M params, data {t.source}"
-              + (f", resumed after step {t.step}" if cfg.resume_from else ""), flush=True)
-
-    totals = Totals(t.world)
-    loss = val_loss = float("nan")
-    for record in (log.kept if log is not None else []):  # the steps before the checkpoint
-        if len(record["per_rank"]["micro_batches"]) != t.world:  # resumed on another world size
-            record = {**record, "per_rank": {k: [0] * t.world for k in record["per_rank"]}}
-        totals.add(record)
-        loss, val_loss = record["loss"], record.get("val_loss", val_loss)
+        announce(t)
+    totals, loss, val_loss = kept_totals(log, t.world)
     end = min(cfg.stop_at, cfg.steps) if cfg.stop_at else cfg.steps
     every = cfg.checkpoint_every
     if (every or cfg.stop_at or cfg.checkpoint_on_signal) and not cfg.out:
         raise RunError("checkpoints need the output directory on every rank: pass --out (under torchrun too)")
-    ckpt_dir = Path(cfg.out)
     bad_in_row, stopped = 0, False
     # Start the clocks together: a rank that finished set-up early must not count
     # its wait for the others in step 1 as exposed communication.
-    comm.barrier()
+    t.comm.barrier()
     use_training_timeout(cfg)
     t_start = time.perf_counter() - t.wall_before
     pending: list[torch.Tensor] = []  # this rank's results not yet gathered
@@ -225,21 +207,11 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
             checkpoint_now = bool(every and step % every == 0) or (step == end and bool(every or cfg.stop_at))
             if not (evaluate_now or checkpoint_now or step == end or step % cfg.log_every == 0):
                 continue
-            # Gathering is a sync point, so it happens every log_every steps, not every
-            # step: a fast worker of an adaptive strategy must not idle waiting for a slow one's log line.
-            # One more row carries this rank's checkpoint/stop requests, so all ranks agree on them.
-            flags = torch.zeros(len(pending[0]), dtype=torch.float64)
-            flags[0], flags[1] = take_checkpoint_request()
-            every_rank = comm.meta_all_gather(torch.stack(pending + [flags]).to(t.device)).cpu()
-            asked, stop_asked = (bool(every_rank[:, -1, i].any()) for i in (0, 1))
-            first = step - len(pending) + 1
-            records = [step_record(first + i, every_rank[:, i]) for i in range(len(pending))]
-            pending.clear()
+            records, asked, stop_asked = gather_records(t, pending)
             bad_in_row = check_steps(records, bad_in_row, cfg.max_bad_steps, lead, log)
             if evaluate_now:
                 with run.evaluating() as eval_model:
-                    val_loss = evaluate(eval_model, t.val, comm, t.device)
-                records[-1]["val_loss"] = val_loss
+                    val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
             for record in records:
                 totals.add(record)
                 if lead:
@@ -247,7 +219,7 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
             loss = records[-1]["loss"]
             if checkpoint_now or asked:
                 from .checkpoint import save
-                save(t, ckpt_dir, cfg.keep, wall_s=time.perf_counter() - t_start)
+                save(t, Path(cfg.out), cfg.keep, wall_s=time.perf_counter() - t_start)
             if lead:
                 elapsed = time.perf_counter() - t_start
                 view.update(step, loss, totals.tokens / elapsed, totals.wire / 1e6,
@@ -264,6 +236,39 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
         print(f"lowcomm: stopped after step {t.step} of {cfg.steps} with a checkpoint; continue with: "
               f"lowcomm train --resume {cfg.out}", flush=True)
     return LoopResult(totals, loss, val_loss, time.perf_counter() - t_start, stopped)
+
+
+def announce(t: Trainer) -> None:
+    cfg = t.cfg
+    print(f"lowcomm: {cfg.strategy} on {t.world} worker(s) ({t.backend}), "
+          f"{model_name(cfg)} {num_params(t.model) / 1e6:.2f}M params, data {t.source}"
+          + (f", resumed after step {t.step}" if cfg.resume_from else ""), flush=True)
+
+
+def kept_totals(log: StepLog | None, world: int) -> tuple[Totals, float, float]:
+    """The totals, last loss and last validation loss of the steps before a resumed checkpoint."""
+    totals, loss, val_loss = Totals(world), float("nan"), float("nan")
+    for record in (log.kept if log is not None else []):
+        if len(record["per_rank"]["micro_batches"]) != world:  # resumed on another world size
+            record = {**record, "per_rank": {k: [0] * world for k in record["per_rank"]}}
+        totals.add(record)
+        loss, val_loss = record["loss"], record.get("val_loss", val_loss)
+    return totals, loss, val_loss
+
+
+def gather_records(t: Trainer, pending: list[torch.Tensor]) -> tuple[list[dict], bool, bool]:
+    """Every rank's results of the steps since the last gather, merged into step records;
+    with them every rank's checkpoint and stop requests, so all ranks agree on them.
+    Gathering is a sync point, so it happens every --log-every steps, not every step: a fast
+    worker of an adaptive strategy must not idle waiting for a slow one's log line."""
+    flags = torch.zeros(len(pending[0]), dtype=torch.float64)
+    flags[0], flags[1] = take_checkpoint_request()
+    every_rank = t.comm.meta_all_gather(torch.stack(pending + [flags]).to(t.device)).cpu()
+    asked, stop_asked = (bool(every_rank[:, -1, i].any()) for i in (0, 1))
+    first = t.step - len(pending) + 1
+    records = [step_record(first + i, every_rank[:, i]) for i in range(len(pending))]
+    pending.clear()
+    return records, asked, stop_asked
 
 
 def check_steps(records: list[dict], bad_in_row: int, max_bad: int, lead: bool, log) -> int:
@@ -289,37 +294,6 @@ def check_steps(records: list[dict], bad_in_row: int, max_bad: int, lead: bool, 
     return bad_in_row
 
 
-def summarize(t: Trainer, run: LoopResult, out_dir: Path | None, quiet: bool) -> dict | None:
-    """Gather every rank's measurements; rank 0 writes summary.json (and trace.json)."""
-    comm, strategy = t.comm, t.run.strategy
-    peak = comm.meta_all_gather(torch.tensor([float(peak_memory_bytes(t.device))], device=t.device)).max()
-    mine = comm.snapshot()
-    slept = t.run.pacer.slept_s if t.run.pacer is not None else 0.0
-    link_times = comm.meta_all_gather(torch.tensor(
-        [mine.busy_s, mine.emulated_s, slept], dtype=torch.float64, device=t.device)).cpu()
-    events = t.tracer.gather(comm, t.device) if t.tracer is not None else None
-    lead = t.rank == 0 and out_dir is not None
-    if lead and events is not None:
-        write_trace(out_dir / "trace.json", events, {"strategy": t.cfg.strategy, "workers": t.world,
-                                                     "link": C.to_dict(t.cfg)["link"]})
-    if not lead:
-        return None
-    cls = type(strategy)
-    plan = cls.comm_plan(layout_of(t.model), t.world, strategy.options)
-    planned = t.world * sum(op.wire_bytes(t.world) * cls.plan_occurrences(op, t.cfg.steps, strategy.options)
-                            for op in plan)
-    summary = build_summary(
-        t.cfg, world=t.world, backend=t.backend, params=num_params(t.model), source=t.source,
-        totals=run.totals, train_loss=run.train_loss, val_loss=run.val_loss, wall_s=run.wall_s,
-        optimizer_state_bytes=strategy.optimizer_state_bytes(), peak_mem_bytes=int(peak),
-        link=comm.link.describe() if comm.link is not None else None, link_times=link_times,
-        traced=t.tracer is not None, strategy_report=strategy.report(), plan=plan, planned_wire_bytes=planned)
-    write_json_atomic(out_dir / "summary.json", summary)
-    if not quiet:
-        print(describe(summary), flush=True)
-    return summary
-
-
 def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Path | None,
           quiet: bool = False) -> dict | None:
     """Train with an initialised process group. Returns the summary on rank 0."""
@@ -336,7 +310,7 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
         t.run.release()
         return None
     t.run.close()  # collective: every rank ends on the same final parameters
-    return summarize(t, result, out_dir, quiet)
+    return run_end.summarize(t, result, out_dir, quiet)
 
 
 def num_params(model: torch.nn.Module) -> int:

@@ -1,0 +1,52 @@
+"""The end of a run: every rank's measurements gathered, summary.json (and trace.json) written."""
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import torch
+
+from . import config as C
+from .metrics.runlog import write_json_atomic
+from .metrics.summary import build_summary, describe
+from .metrics.trace import write_trace
+from .models.layout import layout_of
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def summarize(t, run, out_dir: Path | None, quiet: bool) -> dict | None:
+    """Gather every rank's measurements; rank 0 writes summary.json (and trace.json)."""
+    comm, strategy = t.comm, t.run.strategy
+    peak = comm.meta_all_gather(torch.tensor([float(peak_memory_bytes(t.device))], device=t.device)).max()
+    mine = comm.snapshot()
+    slept = t.run.pacer.slept_s if t.run.pacer is not None else 0.0
+    link_times = comm.meta_all_gather(torch.tensor(
+        [mine.busy_s, mine.emulated_s, slept], dtype=torch.float64, device=t.device)).cpu()
+    events = t.tracer.gather(comm, t.device) if t.tracer is not None else None
+    lead = t.rank == 0 and out_dir is not None
+    if lead and events is not None:
+        write_trace(out_dir / "trace.json", events, {"strategy": t.cfg.strategy, "workers": t.world,
+                                                     "link": C.to_dict(t.cfg)["link"]})
+    if not lead:
+        return None
+    cls = type(strategy)
+    plan = cls.comm_plan(layout_of(t.model), t.world, strategy.options)
+    planned = t.world * sum(op.wire_bytes(t.world) * cls.plan_occurrences(op, t.cfg.steps, strategy.options)
+                            for op in plan)
+    summary = build_summary(
+        t.cfg, world=t.world, backend=t.backend, params=sum(p.numel() for p in t.model.parameters()), source=t.source,
+        totals=run.totals, train_loss=run.train_loss, val_loss=run.val_loss, wall_s=run.wall_s,
+        optimizer_state_bytes=strategy.optimizer_state_bytes(), peak_mem_bytes=int(peak),
+        link=comm.link.describe() if comm.link is not None else None, link_times=link_times,
+        traced=t.tracer is not None, strategy_report=strategy.report(), plan=plan, planned_wire_bytes=planned)
+    write_json_atomic(out_dir / "summary.json", summary)
+    if not quiet:
+        print(describe(summary), flush=True)
+    return summary
+
+
