@@ -12,9 +12,9 @@ py=${PYTHON:-python3}
 $py -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
 status=0
 LOWCOMM_TEST_DEVICE=cuda LOWCOMM_TEST_BACKEND=nccl LOWCOMM_TEST_WORLD=1 \
-  $py -m pytest -q -p no:cacheprovider tests/test_acco.py 2>&1 | tail -4 || status=1
+  $py -m pytest -q -p no:cacheprovider tests/strategies/test_acco.py tests/strategies/test_dpu.py 2>&1 | tail -4 || status=1
 LOWCOMM_TEST_DEVICE=cuda LOWCOMM_TEST_BACKEND=gloo LOWCOMM_TEST_WORLD=2 \
-  $py -m pytest -q -p no:cacheprovider tests/test_acco.py 2>&1 | tail -4 || status=1
+  $py -m pytest -q -p no:cacheprovider tests/strategies/test_acco.py tests/strategies/test_dpu.py 2>&1 | tail -4 || status=1
 run() {  # name, flags...
   local name=$1; shift
   if $py -m lowcomm train --quiet --model small --micro-batch 16 --seq-len 256 --eval-every 0 \

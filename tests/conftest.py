@@ -2,7 +2,7 @@
 
 `corpus_run` trains on the bundled Shakespeare corpus with one small recipe and
 remembers each run for the whole session, so the convergence checks of several
-files share their baselines (the ddp run that test_convergence checks is the
+files share their baselines (the ddp run that tests/strategies/test_ddp.py checks is the
 one the quantized strategies are compared with) instead of training it again:
 these runs are most of the suite's compute.
 """
