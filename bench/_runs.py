@@ -18,13 +18,16 @@ from pathlib import Path
 
 
 @dataclass
-class Run:
+class BenchRun:
+    """What one `lowcomm train` subprocess left: its summary.json, its steps.jsonl records,
+    and the process's wall time."""
+
     summary: dict
     steps: list[dict]
     wall_s: float
 
 
-def train(out: Path, *flags: str, env: dict | None = None, echo: bool = False) -> Run:
+def train(out: Path, *flags: str, env: dict | None = None, echo: bool = False) -> BenchRun:
     cmd = [sys.executable, "-m", "lowcomm", "train", "--quiet", "--out", str(out), *flags]
     if echo:
         print("  $ lowcomm", " ".join(cmd[3:]), flush=True)
@@ -35,4 +38,4 @@ def train(out: Path, *flags: str, env: dict | None = None, echo: bool = False) -
         sys.exit(f"error: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines() if line.strip()]
-    return Run(summary, steps, wall)
+    return BenchRun(summary, steps, wall)

@@ -19,6 +19,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -101,6 +102,16 @@ class Handle:
             self._comm._trace_wait(t0, t1)
             self._waited = True
         return self.result
+
+
+class _Issued(NamedTuple):
+    """An op as issued: what _run's sync and async halves share (never the work itself)."""
+    op: str
+    wire: int
+    meta: bool
+    t0: float
+    modeled_end: float | None  # with an emulated link
+    span: object  # the tracer's span, or None
 
 
 class Comm:
@@ -187,6 +198,13 @@ class Comm:
                 local()
             self._add(op, 0, 1, meta=meta)
             return Handle(self, None, result) if async_op else None
+        issued = self._issue(op, nbytes, meta)
+        if not async_op:
+            return self._run_sync(issued, launch, result)
+        return self._run_async(issued, launch, result)
+
+    def _issue(self, op: str, nbytes: int, meta: bool) -> _Issued:
+        """Note the issue time, queue the op on the emulated link, open its trace span."""
         wire = wire_bytes(op, nbytes, self.world)
         link = None if meta else self.link
         t0 = time.perf_counter()
@@ -195,35 +213,49 @@ class Comm:
         modeled_end = None if modeled is None else modeled[1]
         span = None if self.tracer is None else \
             self.tracer.open_comm(op, t0, wire, nbytes, meta, *(modeled or (t0, t0)))
+        return _Issued(op, wire, meta, t0, modeled_end, span)
 
-        if not async_op:
-            launch(False)
-            self._sync_device(result)
-            real_end = end = time.perf_counter()
-            if modeled_end is not None:  # the emulated link is slower than the real one
-                _sleep_until(modeled_end)
-                end = time.perf_counter()
-            self._add(op, wire, 1, busy_s=end - t0, exposed_s=end - t0, meta=meta,
-                      emulated_s=end - real_end)
-            if span is not None:
-                self.tracer.close_comm(span, real_end, end)
-                self._trace_wait(t0, end)
-            return None
+    def _run_sync(self, issued: _Issued, launch, result) -> None:
+        """Launch, block until max(real end, modeled end), count it all as exposed."""
+        op, t0, meta, span = issued.op, issued.t0, issued.meta, issued.span
+        launch(False)
+        self._sync_device(result)
+        real_end = end = time.perf_counter()
+        if issued.modeled_end is not None:  # the emulated link is slower than the real one
+            _sleep_until(issued.modeled_end)
+            end = time.perf_counter()
+        self._add(op, issued.wire, 1, busy_s=end - t0, exposed_s=end - t0, meta=meta,
+                  emulated_s=end - real_end)
+        if span is not None:
+            self.tracer.close_comm(span, real_end, end)
+            self._trace_wait(t0, end)
 
+    def _run_async(self, issued: _Issued, launch, result) -> Handle:
+        """Launch and return a Handle; busy time is counted when the transport finishes."""
         work = launch(True)
-        self._add(op, wire, 1, meta=meta)
-        handle = Handle(self, work, result, modeled_end)
+        self._add(issued.op, issued.wire, 1, meta=issued.meta)
+        handle = Handle(self, work, result, issued.modeled_end)
         real_future = _work_future(work)
         out_future = None
-        if modeled_end is not None and real_future is not None:
+        if issued.modeled_end is not None and real_future is not None:
             # DDP's reducer (and any .then chain) waits on this future, so it,
             # not gloo's, must complete at the modeled end.
             devices = [result.device] if result is not None and result.is_cuda else None
             out_future = handle._future = torch.futures.Future(devices=devices)
+        done = self._on_done(issued, result, out_future)
+        if real_future is None:
+            handle._on_wait = done  # its busy time ends when wait() returns
+        else:
+            real_future.add_done_callback(done)
+        return handle
 
-        # `done` must not hold the work or its handle: the work's future holds
-        # `done`, and a cycle through a c10d work can end up collected on gloo's
-        # own thread, whose process group then dies inside itself (SIGABRT at exit).
+    def _on_done(self, issued: _Issued, result, out_future):
+        """The callback that ends an async op. Built apart from the work and its handle so
+        that it cannot hold them: the work's future holds it, and a cycle through a c10d work
+        can end up collected on gloo's own thread, whose process group then dies inside
+        itself (SIGABRT at exit)."""
+        op, t0, meta, span, modeled_end = issued.op, issued.t0, issued.meta, issued.span, issued.modeled_end
+
         def done(fut=None):
             real_end = time.perf_counter()
             end = real_end if modeled_end is None or modeled_end < real_end else modeled_end
@@ -232,11 +264,7 @@ class Comm:
                 self.tracer.close_comm(span, real_end, end)
             if out_future is not None:
                 self._complete_at(out_future, fut, result, end)
-        if real_future is None:
-            handle._on_wait = done  # its busy time ends when wait() returns
-        else:
-            real_future.add_done_callback(done)
-        return handle
+        return done
 
     def _complete_at(self, out_future: torch.futures.Future, real_future: torch.futures.Future,
                      result: torch.Tensor | None, end: float) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch.nn as nn
@@ -53,6 +54,10 @@ _DECODER_DIM_KEYS = {"decoder_layers": "n_layer", "decoder_attention_heads": "n_
 _LAYER_PART_SUBCONFIGS = frozenset({"attn_config", "ffn_config"})
 # Accepted in **overrides even though a config does not expose them as attributes.
 _EXTRA_OVERRIDE_KEYS = frozenset({"attn_implementation"})
+# The core dims under their standard config names, and the argument that sets each.
+_CORE_ARGS = {"vocab_size": "vocab_size", "max_position_embeddings": "seq_len",
+              "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
+              "hidden_size": "d_model"}
 
 
 def hf_available() -> bool:
@@ -168,23 +173,59 @@ def build_hf_causal_lm(architecture: str, *, vocab_size: int, seq_len: int, n_la
     transformers missing, unknown or non-causal architecture, dims or
     overrides the model rejects.
     """
-    dims = {"vocab_size": vocab_size, "seq_len": seq_len, "n_layer": n_layer,
-            "n_head": n_head, "d_model": d_model}
+    dims = _checked_dims(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer, n_head=n_head,
+                         d_model=d_model)
+    auto_config, auto_model, config_mapping, causal = _import_transformers()
+    model_type = _resolve_architecture(architecture, config_mapping, causal)
+    base = _defaults_of(model_type, config_mapping[model_type], causal)
+    _check_overrides(base, overrides)
+    config = _make_config(auto_config, base, dims, overrides)
+    return _make_model(auto_model, config, base.where, dims)
+
+
+def _checked_dims(**dims: int) -> dict[str, int]:
     for name, value in dims.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"Hugging Face model: {name} must be a positive integer, got {value!r}")
-    if d_model % n_head:
-        raise UsageError(f"Hugging Face model: d_model={d_model} is not divisible by "
-                         f"n_head={n_head}")
+    if dims["d_model"] % dims["n_head"]:
+        raise UsageError(f"Hugging Face model: d_model={dims['d_model']} is not divisible by "
+                         f"n_head={dims['n_head']}")
+    return dims
 
-    auto_config, auto_model, config_mapping, causal = _import_transformers()
-    model_type = _resolve_architecture(architecture, config_mapping, causal)
-    config_cls = config_mapping[model_type]
-    where = f"Hugging Face {model_type!r} model"
+
+@dataclass
+class _Defaults:
+    """An architecture's default config: which fields it has, under which names."""
+
+    model_type: str
+    config: Any  # the config class's defaults
+    amap: dict  # attribute_map: standard name -> this config's field name
+    values: dict  # config.to_dict()
+
+    @property
+    def where(self) -> str:
+        return _where(self.model_type)
+
+    def field(self, key: str) -> str:
+        return self.amap.get(key, key)
+
+    def is_field(self, key: str) -> bool:  # a plain config field (not a computed property)
+        return self.field(key) in self.values
+
+    def has(self, key: str) -> bool:
+        return self.is_field(key) or hasattr(self.config, key)
+
+
+def _where(model_type: str) -> str:
+    return f"Hugging Face {model_type!r} model"
+
+
+def _defaults_of(model_type: str, config_cls, causal: dict) -> _Defaults:
+    """The default config of `model_type`; composite (multimodal) models are refused."""
     try:
         defaults = config_cls()
     except Exception as e:  # a config class that cannot even build its defaults
-        raise UsageError(f"cannot build a {where}: its default config fails: "
+        raise UsageError(f"cannot build a {_where(model_type)}: its default config fails: "
                          f"{_one_line(e)}") from None
     sub_configs = set(getattr(config_cls, "sub_configs", None) or ())
     if hasattr(defaults, "text_config"):
@@ -196,91 +237,112 @@ def build_hf_causal_lm(architecture: str, *, vocab_size: int, seq_len: int, n_la
                          f"(multimodal) model whose text model the dims would not reach"
                          f"{hint}")
     amap = dict(getattr(defaults, "attribute_map", {}) or {})
-    default_values = defaults.to_dict()
+    return _Defaults(model_type, defaults, amap, defaults.to_dict())
 
-    def is_field(key: str) -> bool:  # a plain config field (not a computed property)
-        return amap.get(key, key) in default_values
 
-    def has(key: str) -> bool:
-        return is_field(key) or hasattr(defaults, key)
-
-    core = {"vocab_size": vocab_size, "max_position_embeddings": seq_len,
-            "num_hidden_layers": n_layer, "num_attention_heads": n_head,
-            "hidden_size": d_model}
-    core_fields = {amap.get(k, k): k for k in core}
-    arg_of = {"vocab_size": "vocab_size", "max_position_embeddings": "seq_len",
-              "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
-              "hidden_size": "d_model"}
+def _check_overrides(base: _Defaults, overrides: dict) -> None:
+    """Overrides may not set the core dims (under any alias) and must name config fields."""
+    core_fields = {base.field(k): k for k in _CORE_ARGS}
     for key in overrides:
-        target = amap.get(key, key)
-        if target in core_fields or key in core:
+        target = base.field(key)
+        if target in core_fields or key in _CORE_ARGS:
             std = core_fields.get(target, key)
-            raise UsageError(f"{where}: set {std} through {arg_of[std]}=..., not as an "
+            raise UsageError(f"{base.where}: set {std} through {_CORE_ARGS[std]}=..., not as an "
                              f"override ({key}={overrides[key]!r})")
-        if not has(key) and key not in _EXTRA_OVERRIDE_KEYS:
-            close = difflib.get_close_matches(key, list(default_values) + list(amap), n=1)
+        if not base.has(key) and key not in _EXTRA_OVERRIDE_KEYS:
+            close = difflib.get_close_matches(key, list(base.values) + list(base.amap), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise UsageError(f"{where}: unknown config override {key!r}{hint}")
+            raise UsageError(f"{base.where}: unknown config override {key!r}{hint}")
 
-    kwargs: dict[str, Any] = dict(core)
-    for key in _MLP_WIDTH_KEYS:
-        if is_field(key):
-            kwargs[key] = 4 * d_model
-    for key in _KV_HEAD_KEYS:
-        if is_field(key):
-            kwargs[key] = n_head
-    for key, arg in _DECODER_DIM_KEYS.items():
-        if is_field(key):
-            kwargs[key] = dims[arg]
-    head_dim = d_model // n_head
-    if is_field("head_dim"):
-        kwargs["head_dim"] = head_dim
-    rotary_dim = default_values.get("rotary_dim")
-    if isinstance(rotary_dim, int) and rotary_dim > 0:
-        # gptj/codegen rotate a fixed number of dims per head (64 of 256 by
-        # default); keep the published fraction of the new head_dim.
-        d_hidden = default_values.get(amap.get("hidden_size", "hidden_size"))
-        d_heads = default_values.get(amap.get("num_attention_heads", "num_attention_heads"))
-        frac = rotary_dim * d_heads / d_hidden if d_hidden and d_heads else 1.0
-        kwargs["rotary_dim"] = max(2, min(head_dim, 2 * round(frac * head_dim / 2)))
-    for key, value in default_values.items():
+
+def _config_kwargs(base: _Defaults, dims: dict) -> tuple[dict[str, Any], list[str]]:
+    """The config values lowcomm sets (before overrides), and the token ids it cleared."""
+    kwargs: dict[str, Any] = {std: dims[arg] for std, arg in _CORE_ARGS.items()}
+    kwargs.update(_size_kwargs(base, dims))
+    for key, value in base.values.items():
         if _DROPOUT_RE.search(key) and isinstance(value, float) and not isinstance(value, bool):
             kwargs[key] = 0.0
     cleared = []
     for key in _TOKEN_ID_KEYS:
-        value = default_values.get(key)
+        value = base.values.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and (
-                key == "pad_token_id" or not 0 <= value < vocab_size):
+                key == "pad_token_id" or not 0 <= value < dims["vocab_size"]):
             kwargs[key] = None
             cleared.append(key)
     kwargs["use_cache"] = False
     # Encoder families that transformers also maps to causal LMs (bert, roberta, ...) attend
     # both ways unless told they are decoders: a "causal" LM that sees the next token.
     kwargs["is_decoder"] = True
-    for key in overrides:  # an override replaces the value set above under any alias
-        target = amap.get(key, key)
-        for k in [k for k in kwargs if k != key and amap.get(k, k) == target]:
+    return kwargs, cleared
+
+
+def _size_kwargs(base: _Defaults, dims: dict) -> dict[str, Any]:
+    """The widths that follow from the dims where the config has them (MLP, kv heads,
+    decoder depth, head_dim, rotary_dim), so the published defaults do not size the model."""
+    d_model, n_head = dims["d_model"], dims["n_head"]
+    kwargs: dict[str, Any] = {}
+    for key in _MLP_WIDTH_KEYS:
+        if base.is_field(key):
+            kwargs[key] = 4 * d_model
+    for key in _KV_HEAD_KEYS:
+        if base.is_field(key):
+            kwargs[key] = n_head
+    for key, arg in _DECODER_DIM_KEYS.items():
+        if base.is_field(key):
+            kwargs[key] = dims[arg]
+    head_dim = d_model // n_head
+    if base.is_field("head_dim"):
+        kwargs["head_dim"] = head_dim
+    rotary_dim = base.values.get("rotary_dim")
+    if isinstance(rotary_dim, int) and rotary_dim > 0:
+        # gptj/codegen rotate a fixed number of dims per head (64 of 256 by
+        # default); keep the published fraction of the new head_dim.
+        d_hidden = base.values.get(base.field("hidden_size"))
+        d_heads = base.values.get(base.field("num_attention_heads"))
+        frac = rotary_dim * d_heads / d_hidden if d_hidden and d_heads else 1.0
+        kwargs["rotary_dim"] = max(2, min(head_dim, 2 * round(frac * head_dim / 2)))
+    return kwargs
+
+
+def _with_overrides(base: _Defaults, kwargs: dict, overrides: dict) -> dict:
+    """`kwargs` updated by `overrides`; an override replaces a value set under any alias."""
+    kwargs = dict(kwargs)
+    for key in overrides:
+        target = base.field(key)
+        for k in [k for k in kwargs if k != key and base.field(k) == target]:
             del kwargs[k]
     kwargs.update(overrides)
+    return kwargs
 
-    shown = ", ".join(f"{k}={v}" for k, v in dims.items())
+
+def _make_config(auto_config, base: _Defaults, dims: dict, overrides: dict):
+    """The model's config, with lowcomm's values and the overrides; checked for kv heads."""
+    kwargs, cleared = _config_kwargs(base, dims)
+    kwargs = _with_overrides(base, kwargs, overrides)
     try:
         try:
-            config = auto_config.for_model(model_type, **kwargs)
+            config = auto_config.for_model(base.model_type, **kwargs)
         except Exception:
             # Some configs insist on integer token ids; then keep the defaults.
             retry = {k: v for k, v in kwargs.items() if k not in cleared or k in overrides}
             if len(retry) == len(kwargs):
                 raise
-            config = auto_config.for_model(model_type, **retry)
+            config = auto_config.for_model(base.model_type, **retry)
     except Exception as e:
-        raise UsageError(f"{where} rejects its config ({shown}): {_one_line(e)}") from None
+        raise UsageError(f"{base.where} rejects its config ({_shown(dims)}): {_one_line(e)}") from None
     for key in _KV_HEAD_KEYS:
         kv = getattr(config, key, None)
-        if isinstance(kv, int) and kv > 0 and n_head % kv:
-            raise UsageError(f"{where}: n_head={n_head} is not divisible by {key}={kv}")
+        if isinstance(kv, int) and kv > 0 and dims["n_head"] % kv:
+            raise UsageError(f"{base.where}: n_head={dims['n_head']} is not divisible by {key}={kv}")
+    return config
+
+
+def _make_model(auto_model, config, where: str, dims: dict) -> nn.Module:
     try:
-        model = auto_model.from_config(config)
+        return auto_model.from_config(config)
     except Exception as e:
-        raise UsageError(f"cannot build a {where} ({shown}): {_one_line(e)}") from None
-    return model
+        raise UsageError(f"cannot build a {where} ({_shown(dims)}): {_one_line(e)}") from None
+
+
+def _shown(dims: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in dims.items())

@@ -1,0 +1,106 @@
+"""Verifying a checkpoint and choosing the newest one a run can continue from.
+
+A directory named `ckpt-*` is complete when written (see write.py), so what can be wrong
+with one was done to it afterwards -- a missing or extra file, a truncated or corrupted
+one -- or it belongs to another run (strategy, config, world size)."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import config as C
+from ..errors import UsageError
+from .layout import MANIFEST, config_hash, listed, sha256
+
+
+@dataclass
+class Found:
+    path: Path
+    step: int
+    world: int
+    replicated: bool
+
+
+class WorldSizeError(UsageError):
+    """The run's world size does not fit its checkpoints (every one of them: no fallback)."""
+
+
+def verify(path: Path, cfg: C.RunConfig, world: int) -> Found:
+    """The checkpoint at `path` if it is complete, intact and fits this run; else UsageError
+    with one line naming the problem."""
+    manifest = _manifest(path)
+    _check_files(path, manifest.get("files", {}))
+    if manifest.get("strategy") != cfg.strategy:
+        raise UsageError(f"it was written by strategy '{manifest.get('strategy')}', this run uses "
+                         f"'{cfg.strategy}'")
+    if manifest.get("config_hash") != config_hash(cfg):
+        raise UsageError("it was written with an incompatible config (model, data, optimizer or strategy "
+                         "options differ)")
+    return _found(path, manifest)
+
+
+def _manifest(path: Path) -> dict:
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{MANIFEST} is missing") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{MANIFEST} is unreadable ({e.__class__.__name__})") from None
+
+
+def _check_files(path: Path, files: dict) -> None:
+    """The directory holds exactly the manifest's files, each of its size and checksum."""
+    present = {f.name for f in path.iterdir() if f.is_file() and f.name != MANIFEST}
+    for fname in sorted(files):
+        if fname not in present:
+            raise UsageError(f"file {fname} is missing")
+    for fname in sorted(present - set(files)):
+        raise UsageError(f"file {fname} is not in its manifest")
+    for fname, want in sorted(files.items()):
+        f = path / fname
+        if f.stat().st_size != want["bytes"]:
+            raise UsageError(f"file {fname} has {f.stat().st_size} bytes, its manifest says {want['bytes']} "
+                             f"(truncated?)")
+        if sha256(f) != want["sha256"]:
+            raise UsageError(f"file {fname} fails its sha256 checksum (corrupted)")
+
+
+def _found(path: Path, manifest: dict) -> Found:
+    return Found(Path(path), int(manifest["step"]), int(manifest["world"]), bool(manifest.get("replicated")))
+
+
+def check_world(found: Found, strategy: str, world: int) -> None:
+    """A checkpoint of another world size loads only where its strategy state is replicated."""
+    if found.world != world and not found.replicated:
+        raise WorldSizeError(f"checkpoint {found.path} was written by {found.world} workers and strategy "
+                             f"'{strategy}' keeps per-rank (sharded) state that cannot be resharded to "
+                             f"{world} workers; resume with --workers {found.world}")
+
+
+def read(path: Path) -> Found:
+    """The manifest of a checkpoint already verified (a worker loading what the launcher chose)."""
+    return _found(path, json.loads((Path(path) / MANIFEST).read_text()))
+
+
+def latest(out_dir: Path, cfg: C.RunConfig, world: int, warn=None) -> Found | None:
+    """The newest checkpoint in out_dir that verifies; each refused one is reported in one
+    line through `warn` (default: stderr). None when there is none at all; UsageError when
+    there are some and none is usable (naming the newest one's problem)."""
+    warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
+    candidates = listed(out_dir)
+    first_problem = None
+    for step, path in candidates:
+        try:
+            found = verify(path, cfg, world)
+            check_world(found, cfg.strategy, world)  # the run's problem, not this checkpoint's: no fallback
+            return found
+        except UsageError as e:
+            if isinstance(e, WorldSizeError):
+                raise
+            first_problem = first_problem or f"{path}: {e}"
+            warn(f"warning: checkpoint {path} refused: {e}; trying the previous one")
+    if candidates:
+        raise UsageError(f"no usable checkpoint in {out_dir} (newest: {first_problem})")
+    return None

@@ -1,0 +1,92 @@
+"""Continuing a run: `--resume DIR` from the command line, and a relaunch after a failure."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .. import config as C
+from ..errors import UsageError
+from .choose import latest
+from .layout import SAFE_KEYS
+
+
+def resume_config(args, apply_flags) -> C.RunConfig:
+    """`--resume DIR`: the config is DIR/config.toml; flags given with it may change only what
+    does not change a step's result (SAFE_KEYS, e.g. --steps to extend, --stop-at)."""
+    run = Path(args.resume)
+    if args.config:
+        raise UsageError(f"--resume takes its config from {run / 'config.toml'}; drop --config")
+    if getattr(args, "out", None) and Path(args.out) != run:
+        raise UsageError(f"--out ({args.out}) must be the --resume directory ({run}) or left out")
+    if not (run / "config.toml").is_file():
+        raise UsageError(f"--resume {run}: no config.toml there (not a lowcomm run directory)")
+    cfg = C.load_toml(run / "config.toml")
+    cfg.stop_at = 0  # the stop that ended the previous part is not this part's
+    C.validate(cfg)
+    before = _flat(C.to_dict(cfg))
+    apply_flags(cfg)
+    C.validate(cfg)
+    after = _flat(C.to_dict(cfg))
+    for key in sorted(before.keys() | after.keys()):
+        if key.split(".")[0] not in SAFE_KEYS and before.get(key) != after.get(key):
+            raise UsageError(f"--resume: {key} cannot change on a resumed run (it is {before.get(key)!r} in "
+                             f"{run / 'config.toml'}, given {after.get(key)!r}); only --steps, --stop-at, "
+                             f"checkpointing, logging, evaluation and emulation settings may")
+    cfg.out = str(run)
+    return cfg
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def prepare_resume(cfg: C.RunConfig, create: bool) -> Path | None:
+    """Choose the checkpoint the run continues from (cfg.resume_from) and rewrite config.toml.
+    None for a torchrun restart that finds no checkpoint (the run then starts over)."""
+    required = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0  # --resume, not a restart
+    out = Path(cfg.out) if cfg.out else None
+    if out is None or not out.is_dir():
+        if required:
+            raise UsageError(f"--resume {cfg.out}: no such run directory")
+        return None
+    found = latest(out, cfg, cfg.workers)
+    if found is None:
+        if required:
+            raise UsageError(f"--resume {out}: no checkpoint there (write them with --checkpoint-every N or --stop-at S)")
+        return None
+    if cfg.steps < found.step:
+        raise UsageError(f"--steps {cfg.steps} is below the checkpoint's step {found.step} ({found.path})")
+    if found.world != cfg.workers:
+        print(f"warning: {found.path} was written by {found.world} workers, resuming on {cfg.workers}: the "
+              f"replicated state is loaded, each worker's data order starts anew", file=sys.stderr, flush=True)
+    cfg.resume_from = str(found.path)
+    if create:
+        (out / "config.toml").write_text(C.to_toml(cfg))
+    return out
+
+
+def restart_from(cfg: C.RunConfig, out: Path, error: Exception, attempt: int) -> None:
+    """After a failed launch attempt (--max-restarts): point cfg.resume_from at the last good
+    checkpoint (none: the run starts over), say so in one line, and log the restart in
+    OUT/restarts.jsonl (when the failure was noticed and the relaunch began)."""
+    noticed = time.time()
+    try:
+        found = latest(out, cfg, cfg.workers)
+    except UsageError as e:  # checkpoints there, none usable: start over rather than give up
+        print(f"warning: {e}", file=sys.stderr, flush=True)
+        found = None
+    cfg.resume_from = str(found.path) if found else ""
+    where = f"{found.path.name} (step {found.step})" if found else "the start (no checkpoint yet)"
+    print(f"lowcomm: {error}; restart {attempt} of {cfg.max_restarts} from {where}", file=sys.stderr, flush=True)
+    with open(out / "restarts.jsonl", "a") as f:
+        f.write(json.dumps({"attempt": attempt, "error": str(error), "noticed_at": noticed,
+                            "resume_step": found.step if found else 0, "relaunched_at": time.time()}) + "\n")
