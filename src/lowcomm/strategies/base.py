@@ -54,7 +54,7 @@ class Strategy(Planned):
     # tests use them for bit-exact comparisons).
     reproducible_options: ClassVar[dict] = {}
     # True where the whole state_dict() is identical on every rank (ddp): a checkpoint then
-    # stores it once and can load it on another number of workers (checkpoint.py).
+    # stores it once and can load it on another number of workers (lowcomm/checkpoint).
     checkpoint_replicated: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, comm: Comm, make_optimizer: MakeOptimizer, accum: int = 1,
