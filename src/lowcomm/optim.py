@@ -54,7 +54,7 @@ class FrozenAdam:
     def __init__(self, optimizer: torch.optim.Optimizer, params):
         if not isinstance(optimizer, torch.optim.Adam):
             raise UsageError(f"freezing the second moment (1-bit Adam) needs torch.optim.Adam or AdamW, got "
-                             f"{type(optimizer).__name__}: pass freeze_variance_after=0 to compress gradients")
+                             f"{type(optimizer).__name__}: strategy quantized compresses gradients into any optimizer")
         self.optimizer = optimizer
         self.params = list(params)
         # Each parameter's group by index: optimizer.load_state_dict() replaces the group

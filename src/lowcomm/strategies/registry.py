@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 from dataclasses import dataclass, fields
 
 from ..errors import UsageError
@@ -55,6 +56,21 @@ def get(name: str) -> type[Strategy]:
     if name not in _REGISTRY:
         raise UsageError(f"unknown strategy '{name}' (choose from: {', '.join(available())})")
     return _REGISTRY[name]
+
+
+def resolve(name: str, options):
+    """(name, options) of the strategy that runs when `name` is chosen with `options`. A strategy
+    class may define `resolve(options) -> (name, options, note)` to hand an older spelling to the
+    strategy that now has a name of its own (`quantized --bits 1` is onebit_adam); the note then
+    goes to stderr, one line."""
+    hook = getattr(get(name), "resolve", None)
+    if hook is None:
+        return name, options
+    target, resolved, note = hook(options)
+    if target != name:
+        get(target)
+        print(f"note: {note}", file=sys.stderr, flush=True)
+    return target, resolved
 
 
 def reproducible_flags(name: str) -> list[str]:

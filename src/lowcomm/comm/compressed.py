@@ -1,0 +1,114 @@
+"""The two-stage compressed all-reduce of 1-bit Adam (Tang et al., arXiv 2102.02888, Section 3.3),
+with error feedback at both compressions; `quantized` sends gradients through it, `onebit_adam`
+Adam's momentum.
+
+    x    <- every rank's flat fp32 vector, zero-padded to W shards of m (whole blocks)
+    c_j  <- Q(x_j + e1_j) for each shard j;  e1 <- (x + e1) - deq(c)     (worker's EF)
+    all_to_all(c): rank r receives every worker's c_r
+    s_r  <- (1/W) sum_w deq(c_r from w)                                  (fp32)
+    c'_r <- Q(s_r + e2);  e2 <- (s_r + e2) - deq(c'_r)                   (shard owner's EF)
+    all_gather(c'): every rank decodes the same mean
+
+Q is int8 / int4 with a per-block absmax scale or 1-bit sign with a per-block scale
+(lowcomm.compress). Each collective moves W·nbytes(m) bytes (`payload_bytes`): about
+2(W-1)/W · P · bits/8 plus 4 bytes per block per rank, the ring shape of DDP's all-reduce.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..compress import Compressor, ErrorFeedback, quantizer_for_bits
+
+
+def shard_len(num_params: int, world: int, block: int) -> int:
+    """m: each rank's shard of the flat vector, a whole number of blocks."""
+    per = -(-num_params // world)
+    return -(-per // block) * block
+
+
+def payload_bytes(num_params: int, world: int, bits: int, block: int) -> int:
+    """S of the all_to_all and of the all_gather (Comm's count: the logical payload)."""
+    return world * quantizer_for_bits(bits, block).nbytes(shard_len(num_params, world, block))
+
+
+def residual_bytes(num_params: int, world: int, block: int) -> int:
+    """The error-feedback state one rank keeps: its own residual (P) and its shard's (m), fp32."""
+    return 4 * num_params + 4 * shard_len(num_params, world, block)
+
+
+class CompressedAllReduce:
+    """The mean over ranks of one flat vector laid out like `like` (the parameters), through
+    the two stages above. `compress_s` adds up the CPU time spent compressing and decoding."""
+
+    def __init__(self, comm, like: list[torch.Tensor], bits: int, block: int, error_feedback: bool = True):
+        self.comm = comm
+        self.shapes = [t.shape for t in like]
+        self.numel = sum(t.numel() for t in like)
+        self.device = like[0].device
+        self.m = shard_len(self.numel, comm.world, block)
+        self.q: Compressor = quantizer_for_bits(bits, block)
+        self.ef = ErrorFeedback(self.q, enabled=error_feedback)
+        self.compress_s = 0.0
+
+    def flat(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+        """The tensors (None: zeros) as one fp32 vector of W·m values, zero-padded."""
+        flat = torch.zeros(self.comm.world * self.m, dtype=torch.float32, device=self.device)
+        for view, t in zip(self.views(flat), tensors):
+            if t is not None:
+                view.copy_(t)
+        return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor's part of a flat vector, shaped like it (views, not copies)."""
+        out, at = [], 0
+        for shape in self.shapes:
+            n = shape.numel()
+            out.append(flat[at:at + n].view(shape))
+            at += n
+        return out
+
+    def mean(self, ctx, flat: torch.Tensor) -> torch.Tensor | None:
+        """The two-stage compressed mean of every rank's `flat` (W·m values; consumed). `ctx`
+        is the step's StepContext: what each rank sends follows its non-finite protocol, so a
+        NaN anywhere reaches every rank through the scales and all return None alike."""
+        W, m, q = self.comm.world, self.m, self.q
+        nb = q.nbytes(m)
+        t0 = time.perf_counter()
+        flat = flat.view(W, m)
+        payload = self._compress("worker", flat, ctx.poison_nonfinite(flat))  # W rows: one per shard owner
+        send = q.to_bytes(payload).reshape(-1)
+        recv = torch.empty_like(send)
+        self.compress_s += time.perf_counter() - t0
+        self.comm.all_to_all(recv, send)
+
+        t0 = time.perf_counter()
+        mine = q.decompress(q.from_bytes(recv.view(W, nb), m))  # every worker's copy of my shard
+        mean = mine.sum(0) / W
+        own = q.to_bytes(self._compress("owner", mean, ctx.poison_nonfinite(mean)))
+        gathered = torch.empty(W * nb, dtype=torch.uint8, device=own.device)
+        self.compress_s += time.perf_counter() - t0
+        self.comm.all_gather(gathered, own)
+
+        t0 = time.perf_counter()
+        mean = q.decompress(q.from_bytes(gathered.view(W, nb), m)).reshape(-1)
+        self.compress_s += time.perf_counter() - t0
+        return mean if ctx.received_finite(mean) else None
+
+    def _compress(self, key: str, x: torch.Tensor, bad: bool):
+        """With error feedback; a non-finite input (NaN-filled: its scales carry the NaN to every
+        rank) is sent without touching the residual, so the skipped step leaves no trace."""
+        return self.q.compress(x) if bad else self.ef.compress(key, x)[0]
+
+    def report(self, steps: int) -> dict:
+        """summary.json's compression fields (`steps`: optimizer steps so far)."""
+        return {"compress_s": self.compress_s, "compress_s_per_step": self.compress_s / max(steps, 1),
+                "compressor": self.q.name, "error_feedback": self.ef.enabled}
+
+    def state_dict(self) -> dict:
+        """The two residuals ("worker", "owner"): this rank's own, as a checkpoint keeps them."""
+        return self.ef.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.ef.load_state_dict(sd)
