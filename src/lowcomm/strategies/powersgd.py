@@ -69,6 +69,10 @@ class PowerSGD(DDP):
                                       self.options.rank)
         self.chain = BucketChain()
 
+    def use_comm(self, comm):
+        super().use_comm(comm)
+        self.psgd.process_group = CountedGroup(comm)  # the hook's next collectives go through it
+
     def comm_hook(self, bucket):
         """torch's powerSGD_hook on one bucket, after the previous bucket's (see BucketChain)."""
         def reduce():
