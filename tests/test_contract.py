@@ -344,7 +344,9 @@ def _ends_and_groups(rank, world, names):
         for n in LOOP_LENGTHS:
             torch.manual_seed(7)
             model = make_model()
-            run = lowcomm.make_run(name, model, lowcomm.Comm(), make_optimizer, accum=ACCUM,
+            # total_steps: a length the loop never reaches (onebit_adam's default warm-up is a
+            # fifth of the run, so it needs one; DiLoCo's last sync is at that step)
+            run = lowcomm.make_run(name, model, lowcomm.Comm(), make_optimizer, accum=ACCUM, total_steps=1000,
                                    pacer=Pacer(rank, world, slowdown=3.0 if rank == 1 else 1.0))
             for micro in range(n):
                 run.backward(lowcomm.lm_loss(run.model, batch(0, rank, micro)))
