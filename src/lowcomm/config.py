@@ -229,16 +229,6 @@ def resolve_options(cfg: RunConfig) -> Options:
     return options
 
 
-def resolve_strategy(cfg: RunConfig) -> None:
-    """The strategy that runs: an older spelling of another one (registry.resolve, e.g.
-    `quantized --bits 1` is onebit_adam) becomes it, so the run's directory, config.toml and
-    summary name what runs."""
-    name, options = registry.resolve(cfg.strategy, cfg.strategy_options())
-    if name != cfg.strategy:
-        cfg.strategy, cfg.options[name] = name, options
-        options.check_run(cfg)
-
-
 def load_toml(path: str | Path, cfg: RunConfig | None = None) -> RunConfig:
     cfg = cfg or RunConfig()
     p = Path(path)
@@ -329,7 +319,10 @@ def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
     if cfg.timeout > MAX_TIMEOUT_S:  # beyond what a timedelta (and gloo's milliseconds) can hold
         raise UsageError(f"timeout must be at most {MAX_TIMEOUT_S:.0f} seconds (a year), got {cfg.timeout:g}")
     resolve_options(cfg)
-    resolve_strategy(cfg)
+    name, options = registry.resolve(cfg.strategy, cfg.strategy_options())
+    if name != cfg.strategy:  # an older spelling (quantized --bits 1): the run is named what runs
+        cfg.strategy, cfg.options[name] = name, options
+        options.check_run(cfg)
     if cfg.link.bandwidth is None:
         for key in ("latency", "jitter"):
             value = getattr(cfg.link, key)
