@@ -32,7 +32,7 @@ from .errors import UsageError
 from .strategies.base import MakeOptimizer, Strategy
 from .strategies.context import Schedule, StepContext, StepResult, batch_tokens
 from .strategies.options import build_options
-from .strategies.registry import get
+from .strategies.registry import get, resolve
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 NextBatch = Callable[[], Any]
@@ -43,11 +43,12 @@ def make_run(strategy: str, model: nn.Module, comm: Comm, make_optimizer: MakeOp
              options=None, **option_values) -> "RunDriver":
     """Build strategy `strategy` on `model` and drive it. `options` is a validated Options
     instance (the CLI's), or give its fields as keywords (e.g. max_accum=8); defaults equal the CLI's."""
-    cls = get(strategy)
     if options is None:
-        options = build_options(cls.Options, option_values, strategy)
+        options = build_options(get(strategy).Options, option_values, strategy)
     elif option_values:
         raise UsageError(f"give strategy options either as options= or as keywords, not both ({sorted(option_values)})")
+    strategy, options = resolve(strategy, options)  # an older spelling runs the strategy now named for it
+    cls = get(strategy)
     return RunDriver(cls(model, comm, make_optimizer, accum=accum, schedule=schedule, options=options,
                          total_steps=total_steps), pacer)
 

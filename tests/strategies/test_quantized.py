@@ -68,11 +68,14 @@ def test_one_bit_without_a_warm_up_stays_gradient_compression(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_a_frozen_variance_is_refused_below_one_bit_and_the_python_api_names_onebit_adam():
+def test_a_frozen_variance_is_refused_below_one_bit_and_the_python_api_runs_onebit_adam(capsys):
     with pytest.raises(lowcomm.UsageError, match="which is 1-bit Adam .--strategy onebit_adam."):
         _validated("--bits", "8", "--freeze-variance-after", "5")
-    with pytest.raises(lowcomm.UsageError, match="use strategy 'onebit_adam'"):
-        build("quantized", bits=1)
+    capsys.readouterr()
+    _, run = build("quantized", bits=1, total_steps=10)
+    assert run.strategy.name == "onebit_adam" and run.options.freeze_variance_after == -1
+    assert capsys.readouterr().err.startswith("note: quantized --bits 1 runs 1-bit Adam")
+    run.close()
 
 
 # -- slow: quantized training tracks ddp --------------------------------------------------------

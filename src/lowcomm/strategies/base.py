@@ -21,6 +21,8 @@ implements only the hooks its algorithm needs:
     rounds_started()       rounds this rank has started, for finish (default: steps_done)
     use_comm(comm)         the run's group was replaced between steps (default: self.comm = comm)
     report()               strategy-specific fields of summary.json (default: none)
+    resolve(options)       classmethod, optional: (name, options, note) of the strategy an older
+                           spelling runs (quantized --bits 1 is onebit_adam); absent: itself
     release()              stop the threads the strategy holds (default: nothing)
 
 The constructor is called with the model, a Comm, make_optimizer(params), accum, the
