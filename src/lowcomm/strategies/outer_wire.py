@@ -1,0 +1,158 @@
+"""How the local-SGD family's outer gradient Δ_r travels: one wire format per run.
+
+    fp32, bf16   one all_reduce (sum) of w_r·Δ_r in that precision
+    int8, int4   blockwise-absmax quantized (lowcomm.compress.IntQuantizer, blocks of 64
+                 values, an fp32 scale each, bit-packed). A ring all-reduce cannot sum
+                 packed integers, so every rank all_gathers every rank's packed payload
+                 (values + fp32 scales + 16 bytes of step info) and sums the dequantized
+                 values locally in rank order (every rank gets the same bits): (W−1)·s
+                 bytes per rank for a payload of s bytes.
+    a SPEC       any lowcomm.compress compressor (e.g. topk:0.02,bits:2), with error
+                 feedback on Δ_r (a residual per fragment, in the state):
+                     e_r ← β·e_r + Δ_r;   send C(e_r);   e_r ← e_r − decode(C(e_r))
+                 all_gathered like int8/int4 (payload + step info); every rank decodes
+                 every payload and averages in rank order; a value only some ranks sent
+                 (top-k) is averaged over the ranks that sent it, as DeMo and SparseLoCo
+                 decode (Compressor.combine).
+
+w_r is 1/W, or FedNova's weight under --sync-by time (sync_by_time.py). Collectives are
+issued asynchronously on the calling (compute) thread, so every rank issues them in the
+same order; `complete` waits for them and combines.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..comm import Comm
+from ..compress import Compressor, ErrorFeedback, IntQuantizer, parse_spec
+from ..errors import UsageError
+from .plan import PlannedOp
+from .sync_by_time import INFO_BYTES, fednova_factor, fednova_scale, fednova_weights, step_info
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": 8, "int4": 4}
+OUTER_BLOCK = 64  # values per quantization scale of an outer gradient
+
+
+def outer_quantizer(bits: int) -> IntQuantizer:
+    return IntQuantizer(bits, OUTER_BLOCK)
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """A run's wire format: a precision (fp32, bf16, int8, int4), or a compressor SPEC with
+    error feedback decaying by `ef_decay` (0: none)."""
+    precision: str = "fp32"
+    compress: str = "none"
+    ef_decay: float = 1.0
+
+    def check(self) -> None:
+        if self.compress == "none":
+            return
+        try:
+            parse_spec(self.compress)
+        except ValueError as e:
+            raise UsageError(f"--outer-compress: {e}") from None
+        if self.precision != "fp32":
+            raise UsageError(f"--outer-compress ({self.compress}) and --outer-precision "
+                             f"({self.precision}) both set the wire format: give one")
+
+    def compressor(self) -> Compressor | None:
+        """What a rank all-gathers in place of the all-reduce; None for fp32/bf16."""
+        if self.compress != "none":
+            return parse_spec(self.compress)
+        prec = PRECISIONS[self.precision]
+        return outer_quantizer(prec) if isinstance(prec, int) else None
+
+    def plan(self, numel: int, world: int, every: int, offset: int, f: int, fednova: bool) -> list[PlannedOp]:
+        """What one rank sends for one sync of fragment f (`numel` values)."""
+        comp = self.compressor()
+        if comp is not None:
+            return [PlannedOp("all_gather", world * (comp.nbytes(numel) + INFO_BYTES), every, offset,
+                              what=f"fragment {f}: {comp.name} outer gradient + step info, every rank's")]
+        itemsize = torch.empty((), dtype=PRECISIONS[self.precision]).element_size()
+        ops = [PlannedOp("all_reduce", numel * itemsize, every, offset,
+                         what=f"fragment {f}: {self.precision} outer gradient")]
+        if fednova:  # the τ_r travel beside the all-reduce
+            ops.append(PlannedOp("all_gather", world * INFO_BYTES, every, offset,
+                                 what=f"fragment {f}: inner steps and step time"))
+        return ops
+
+
+@dataclass
+class Ticket:
+    """One fragment's reduction in flight."""
+    handles: list
+    buf: torch.Tensor                      # the all-reduced Σ w_r·Δ_r, or every rank's payload
+    world: int
+    infos: torch.Tensor | None = None      # all-reduce under FedNova: every rank's (τ, c)
+    sizes: tuple[int, int] | None = None   # all-gather: (payload bytes, Δ's numel)
+
+
+class OuterWire:
+    """One rank's end of the wire: issues and completes reductions, keeps the residuals."""
+
+    def __init__(self, fmt: WireFormat, fednova: bool = False):
+        self.fmt, self.fednova = fmt, fednova
+        self.compressor = fmt.compressor()
+        # Error feedback only for a SPEC (int8/int4 precisions never had it).
+        use_ef = fmt.compress != "none" and fmt.ef_decay > 0
+        self.ef = ErrorFeedback(self.compressor, enabled=use_ef, decay=fmt.ef_decay) \
+            if self.compressor is not None else None
+        self.compress_s = 0.0  # CPU time spent compressing and decoding outer gradients
+
+    def issue(self, comm: Comm, key: str, delta: torch.Tensor, tau: int, c: float) -> Ticket:
+        """Start reducing Δ_r (async); `tau`, `c`: this rank's step info (see sync_by_time)."""
+        W, info = comm.world, step_info(tau, c)
+        if self.compressor is not None:
+            t0 = time.perf_counter()
+            payload, _ = self.ef.compress(key, delta.reshape(-1))
+            packed = self.compressor.to_bytes(payload)  # e.g. codes and scales, bit-packed
+            self.compress_s += time.perf_counter() - t0
+            payload = torch.cat([packed, info.view(torch.uint8)])
+            every = torch.empty(W * payload.numel(), dtype=torch.uint8)
+            handle = comm.all_gather(every, payload, async_op=True)
+            return Ticket([handle], every, W, sizes=(packed.numel(), delta.numel()))
+        handles, infos = [], None
+        if self.fednova:  # every rank sends Δ_r/τ_r, the τ_r travel beside it
+            infos = torch.empty(W * 2, dtype=torch.float64)
+            handles.append(comm.all_gather(infos, info, async_op=True))
+            scale = fednova_scale(tau)
+        else:
+            scale = 1.0 / W
+        buf = (delta * scale).to(PRECISIONS[self.fmt.precision])
+        handles.append(comm.all_reduce(buf, op="sum", async_op=True))
+        return Ticket(handles, buf, W, infos=infos)
+
+    def complete(self, ticket: Ticket) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Wait -> (the combined Δ in fp32, every rank's (τ, c) under FedNova, else None)."""
+        for h in ticket.handles:
+            h.wait()
+        if ticket.sizes is not None:
+            return self._decode(ticket)
+        total = ticket.buf.float()
+        if ticket.infos is None:
+            return total, None
+        infos = ticket.infos.view(ticket.world, 2)
+        return total.mul_(fednova_factor(infos[:, 0])), infos
+
+    def _decode(self, ticket: Ticket) -> tuple[torch.Tensor, torch.Tensor | None]:
+        (nq, numel), W = ticket.sizes, ticket.world
+        every = ticket.buf.view(W, -1)
+        infos = torch.stack([every[r, nq:].clone().view(torch.float64) for r in range(W)])
+        weights = fednova_weights(infos[:, 0]) if self.fednova else torch.full((W,), 1.0 / W, dtype=torch.float64)
+        # rank order: every rank combines the same values the same way
+        t0 = time.perf_counter()
+        payloads = [self.compressor.from_bytes(every[r, :nq], numel) for r in range(W)]
+        total = self.compressor.combine(payloads, [float(w) for w in weights])
+        self.compress_s += time.perf_counter() - t0
+        return total, (infos if self.fednova else None)
+
+    def state_dict(self) -> dict:
+        return self.ef.state_dict() if self.ef else {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.ef is not None:
+            self.ef.load_state_dict(sd)
