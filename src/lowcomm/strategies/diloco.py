@@ -8,11 +8,10 @@
 
 `--steps` counts inner steps (one trainer step = one inner step of `--accum` micro-batches),
 so equal --steps means equal tokens with ddp. A run that ends mid-period syncs once more at
-its last step (or when closed), so the saved model is θ_global; evaluation always sees
-θ_global. The syncs are the outer-sync engine's (outer_sync.py, shared with Streaming
-DiLoCo and SparseLoCo); beyond the paper, Δ can travel in bf16, int8/int4 or a compressor
-SPEC with error feedback (outer_wire.py), and phases can be sized to each worker's speed
-(--sync-by time, sync_by_time.py).
+its last step (or when closed), so the saved model is θ_global; evaluation sees θ_global.
+The syncs are the outer-sync engine's (outer_sync.py, shared with Streaming DiLoCo and
+SparseLoCo); beyond the paper, Δ may travel in bf16, int8/int4 or a compressor SPEC with
+error feedback (outer_wire.py), phases may fit each worker's speed (sync_by_time.py).
 """
 from __future__ import annotations
 
@@ -68,6 +67,10 @@ class DiLoCo(Strategy):
     def model_state_bytes(cls, num_params, world, options):
         # θ, ∇θ, AdamW's moments, the fp32 θ_global, outer momentum (+ a residual if compressed)
         return 24 * num_params + (4 * num_params if options.outer_compress != "none" else 0)
+
+    @classmethod
+    def plan_label(cls, options):
+        return f"{cls.name} H={options.sync_every}"
 
     @classmethod
     def comm_plan(cls, layout, world, options):
@@ -153,7 +156,6 @@ class DiLoCo(Strategy):
 
     @contextmanager
     def swapped_for_eval(self):
-        """Evaluate θ_global; the local θ goes back afterwards."""
         self._collect()
         with self.sync.globals_in_model():
             yield self.model
@@ -170,11 +172,9 @@ class DiLoCo(Strategy):
         self.inner_steps, self.last_loss = sd["inner_steps"], sd["last_loss"]
 
     def report(self) -> dict:
-        o = self.options
         return {**self.sync.report(self.steps_done), "inner_steps_rank0": self.inner_steps,
-                "inner_steps_per_step_rank0": self.inner_steps / max(self.steps_done, 1), "sync_every": o.sync_every,
-                "sync_by": o.sync_by, "outer_precision": o.outer_precision, "outer_compress": o.outer_compress}
+                "inner_steps_per_step_rank0": self.inner_steps / max(self.steps_done, 1),
+                **{k: getattr(self.options, k) for k in ("sync_every", "sync_by", "outer_precision", "outer_compress")}}
 
 
-# The family's base under its former name (tests/test_checkpoint.py tells the family by it).
-OuterSync = DiLoCo
+OuterSync = DiLoCo  # the family's base by its former name (tests/test_checkpoint.py tells the family by it)

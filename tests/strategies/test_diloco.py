@@ -1,0 +1,230 @@
+"""DiLoCo: exact reductions, bytes = plan, local inner state, the outer gradient's wire formats
+and error feedback, the final sync, --sync-by time with a slow worker, convergence (slow)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from lowcomm.cli import main
+from lowcomm.strategies.outer_wire import OUTER_BLOCK, outer_quantizer
+
+from dist_utils import flat_params, rel_err
+from local_sgd import EXACT, adamw, build, check_counted_bytes, count_bytes, diloco_h4, make_model, sgd, train
+
+LOSSLESS = "topk:64,chunk:64,bits:32"  # k = chunk at 32 bits: every value sent as is
+BYTE_CASES = [  # (options, steps): run lengths not multiples of H, every precision
+    (dict(sync_every=3), 7),
+    (dict(sync_every=4, outer_precision="bf16"), 9),
+    (dict(sync_every=3, outer_precision="int8"), 8),
+    (dict(sync_every=2, outer_precision="int4", sync_by="time"), 5),
+    (dict(sync_every=3, outer_compress="topk:0.02,bits:2"), 7),
+]
+
+
+def _h1_and_ddp(rank, world):
+    """diloco (inner SGD, H=1, outer lr 1, no momentum) and ddp with the same SGD."""
+    m_ddp, ddp = build("ddp", sgd)
+    train(ddp, rank, 10)
+    m_dl, dl = build("diloco", sgd, total_steps=10, **EXACT)
+    train(dl, rank, 10)
+    ddp.close(), dl.close()
+    return flat_params(m_ddp), flat_params(m_dl)
+
+
+def _lossless(rank, world):
+    """--outer-compress with nothing dropped: the parameters, and the largest residual left."""
+    model, run = build("diloco", adamw, total_steps=10, sync_every=4, outer_compress=LOSSLESS)
+    train(run, rank, 10)
+    left = float(run.strategy.sync.wire.ef.residuals["fragment0"].abs().max())
+    run.close()
+    return flat_params(model), left
+
+
+def _error_feedback(rank, world):
+    """Each compression of the outer gradient: (Δ, residual before, sent, residual after, decoded)."""
+    _, run = build("diloco", adamw, total_steps=6, sync_every=2, outer_compress="topk:0.02,bits:2",
+                   outer_ef_decay=0.9)
+    wire, seen = run.strategy.sync.wire, []
+    real = wire.ef.compress
+
+    def recording(key, x):
+        old = wire.ef.residuals.get(key, torch.zeros_like(x)).clone()
+        payload, sent = real(key, x)
+        seen.append((x.clone(), old, sent.clone(), wire.ef.residuals[key].clone(),
+                     wire.compressor.decompress(payload)))
+        return payload, sent
+    wire.ef.compress = recording
+    train(run, rank, 6)
+    run.close()
+    return seen
+
+
+def _inner_state(rank, world):
+    """Around each step that syncs: did the inner AdamW state change, how many bytes went out."""
+    _, run = build("diloco", adamw, total_steps=6, sync_every=3)
+    s, seen = run.strategy, []
+    real = s._end_of_slot
+
+    def watched(ctx):
+        before = {k: v.clone() for k, v in s.inner.state[s.params[0]].items()}
+        sent, syncs = s.comm.snapshot().wire_bytes, s.sync.syncs
+        real(ctx)
+        if s.sync.syncs > syncs:
+            after = s.inner.state[s.params[0]]
+            seen.append((all(torch.equal(before[k], after[k]) for k in before), s.comm.snapshot().wire_bytes - sent))
+    s._end_of_slot = watched
+    train(run, rank, 6)
+    state_numel = sum(v.numel() for st in s.inner.state.values() for v in st.values() if v.dim() > 0)
+    run.close()
+    return seen, state_numel
+
+
+def _closed_mid_period(rank, world):
+    """H=4, 6 steps: a run closed without knowing its length, and one told total_steps=6."""
+    out = []
+    for total in (None, 6):
+        model, run = build("diloco", adamw, total_steps=total, sync_every=4)
+        train(run, rank, 6)
+        run.close()
+        out.append((flat_params(model), torch.cat([g.detach() for g in run.strategy.sync.globals])))
+    return out
+
+
+def _bytes(rank, world):
+    return count_bytes(rank, "diloco", BYTE_CASES)
+
+
+LOCAL_SGD_RUNS = {"diloco_h1": (_h1_and_ddp, (2,)), "diloco_h4": (diloco_h4, (2,)),
+                  "diloco_lossless": (_lossless, (2,)), "diloco_ef": (_error_feedback, (2,)),
+                  "diloco_inner_state": (_inner_state, (2,)), "diloco_closed": (_closed_mid_period, (2,)),
+                  "diloco_bytes": (_bytes, (2, 3))}
+
+
+def test_h1_with_sgd_equals_ddp(local_sgd_runs):
+    ranks = local_sgd_runs(2)
+    for r in ranks:
+        ddp, dl = r["diloco_h1"]
+        assert rel_err(dl, ddp) <= 1e-6, f"diloco H=1 vs ddp: {rel_err(dl, ddp):.2e}"
+    assert torch.equal(ranks[0]["diloco_h1"][1], ranks[1]["diloco_h1"][1])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_counted_bytes_equal_plan(local_sgd_runs, world):
+    check_counted_bytes(local_sgd_runs(world), "diloco", BYTE_CASES, "diloco_bytes")
+
+
+def test_outer_compress_without_loss_equals_the_fp32_all_reduce(local_sgd_runs):
+    for r in local_sgd_runs(2):
+        params, left = r["diloco_lossless"]
+        assert torch.equal(params, r["diloco_h4"]), "k = chunk at 32 bits differs from the fp32 all-reduce"
+        assert left == 0.0
+
+
+def test_outer_error_feedback_keeps_what_was_not_sent(local_sgd_runs):
+    for r in local_sgd_runs(2):
+        assert len(r["diloco_ef"]) == 3  # H=2, 6 steps
+        for x, old, sent, new, decoded in r["diloco_ef"]:
+            assert torch.equal(sent, decoded)  # what is subtracted is what the peers decode
+            assert torch.equal(new, (x + 0.9 * old) - sent)
+            assert float(sent.abs().max()) > 0 and float(new.abs().max()) > 0
+            kept = int((sent != 0).sum())
+            assert 0 < kept <= math.ceil(x.numel() / 256) * 5  # top-5 of every 256 (0.02)
+        assert float(r["diloco_ef"][0][1].abs().max()) == 0.0 and float(r["diloco_ef"][1][1].abs().max()) > 0
+
+
+def test_inner_state_is_local_and_survives_sync(local_sgd_runs):
+    params = make_model().num_params()
+    for r in local_sgd_runs(2):
+        seen, state_numel = r["diloco_inner_state"]
+        assert len(seen) == 2  # H=3, 6 steps
+        assert all(unchanged for unchanged, _ in seen), "a sync changed the inner optimizer state"
+        # one sync sends exactly the fp32 pseudo-gradient's ring all-reduce: 2(W-1)/W * 4P at W=2
+        assert all(sent == 4 * params for _, sent in seen), (seen, params)
+        assert state_numel == 2 * params  # AdamW's exp_avg and exp_avg_sq: 2P, not sent
+
+
+def test_close_mid_period_ends_on_the_global_parameters(local_sgd_runs):
+    """close() without total_steps syncs once more: every rank ends on θ_global, exactly as a
+    run that knew its length and synced at its last step."""
+    ranks = local_sgd_runs(2)
+    for r in ranks:
+        (closed, closed_global), (told, told_global) = r["diloco_closed"]
+        assert torch.equal(closed, closed_global) and torch.equal(told, told_global)
+        assert torch.equal(closed, told)
+    assert torch.equal(ranks[0]["diloco_closed"][0][0], ranks[1]["diloco_closed"][0][0])
+
+
+def test_outer_quantizer_round_trip():
+    """The outer gradient goes through lowcomm.compress: bytes as the plan counts them,
+    error within half a quantization step."""
+    torch.manual_seed(0)
+    for bits in (8, 4):
+        q = outer_quantizer(bits)
+        for n in (1, 63, 64, 65, 1001):
+            t = torch.randn(n)
+            buf = q.to_bytes(q.compress(t))
+            assert buf.numel() == q.nbytes(n) == -(-n * bits // 8) + 4 * -(-n // OUTER_BLOCK)
+            back = q.decompress(q.from_bytes(buf, n))
+            blocks = -(-n // OUTER_BLOCK)
+            padded = torch.zeros(blocks * OUTER_BLOCK)
+            padded[:n] = t
+            step = padded.view(blocks, OUTER_BLOCK).abs().amax(1) / (2 ** (bits - 1) - 1)
+            assert ((back - t).abs() <= step.repeat_interleave(OUTER_BLOCK)[:n] / 2 + 1e-6).all()
+
+
+# -- --sync-by time with a 2x slower worker (through the CLI; timing, so slow-marked) ----------
+
+def _slow_run(tmp_path, sync_by, text):
+    out = tmp_path / sync_by
+    rc = main(["train", "--strategy", "diloco", "--workers", "2", "--steps", "64", "--sync-every", "16",
+               "--sync-by", sync_by, "--slowdown", "1,2", "--log-every", "16", "--eval-every", "0",
+               "--eval-batches", "1", "--model", "tiny", "--micro-batch", "8", "--seq-len", "64",
+               "--data", str(text), "--out", str(out), "--quiet"])
+    assert rc == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_sync_by_time_keeps_the_fast_worker_busy(tmp_path):
+    """Measured on the shared 2-core machine at load 7-10: fast/slow inner steps 64/18 and 64/15
+    (the slow rank's real cost per inner step was 3.3x and 4.0x the fast one's there, not 2x:
+    with both ranks busy the slow one's compute, which the slowdown doubles, is itself inflated
+    by contention); fast rank exposed 5.0 % and 8.0 % of the wall time; with fixed H 46-57 %.
+    So the test checks fast/slow against the measured cost ratio (and >= 1.6), not against 2."""
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession "
+                    "of a good fortune, must be in want of a wife.\n" * 400)
+    fixed = _slow_run(tmp_path, "steps", text)
+    timed = _slow_run(tmp_path, "time", text)
+    fast, slow = timed["micro_batches_per_rank"]
+    cost = [c / max(n, 1) for c, n in zip(timed["compute_s_per_rank"], timed["micro_batches_per_rank"])]
+    speed_ratio = cost[1] / cost[0]  # how much slower rank 1 really was per inner step
+    exposed_t, exposed_f = (s["exposed_comm_fraction_per_rank"][0] for s in (timed, fixed))
+    figures = (f"time: fast/slow inner steps {fast}/{slow} = {fast / slow:.2f} (real cost ratio "
+               f"{speed_ratio:.2f}), fast rank exposed {exposed_t:.1%}, idle "
+               f"{1 - timed['compute_s_per_rank'][0] / timed['wall_s']:.1%}; fixed H: fast exposed "
+               f"{exposed_f:.1%}, idle {1 - fixed['compute_s_per_rank'][0] / fixed['wall_s']:.1%}")
+    print(figures)
+    assert fast == 64 and fast / slow >= 1.6, figures
+    assert 0.7 <= (fast / slow) / speed_ratio <= 1.4, figures
+    assert exposed_t < 0.10, figures
+    assert 0.3 <= exposed_f <= 0.7, figures
+    assert fixed["micro_batches_per_rank"] == [64, 64]
+
+
+# -- convergence on the bundled corpus (slow) --------------------------------------------------
+
+# The shared corpus recipe of tests/conftest.py: W=2, a 2-layer width-64 GPT, 300 steps, lr 1e-3,
+# at the defaults (H=32: nine outer steps). Measured, seeds 0 / 1: 2.838 / 2.663 (ddp: 2.629 /
+# 2.618). 3.3 is about the unigram byte model's 3.28: passing needs the model to use context.
+CONVERGE_THRESHOLD = 3.3
+
+
+@pytest.mark.slow
+def test_converges_on_the_corpus(corpus_run):
+    s, _ = corpus_run("diloco", eval_every=0)
+    assert s["final_val_loss"] < CONVERGE_THRESHOLD, (
+        f"diloco: validation loss {s['final_val_loss']:.3f} (ln 256 = {math.log(256):.3f})")

@@ -1,0 +1,78 @@
+"""SparseLoCo: the paper's defaults on DiLoCo's code, bytes = plan, resuming with its
+error-feedback residuals, learning on a sliver of ddp's bytes (slow)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lowcomm.models.layout import ModelLayout
+from lowcomm.strategies import get
+
+from dist_utils import flat_params
+from local_sgd import adamw, build, check_counted_bytes, count_bytes, train
+
+BYTE_CASES = [(dict(sync_every=3), 5)]  # (options, steps)
+
+
+def _resume(rank, world):
+    """Saved after step 3 (a sync at step 2): the residuals then, after 8 steps straight, and
+    after 8 steps resumed; whether the parameters agree."""
+    m1, s1 = build("sparseloco", adamw, total_steps=8, sync_every=2)
+    train(s1, rank, 3)
+    state = copy.deepcopy(s1.state_dict())
+    m2, s2 = build("sparseloco", adamw, total_steps=8, sync_every=2)
+    s2.load_state_dict(state)
+    train(s1, rank, 5), train(s2, rank, 5)
+    out = (state["extra"]["outer_residuals"], s1.state_dict()["extra"]["outer_residuals"],
+           s2.state_dict()["extra"]["outer_residuals"], torch.equal(flat_params(m1), flat_params(m2)))
+    s1.close(), s2.close()
+    return out
+
+
+def _bytes(rank, world):
+    return count_bytes(rank, "sparseloco", BYTE_CASES)
+
+
+LOCAL_SGD_RUNS = {"sparseloco_resume": (_resume, (2,)), "sparseloco_bytes": (_bytes, (2, 3))}
+
+
+def test_the_papers_defaults_on_diloco():
+    o = get("sparseloco").Options().validate("sparseloco")
+    assert (o.sync_every, o.outer_lr, o.outer_momentum, o.outer_ef_decay) == (15, 1.0, 0.0, 0.95)
+    c = o.wire().compressor()
+    assert (c.chunk, c.k, c.values.bits, c.values.scheme) == (4096, 64, 2, "stat")
+    # per 4096 values: 64 int16 indices, 64 2-bit codes; one mean + 4-entry table per fragment
+    assert c.nbytes(3 * 4096) == 3 * (64 * 2 + 16) + 5 * 4
+    plan = get("sparseloco").comm_plan(ModelLayout(((3 * 4096,),)), 4, o)
+    assert [(op.collective, op.nbytes, op.every) for op in plan] == [("all_gather", 4 * (3 * 144 + 20 + 16), 15)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_counted_bytes_equal_plan(local_sgd_runs, world):
+    check_counted_bytes(local_sgd_runs(world), "sparseloco", BYTE_CASES, "sparseloco_bytes")
+
+
+def test_resumes_with_its_residuals(local_sgd_runs):
+    for r in local_sgd_runs(2):
+        saved, straight, resumed, same_params = r["sparseloco_resume"]
+        assert set(saved) == {"fragment0"} and float(saved["fragment0"].abs().max()) > 0
+        assert torch.equal(straight["fragment0"], resumed["fragment0"])
+        assert same_params
+
+
+@pytest.mark.slow
+def test_learns_on_a_sliver_of_ddps_bytes(corpus_run):
+    """Measured (the shared recipe, 300 steps, lr 1e-3), seeds 0 / 1: sparseloco 2.913 / 2.922
+    against ddp's 2.629 / 2.618, sending 174,240 bytes against ddp's 286,617,600 (1645x fewer).
+    The bench target is >= 500x fewer bytes within 5 % of ddp's loss at W=4 (bench/compress.py,
+    300 steps: 822x at +0.4 % with lr 2e-3, +8.4 % with lr 1e-3); here the check is that it
+    learns (below the unigram level, 3.3) on >= 500x fewer bytes."""
+    ddp, _ = corpus_run("ddp")
+    s, _ = corpus_run("sparseloco")
+    ratio = ddp["wire_bytes_total"] / s["wire_bytes_total"]
+    figures = f"sparseloco {s['final_val_loss']:.3f} vs ddp {ddp['final_val_loss']:.3f}; {ratio:.0f}x fewer bytes"
+    print(figures)
+    assert s["final_val_loss"] < 3.3, figures
+    assert ratio >= 500, figures
