@@ -175,10 +175,9 @@ class OuterSync:
 
     def bytes_per_sync(self) -> list[int]:
         """Wire bytes one rank sends for each fragment's sync."""
-        W = self.comm.world
-        return [sum(op.wire_bytes(W) for op in self.wire.fmt.plan(sum(p.numel() for p in ps), W, self.every, 0, f,
-                                                                     self.wire.fednova))
-                for f, ps in self.fragments]
+        W, fmt, fednova = self.comm.world, self.wire.fmt, self.wire.fednova
+        plans = [fmt.plan(g.numel(), W, self.every, 0, f, fednova) for (f, _), g in zip(self.fragments, self.globals)]
+        return [sum(op.wire_bytes(W) for op in plan) for plan in plans]
 
     def report(self, steps: int) -> dict:
         per_step = self.wire.compress_s / max(steps, 1)
