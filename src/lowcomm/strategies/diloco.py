@@ -175,6 +175,3 @@ class DiLoCo(Strategy):
         return {**self.sync.report(self.steps_done), "inner_steps_rank0": self.inner_steps,
                 "inner_steps_per_step_rank0": self.inner_steps / max(self.steps_done, 1),
                 **{k: getattr(self.options, k) for k in ("sync_every", "sync_by", "outer_precision", "outer_compress")}}
-
-
-OuterSync = DiLoCo  # the family's base by its former name (tests/test_checkpoint.py tells the family by it)
