@@ -1,8 +1,9 @@
 """`lowcomm bench`, `lowcomm report` and `lowcomm plan`: their flags and their glue.
 
-bench and plan take `lowcomm train`'s own flags (argparse parents=[train]), read by
-cli.config_from_args like train's, so a model, link, slowdown or strategy option is
-written the same way everywhere and nothing is declared twice. A strategy option
+bench and plan declare the run flags they use from flags.py (bench: all of train's but
+--strategy and --resume; plan: those the planner reads), read by flags.config_from_args
+as train's are, so a model, link, slowdown or strategy option is written the same way
+everywhere, and each subcommand's --help lists only what it accepts. A strategy option
 reaches the strategies that declare it.
 """
 from __future__ import annotations
@@ -13,52 +14,99 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from . import config as C
 from .errors import UsageError
+from .flags import RUN_FLAGS, add_link_flag, add_run_flags, add_strategy_options, config_from_args, given
 from .values import convert, parse_count
 
+# Train flags that only train takes: bench and plan declare them hidden, so that giving one is
+# refused with a hint (cli._Parser.error) instead of reading as an unknown flag.
+TRAIN_ONLY = {"--strategy": "use --strategies A,B,...", "--resume": "resume each run with lowcomm train --resume"}
 
-def add_subcommands(sub, train: argparse.ArgumentParser) -> None:
-    bench = sub.add_parser(
-        "bench", parents=[train], add_help=False, help="run several strategies side by side and report",
-        description="Train each strategy on the same model, data order, seed, workers, link and slowdowns "
-                    "(any `lowcomm train` flag applies to every run; a strategy option to the strategies that "
-                    "have it), then write OUT/report.md, plots and the runs. Without --link: "
-                    "--link 100mbit,10ms.")
-    bench.add_argument("--strategies", metavar="A,B,...", help="strategies to compare (default: ddp,zero1,acco,"
-                       "diloco,demo, those registered)")
-    bench.add_argument("--tokens", metavar="N", help="training tokens per strategy, e.g. 2M (steps follow from "
-                       "each strategy's tokens per step; default 300k unless --steps is given)")
-    bench.add_argument("--target-loss", metavar="X", help="validation loss for the time/bytes-to-target columns "
-                       "(default: the worst strategy's final loss)")
 
-    report = sub.add_parser("report", help="compare existing runs (report.md and plots)",
-                            description="Build the bench report from run dirs (lowcomm train --out) or bench dirs.")
+def _hidden(parser: argparse.ArgumentParser, names) -> None:
+    for name in names:
+        parser.add_argument(name, help=argparse.SUPPRESS)
+
+
+def _target_loss_flag(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--target-loss", metavar="LOSS", help=f"validation loss (nats per token) for the "
+                        f"time/bytes-to-target columns (default: {default})")
+
+
+def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
+    from .bench import DEFAULT_LINK, DEFAULT_STRATEGIES, DEFAULT_TOKENS
+
+    bench.add_argument("--strategies", metavar="A,B,...", help=f"strategies to compare (default: "
+                       f"{','.join(DEFAULT_STRATEGIES)}, those registered)")
+    bench.add_argument("--tokens", metavar="N", help=f"training tokens per strategy, e.g. 2M (k, M, B; steps "
+                       f"follow from each strategy's tokens per step; adaptive ones such as acco train more) "
+                       f"(default: {DEFAULT_TOKENS:,}, unless --steps is given)")
+    _target_loss_flag(bench, "the worst strategy's final loss")
+    bench.add_argument("--config", metavar="FILE", help="TOML file of settings for every run; flags override it "
+                       "(default: none)")
+    add_run_flags(bench, [f for f in RUN_FLAGS if f != "--strategy"], helps={
+        "--out": "bench directory: one run per strategy, report.md, plots (default: runs/bench-<time>)",
+        "--steps": "trainer steps per strategy, instead of --tokens (default: from --tokens)",
+        "--eval-every": "validate every K trainer steps (default: an eighth of each run)"})
+    add_link_flag(bench, default=DEFAULT_LINK)
+    bench.add_argument("--overwrite", action="store_true", help="replace a bench already in --out (default: off)")
+    bench.add_argument("--quiet", action="store_true", help="no progress output (default: off)")
+    add_strategy_options(bench)
+    _hidden(bench, TRAIN_ONLY)
+
+
+def add_report_arguments(report: argparse.ArgumentParser) -> None:
     report.add_argument("dirs", nargs="+", metavar="RUNDIR", help="run or bench directories")
     report.add_argument("--out", metavar="DIR", help="where to write report.md and the plots (default: the bench "
                         "dir when given one bench, else ./report)")
-    report.add_argument("--target-loss", metavar="X", help="validation loss for the to-target columns")
+    _target_loss_flag(report, "the worst run's final loss")
 
-    plan = sub.add_parser(
-        "plan", parents=[train], add_help=False, help="predict step time, traffic and memory of every strategy",
-        description="An analytic model of every strategy on a cluster: compute 6*N*tokens/FLOP/s (or measured "
-                    "with --calibrate), each strategy's communication plan priced by the link emulator's formulas, "
-                    "what it overlaps as it declares. Takes train's --workers, --link, --slowdown, --accum, model "
-                    "and strategy-option flags; --steps averages over a run of that many steps instead of the "
-                    "steady state.")
+
+# train flags the planner reads
+PLAN_FLAGS = ["--workers", "--accum", "--micro-batch", "--steps", "--slowdown", "--model", "--n-layer",
+              "--n-head", "--d-model", "--seq-len"]
+
+
+def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--params", metavar="N", help="model parameters, e.g. 1.3e9 or 350M (default: the --model's)")
-    plan.add_argument("--worker-tflops", metavar="X", help="sustained TFLOP/s of one worker")
+    plan.add_argument("--worker-tflops", metavar="TFLOPS", help="sustained TFLOP/s of one worker (default: "
+                      "measured, with --calibrate)")
     plan.add_argument("--tokens-per-step", metavar="N", help="tokens per step, all workers, e.g. 4M "
                       "(default: workers * accum * micro-batch * seq-len)")
     plan.add_argument("--strategies", metavar="A,B,...", help="strategies to plan (default: every registered one)")
     plan.add_argument("--calibrate", metavar="BENCHDIR", help="take each strategy's compute speed and loss per "
-                      "token from a `lowcomm bench` dir; rank by predicted time to the target loss")
-    plan.add_argument("--target-loss", metavar="X", help="with --calibrate: the loss to reach (default: the "
-                      "bench's worst final loss)")
-    plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
+                      "token from a `lowcomm bench` dir; rank by predicted time to the target loss (default: none)")
+    _target_loss_flag(plan, "with --calibrate, the bench's worst final loss")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of the table (default: off)")
+    plan.add_argument("--config", metavar="FILE", help="TOML file of settings; flags override it (default: none; "
+                      "the bench's with --calibrate)")
+    add_run_flags(plan, PLAN_FLAGS, helps={
+        "--steps": "average over a run of this many trainer steps (warm-up, first syncs) instead of the steady "
+                   "state (default: the steady state)"})
+    add_link_flag(plan)
+    add_strategy_options(plan)
+    _hidden(plan, TRAIN_ONLY)
+
+
+SUBCOMMANDS = {  # name -> (one line for `lowcomm --help`, description, what declares its arguments)
+    "bench": ("run several strategies side by side and report which to pick",
+              "Train each strategy on the same model, data order, seed, workers, link and slowdowns (a train flag "
+              "applies to every run; a strategy option to the strategies that have it), then write OUT/report.md "
+              "(which run reached the target first, with fewest bytes, and which to pick), plots and the runs.",
+              add_bench_arguments),
+    "report": ("compare existing runs (report.md and plots)",
+               "Build the bench report from run dirs (lowcomm train --out) or bench dirs.", add_report_arguments),
+    "plan": ("predict step time, traffic and memory of every strategy on a cluster",
+             "An analytic model of every strategy on a cluster: compute 6*N*tokens/FLOP/s (or measured with "
+             "--calibrate), each strategy's communication plan priced by the link emulator's formulas, what it "
+             "overlaps as it declares.", add_plan_arguments),
+}
 
 
 def run_subcommand(args: argparse.Namespace) -> int:
+    for flag, hint in TRAIN_ONLY.items():
+        if getattr(args, flag[2:], None) is not None:
+            raise UsageError(f"{flag} does not apply to lowcomm {args.command} ({hint})")
     return {"bench": _bench, "report": _report, "plan": _plan}[args.command](args)
 
 
@@ -71,28 +119,20 @@ def _target(args) -> float | None:
     return value
 
 
-def _refuse_single_strategy(args, command: str) -> None:
-    if args.strategy is not None:
-        raise UsageError(f"lowcomm {command} takes --strategies A,B,... (not --strategy)")
-    if getattr(args, "resume", None):
-        raise UsageError(f"--resume does not apply to lowcomm {command}")
-
-
 # -- bench ---------------------------------------------------------------------
 
 def _bench(args) -> int:
+    from . import config as C
     from .bench import DEFAULT_LINK, DEFAULT_TOKENS, parse_strategies, run_bench
-    from .cli import config_from_args
 
-    _refuse_single_strategy(args, "bench")
     cfg = config_from_args(args)
     if args.link is None and cfg.link.bandwidth is None and not args.config:
         C.set_link(cfg, DEFAULT_LINK)
     tokens = parse_count(args.tokens, "--tokens") if args.tokens is not None else None
-    if tokens is None and args.steps is None:
+    if tokens is None and not given(args, "--steps"):
         tokens = DEFAULT_TOKENS
     return run_bench(cfg, parse_strategies(args.strategies), tokens, _target(args),
-                     eval_every_given=args.eval_every is not None, overwrite=args.overwrite, quiet=args.quiet)
+                     eval_every_given=given(args, "--eval-every"), overwrite=args.overwrite, quiet=args.quiet)
 
 
 # -- report --------------------------------------------------------------------
@@ -115,27 +155,15 @@ def _report(args) -> int:
 
 # -- plan ----------------------------------------------------------------------
 
-# train flags the planner reads; any other train flag given to `plan` is refused
-PLAN_KEYS = {"workers", "accum", "micro_batch", "steps", "slowdown", "model.preset", "model.n_layer",
-             "model.n_head", "model.d_model", "model.seq_len"}
-
-
 def _plan(args) -> int:
+    from . import config as C
     from . import planner
     from .bench import for_strategy
-    from .cli import TRAIN_FLAGS, TRAIN_SWITCHES, config_from_args
     from .report.runs import load_bench, reach
     from .report.table import default_target
     from .strategies import available
     from .strategies import get as get_strategy
 
-    _refuse_single_strategy(args, "plan")
-    for flag, (key, _) in {**TRAIN_FLAGS, **TRAIN_SWITCHES}.items():
-        if key not in PLAN_KEYS and getattr(args, key.replace(".", "__"), None) is not None:
-            raise UsageError(f"{flag} does not apply to lowcomm plan")
-    for flag in ("overwrite", "quiet"):
-        if getattr(args, flag, False):
-            raise UsageError(f"--{flag} does not apply to lowcomm plan")
     bench = load_bench(args.calibrate) if args.calibrate else None
     runs = {e.summary["strategy"]: e for e in bench.entries if hasattr(e, "summary")} if bench else {}
     if bench is not None and not runs:
@@ -148,7 +176,7 @@ def _plan(args) -> int:
     for name in ("accum", "micro_batch", "steps"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"{name} must be at least 1, got {getattr(cfg, name)}")
-    if bench is not None and args.slowdown is None and len(cfg.slowdown) != cfg.workers:
+    if bench is not None and not given(args, "--slowdown") and len(cfg.slowdown) != cfg.workers:
         cfg.slowdown = ()  # the bench's slowdowns do not fit the planned --workers: plan equal workers
     if cfg.slowdown and len(cfg.slowdown) != cfg.workers:
         raise UsageError(f"slowdown has {len(cfg.slowdown)} factor(s) but there are {cfg.workers} workers")
@@ -164,8 +192,8 @@ def _plan(args) -> int:
     if unused:
         raise UsageError(f"{unused[0]} applies to none of the strategies planned ({', '.join(names)})")
 
-    given = {k for k in planner.MODEL_KEYS if getattr(args, "model__" + k) is not None}
-    asked = planner.size_model(cfg, args.params, given) if args.params is not None else None
+    model_flags = {k for k in planner.MODEL_KEYS if getattr(args, "model__" + k) is not None}
+    asked = planner.size_model(cfg, args.params, model_flags) if args.params is not None else None
     layout = planner.model_layout(cfg)
     params, dims = layout.numel, planner.model_dims(cfg, layout, asked)
     tokens = parse_count(args.tokens_per_step, "--tokens-per-step") if args.tokens_per_step else cfg.tokens_per_step
@@ -188,7 +216,7 @@ def _plan(args) -> int:
     for name in names:
         run = runs.get(name)
         scale = params / run.summary["params"] if run is not None else 1.0
-        p = planner.predict(name, cluster, options[name], steps=cfg.steps if args.steps else None,
+        p = planner.predict(name, cluster, options[name], steps=cfg.steps if given(args, "--steps") else None,
                             seconds_per_token=per_token if per_token is not None else measured.get(name, fallback),
                             overhead_s=run.overhead_s() * scale if run is not None else 0.0)
         if run is not None and target is not None:
@@ -201,7 +229,7 @@ def _plan(args) -> int:
     if args.json:
         print(json.dumps({"cluster": {"params": params, "workers": cfg.workers, "tokens_per_step": tokens,
                                       "link": C.to_dict(cfg)["link"], "slowdown": list(cfg.slowdown),
-                                      "accum": cfg.accum, "steps": cfg.steps if args.steps else None,
+                                      "accum": cfg.accum, "steps": cfg.steps if given(args, "--steps") else None,
                                       "model": dims},
                           "target_loss": target, "ranked": [asdict(p) for p in ranked],
                           "recommendation": why}, indent=2))
@@ -213,6 +241,7 @@ def _plan(args) -> int:
 
 
 def _plan_table(ranked, cluster, cfg, target) -> str:
+    from . import config as C
     from .planner import format_seconds as _s
     link = C.to_dict(cfg)["link"]
     head = (f"{cluster.params / 1e6:,.1f}M params on {cluster.workers} workers, {cluster.tokens_per_step:,} tokens "
