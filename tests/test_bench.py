@@ -51,7 +51,7 @@ def bench(tmp_path_factory):
         code = main(["bench", "--strategies", f"ddp,{BROKEN},zero1", "--tokens", "2560", *TINY, "--out", str(out)])
     finally:
         unregister(BROKEN)
-    assert code == 0
+    assert code == 1  # a run failed: the exit status says so, after everything else was written
     return out
 
 
@@ -68,6 +68,8 @@ def test_bench_writes_runs_report_and_plots(bench):
     meta = json.loads((bench / "bench.json").read_text())
     assert [(r["label"], r["status"]) for r in meta["runs"]] == [("ddp", "ok"), (BROKEN, "failed"), ("zero1", "ok")]
     assert "deliberately broken strategy" in meta["runs"][1]["error"]
+    answer = (bench / "report.md").read_text().split("\n\n")[1]
+    assert answer.startswith("**Answer.**") and f"Failed, so left out: {BROKEN}" in answer
     for name in ("ddp", "zero1"):
         s = summary(bench / name)
         assert s["strategy"] == name and s["steps"] == 2560 // (2 * 4 * 32) and s["tokens"] == 2560
@@ -86,7 +88,7 @@ def test_table_numbers_are_the_runs_numbers(bench):
     target = max(finals.values())
     for name in ("ddp", "zero1"):
         s = summary(bench / name)
-        expect = {"final val loss": s["final_val_loss"], "tokens/s": s["tokens_per_s"],
+        expect = {"final val loss": s["final_val_loss"], "tokens/s": s["tokens_per_s"], "tokens trained": s["tokens"],
                   "wire MB/step/rank": s["wire_bytes_per_rank_per_step"] / 1e6,
                   "exposed comm %": 100 * s["exposed_comm_fraction"],
                   "optimizer state MB/rank": s["optimizer_state_bytes_per_rank"] / 1e6,
@@ -96,7 +98,9 @@ def test_table_numbers_are_the_runs_numbers(bench):
                 assert cell == fmt.format(expect[header]), (name, header)
         steps = [json.loads(line) for line in (bench / name / "steps.jsonl").read_text().splitlines()]
         if finals[name] == target:  # the worst run reaches the target at its last step: all of its time and bytes
-            t, mb = rows[name][1], rows[name][2]
+            headers = [h for _, h, _ in COLUMNS]
+            t = rows[name][headers.index("time to target (s)")]
+            mb = rows[name][headers.index("MB sent to target (all ranks)")]
             assert t == f"{sum(r['wall_s'] for r in steps):.1f}"
             assert mb == f"{sum(r['wire_bytes'] for r in steps) / 1e6:.2f}"
     report = json.loads((bench / "report.json").read_text())

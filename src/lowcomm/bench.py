@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,11 @@ def run_bench(base: C.RunConfig, strategies: list[str], tokens: int | None, targ
                             preamble=describe(meta, planned)) if meta["runs"] else []
     print((out / "report.md").read_text().split("\n\n![")[0], flush=True)
     print(f"\nbench: report, plots and runs in {out}/", flush=True)
-    return 0 if any(r["status"] == "ok" for r in rows) else 1
+    failed = [r["label"] for r in rows if r["status"] != "ok"]
+    if failed:  # a script or CI job that runs the bench must see it, not only a reader of the table
+        print(f"error: {len(failed)} of {len(rows)} runs failed ({', '.join(failed)}); the report shows the others",
+              file=sys.stderr, flush=True)
+    return 1 if failed or not rows else 0
 
 
 def _run_all(planned: list[Planned], meta: dict, out: Path, quiet: bool) -> None:
@@ -131,7 +136,7 @@ def describe(meta: dict, planned: list[Planned]) -> str:
             f"(seq {cfg.model.seq_len}, micro-batch {cfg.micro_batch}, accum {cfg.accum}), seed {cfg.seed}, "
             f"data {cfg.data.source}, link {link['bandwidth'] + ',' + link['latency'] if link['bandwidth'] else 'none'}"
             f", slowdown {','.join(f'{f:g}' for f in cfg.slowdown) or 'none'}"
-            + (f", {meta['tokens']:,} tokens each" if meta["tokens"] else "") + ".")
+            + (f", {meta['tokens']:,} tokens planned per strategy" if meta["tokens"] else "") + ".")
 
 
 def _one_line(e: Exception) -> str:

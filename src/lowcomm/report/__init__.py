@@ -4,8 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..metrics.runlog import write_json_atomic
+from .answer import answer
 from .plots import PLOTS, write_plots
 from .runs import Failed, Run, load_bench, load_entries, load_run
+from .setup import describe, not_comparable
 from .table import default_target, markdown, row
 
 __all__ = ["PLOTS", "Failed", "Run", "load_bench", "load_entries", "load_run", "write_report"]
@@ -13,14 +15,18 @@ __all__ = ["PLOTS", "Failed", "Run", "load_bench", "load_entries", "load_run", "
 
 def write_report(entries: list, out: Path, target_loss: float | None = None, title: str = "lowcomm report",
                  preamble: str = "") -> list[dict]:
-    """Write report.md, report.json and the plots for `entries` (Run or Failed) into `out`."""
+    """Write report.md (the answer, the table, the plots), report.json and the plots for
+    `entries` (Run or Failed) into `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    target = target_loss if target_loss is not None else default_target(entries)
-    rows = [row(e, target) for e in entries]
     runs = [e for e in entries if isinstance(e, Run)]
-    plots = write_plots(runs, out, target) if runs else []
-    text = f"# {title}\n\n" + (preamble + "\n\n" if preamble else "") + markdown(rows, target)
-    text += "".join(f"\n![{p.stem}]({p.name})\n" for p in plots)
+    apart = not_comparable(runs)
+    comparable = [r for r in runs if r.label not in apart]
+    target = target_loss if target_loss is not None else default_target(comparable)
+    rows = [row(e, target, apart.get(e.label)) for e in entries]
+    setting = describe(comparable[0]) if comparable else ""
+    plots = write_plots(runs, out, target, setting if not apart else "runs of different setups") if runs else []
+    text = (f"# {title}\n\n" + answer(rows, target, setting) + "\n\n" + (preamble + "\n\n" if preamble else "")
+            + markdown(rows, target) + "".join(f"\n![{p.stem}]({p.name})\n" for p in plots))
     (out / "report.md").write_text(text)
-    write_json_atomic(out / "report.json", {"target_loss": target, "rows": rows})
+    write_json_atomic(out / "report.json", {"target_loss": target, "setting": setting, "rows": rows})
     return rows

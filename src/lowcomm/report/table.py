@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 
 from .runs import Failed, Run, reach
+from .setup import setup_of
 
 # (key, header, format): the Markdown shows each number in this format; report.json has it unrounded.
 COLUMNS = [
     ("final_val_loss", "final val loss", "{:.4f}"),
+    ("tokens", "tokens trained", "{:,}"),
     ("time_to_target_s", "time to target (s)", "{:.1f}"),
     ("mb_to_target", "MB sent to target (all ranks)", "{:.2f}"),
     ("tokens_per_s", "tokens/s", "{:.0f}"),
@@ -26,7 +28,8 @@ def default_target(entries: list) -> float | None:
     return max(finals) if finals else None
 
 
-def row(entry, target: float | None) -> dict:
+def row(entry, target: float | None, apart: list[str] | None = None) -> dict:
+    """One table row; `apart`: how the run differs from the others (setup.not_comparable), if it does."""
     if isinstance(entry, Failed):
         return {"label": entry.label, "status": "failed", "error": entry.error}
     s, curve = entry.summary, entry.curve
@@ -34,7 +37,8 @@ def row(entry, target: float | None) -> dict:
     to_bytes = reach(curve, target, "wire_bytes") if target is not None else None
     return {
         "label": entry.label, "status": "ok", "strategy": s["strategy"], "path": str(entry.path),
-        "workers": s["workers"], "steps": s["steps"], "tokens": s["tokens"], "wall_s": s["wall_s"],
+        "workers": s["workers"], "steps": s["steps"], "tokens": s["tokens"], "tokens_planned": setup_of(entry).tokens,
+        "comparable": not apart, "not_comparable": apart or [], "wall_s": s["wall_s"],
         "final_val_loss": s["final_val_loss"],
         "time_to_target_s": to_time,
         "mb_to_target": to_bytes / 1e6 if to_bytes is not None else None,
@@ -55,8 +59,12 @@ def markdown(rows: list[dict], target: float | None) -> str:
             lines.append(f"| {r['label']} | failed: {error} |" + " |" * (len(COLUMNS) - 1))
             continue
         cells = [fmt.format(r[k]) if r[k] is not None else "not reached" for k, _, fmt in COLUMNS]
-        lines.append("| " + " | ".join([r["label"]] + cells) + " |")
+        lines.append("| " + " | ".join([r["label"] + ("" if r["comparable"] else " †")] + cells) + " |")
     note = (f"Target loss {target:.4f}" if target is not None else "No run finished, so no target loss") + \
         (": time and bytes when the validation loss first reached it (interpolated between validation "
          "points; time = summed step wall time, evaluation excluded)." if target is not None else ".")
+    apart = [f"{r['label']}: {'; '.join(r['not_comparable'])}" for r in rows if not r.get("comparable", True)]
+    if apart:
+        note += "\n\n† Not comparable with the other runs (different model, data, tokens or workers): " + \
+            ". ".join(apart) + "."
     return "\n".join(lines) + "\n\n" + note + "\n"

@@ -1,0 +1,79 @@
+"""The paragraph report.md opens with: which run reached the target first in time, which
+with the fewest bytes, and which to pick for the measured setting, and why."""
+from __future__ import annotations
+
+# Runs whose time to the target is within this share of the fastest count as equally fast:
+# back-to-back runs of one strategy on the shared 2-core machine differ by about this much.
+TIME_NOISE = 0.05
+
+
+def answer(rows: list[dict], target: float | None, setting: str) -> str:
+    """`rows`: table.row() dicts, with 'comparable' set; `setting`: the measured setup in words."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("comparable", True)]
+    notes = _caveats(rows)
+    if not ok:
+        return " ".join(["**Answer.** No run finished, so there is nothing to recommend.", *notes])
+    reached = [r for r in ok if r["time_to_target_s"] is not None]
+    if not reached:
+        best = min(ok, key=lambda r: r["final_val_loss"])
+        text = (f"**Answer.** No run reached the target loss {target:.4f}; the lowest final loss is "
+                f"**{best['label']}**'s ({best['final_val_loss']:.4f}). Lower --target-loss no further than that, "
+                f"or train longer (--tokens).")
+        return " ".join([text, *notes])
+    by_time = sorted(reached, key=lambda r: r["time_to_target_s"])
+    fastest = by_time[0]
+    fewest = min(reached, key=lambda r: (r["mb_to_target"], r["time_to_target_s"]))
+    tied = [r for r in by_time if r["time_to_target_s"] <= fastest["time_to_target_s"] * (1 + TIME_NOISE)]
+    pick = min(tied, key=lambda r: (r["mb_to_target"], r["optimizer_state_mb_per_rank"], r["time_to_target_s"]))
+
+    text = [f"**Answer.** Target loss {target:.4f}, on {setting}.",
+            f"First to reach it: **{fastest['label']}** ({_s(fastest)}" +
+            (f"; next {by_time[1]['label']}, {_s(by_time[1])})." if len(by_time) > 1 else ")."),
+            f"Fewest bytes to it: **{fewest['label']}** ({fewest['mb_to_target']:,.2f} MB"
+            + (f", {_ratio(fastest['mb_to_target'], fewest['mb_to_target'])} fewer than {fastest['label']})."
+               if fewest is not fastest else ").")]
+    why = _why(pick, fastest, fewest, tied)
+    text.append(f"Pick **{pick['label']}** for this setting: {why}.")
+    return " ".join(text + notes)
+
+
+def _why(pick: dict, fastest: dict, fewest: dict, tied: list[dict]) -> str:
+    if pick is fastest and pick is fewest:
+        return "it reaches the target first and sends the fewest bytes"
+    if pick is not fastest:
+        gap = 100 * (pick["time_to_target_s"] / fastest["time_to_target_s"] - 1)
+        because = ("sends " + _ratio(fastest["mb_to_target"], pick["mb_to_target"]) + " fewer bytes"
+                   if pick["mb_to_target"] < fastest["mb_to_target"] else "keeps less optimizer state per rank")
+        return (f"within {gap:.0f}% of {fastest['label']}'s time (under the {100 * TIME_NOISE:.0f}% that repeated "
+                f"runs vary by) and it {because}")
+    slower = fewest["time_to_target_s"] / pick["time_to_target_s"]
+    return (f"it reaches the target first; {fewest['label']} sends "
+            f"{_ratio(pick['mb_to_target'], fewest['mb_to_target'])} fewer bytes but takes {slower:.1f}x as long "
+            f"here, which pays off only on a slower link (`lowcomm plan --calibrate` with that --link predicts "
+            f"the ranking there)")
+
+
+def _caveats(rows: list[dict]) -> list[str]:
+    out = []
+    failed = [r["label"] for r in rows if r["status"] != "ok"]
+    if failed:
+        out.append(f"Failed, so left out: {', '.join(failed)} (see the table).")
+    apart = [r["label"] for r in rows if r["status"] == "ok" and not r.get("comparable", True)]
+    if apart:
+        out.append(f"Not comparable with the others, so left out of this answer: {', '.join(apart)} "
+                   f"(marked † in the table).")
+    more = [r for r in rows if r["status"] == "ok" and r.get("tokens_planned") and r["tokens"] > r["tokens_planned"]]
+    if more:
+        out.append("Trained more tokens than planned (an adaptive strategy computes extra micro-batches while "
+                   "it communicates): " + ", ".join(
+                       f"{r['label']} {r['tokens']:,} (+{100 * (r['tokens'] / r['tokens_planned'] - 1):.0f}%)"
+                       for r in more) + ".")
+    return out
+
+
+def _s(row: dict) -> str:
+    return f"{row['time_to_target_s']:.1f} s"
+
+
+def _ratio(more: float, less: float) -> str:
+    return f"{more / less:,.1f}x" if less > 0 else "infinitely"
