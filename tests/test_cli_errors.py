@@ -189,7 +189,43 @@ def _setup(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str]:
         return ["--out", str(p), *d], str(p)
     if case == "overwrite_not_a_run":  # the dir holds someone's files, not a lowcomm run
         return ["--overwrite", *d], ("--overwrite", "not a lowcomm run")
+    # -- what cannot be honoured as written: refused, not adjusted or ignored without a word
+    if case == "resume_with_another_strategy":  # named for what it is, not for an option it brings along
+        prev = _previous_run(tmp)
+        return ["--resume", str(prev), "--strategy", "zero1", "--out", str(prev)], ("--strategy zero1", "ddp")
+    if case == "resume_with_overwrite":  # --overwrite cannot apply to a run that continues
+        prev = _previous_run(tmp)
+        return ["--resume", str(prev), "--overwrite", "--out", str(prev)], ("--overwrite", "--resume")
+    if case == "toml_table_of_another_strategy":  # refused as its flag (--max-accum) is
+        p = tmp / "run.toml"
+        p.write_text('strategy = "ddp"\n[acco]\nmax_accum = 8\n')
+        return ["--config", str(p), *d], ("[acco]", "acco.max_accum", "'ddp'")
+    if case == "empty_flag_value":  # not read as the default
+        return ["--slowdown", "", *d], ("--slowdown", "empty")
+    if case == "empty_option_value":
+        return ["--strategy", "diloco", "--outer-compress", " ", *d], ("--outer-compress", "empty")
+    if case == "binary_data":
+        p = tmp / "model.bin"
+        p.write_bytes(TEXT.encode() + b"\x00\x01\x02" * 100)
+        return ["--data", str(p)], (str(p), "not text", f"offset {len(TEXT):,}")
+    if case == "binary_file_in_data_dir":
+        p = tmp / "corpus"
+        p.mkdir()
+        (p / "a.txt").write_text(TEXT)
+        (p / "b.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+        return ["--data", str(p)], (str(p / "b.png"), "not text")
     raise AssertionError(case)
+
+
+def _previous_run(tmp: Path) -> Path:
+    """A ddp run's directory as `lowcomm train` leaves it (config.toml; no checkpoint needed:
+    what is refused is refused before one is looked for)."""
+    prev = tmp / "prev"
+    prev.mkdir()
+    cfg = C.RunConfig()
+    cfg.out = str(prev)
+    (prev / "config.toml").write_text(C.to_toml(cfg))
+    return prev
 
 
 CASES = ["unknown_strategy", "workers_zero", "workers_negative", "workers_non_numeric",
@@ -203,13 +239,15 @@ CASES = ["unknown_strategy", "workers_zero", "workers_negative", "workers_non_nu
          "model_beyond_memory", "micro_batch_beyond_memory", "workers_beyond_memory", "data_device",
          "data_fifo", "link_negative_bandwidth", "link_negative_latency", "link_negative_jitter",
          "slowdown_negative", "max_accum_below_accum", "out_not_writable", "out_is_a_file",
-         "overwrite_not_a_run"]
+         "overwrite_not_a_run",
+         "resume_with_another_strategy", "resume_with_overwrite", "toml_table_of_another_strategy",
+         "empty_flag_value", "empty_option_value", "binary_data", "binary_file_in_data_dir"]
 
 # The cases whose check runs last before anything is written (data, sizes, config):
 # run them against an output dir that already holds files, which must stay as they were.
 PRE_EXISTING = {"unknown_strategy", "empty_data_file", "unreadable_data_eio", "seq_len_longer_than_data",
                 "unknown_toml_key_in_table", "workers_zero", "model_beyond_memory", "max_accum_below_accum",
-                "link_negative_latency", "overwrite_not_a_run"}
+                "link_negative_latency", "overwrite_not_a_run", "toml_table_of_another_strategy", "binary_data"}
 
 
 def assert_usage_error(code: int, stdout: str, stderr: str, names: str | tuple[str, ...]) -> None:
@@ -274,6 +312,73 @@ def test_bad_input_subprocess(case, tmp_path, data_file):
     assert_usage_error(proc.returncode, proc.stdout, proc.stderr, names)
     assert snapshot(out) == before, "the output dir was touched"
     assert list(work.iterdir()) == [], "something was written to the working directory"
+
+
+def _command_case(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str | tuple[str, ...]]:
+    """bench's and plan's own bad inputs: the arguments (subcommand first) and what the message names."""
+    plan = ["plan", "--worker-tflops", "1"]
+    bench = ["bench", "--data", str(data_file), "--out", str(tmp / "bench")]
+    if case == "plan_absurd_params":  # would walk ddp's buckets for hours
+        return [*plan, "--params", "1e18"], ("--params 1e18", "at most")
+    if case == "plan_absurd_width":
+        return [*plan, "--d-model", "10000000", "--n-head", "1"], ("--d-model", "parameters", "at most")
+    if case == "plan_absurd_depth":
+        return [*plan, "--n-layer", "100000"], ("--n-layer", "100000 layers", "at most")
+    if case == "plan_absurd_workers":
+        return [*plan, "--params", "1e6", "--workers", "100000000"], ("--workers 100000000", "at most")
+    if case == "plan_empty_strategies":  # not read as "all of them"
+        return [*plan, "--params", "1e6", "--strategies", ""], "--strategies ''"
+    if case == "plan_train_only_flag":
+        return [*plan, "--params", "1e6", "--resume", str(tmp)], ("--resume", "lowcomm plan")
+    if case == "bench_empty_strategies":  # not read as the default list
+        return [*bench, "--strategies", " "], "--strategies ' '"
+    if case == "bench_table_of_no_benched_strategy":
+        p = tmp / "bench.toml"
+        p.write_text("[acco]\nmax_accum = 8\n")
+        return [*bench, "--strategies", "ddp,zero1", "--config", str(p)], ("[acco]", "none of the strategies")
+    if case == "bench_single_strategy_flag":
+        return [*bench, "--strategy", "ddp"], ("--strategy", "--strategies")
+    raise AssertionError(case)
+
+
+COMMAND_CASES = ["plan_absurd_params", "plan_absurd_width", "plan_absurd_depth", "plan_absurd_workers",
+                 "plan_empty_strategies", "plan_train_only_flag", "bench_empty_strategies",
+                 "bench_table_of_no_benched_strategy", "bench_single_strategy_flag"]
+
+
+@pytest.mark.parametrize("case", COMMAND_CASES)
+def test_bad_input_of_bench_and_plan(case, tmp_path, data_file, capfd, monkeypatch):
+    """The same contract for `lowcomm bench` and `lowcomm plan`: exit 2, one line, nothing written."""
+    import lowcomm.launch
+    from lowcomm.cli import main
+
+    monkeypatch.setattr(lowcomm.launch, "launch", lambda *a, **k: pytest.fail(f"{case}: training started"))
+    work = tmp_path / "cwd"
+    work.mkdir()
+    argv, names = _command_case(case, tmp_path, data_file)
+    before = snapshot(tmp_path)
+    monkeypatch.chdir(work)
+    capfd.readouterr()
+    code = main(argv)
+    captured = capfd.readouterr()
+    assert_usage_error(code, captured.out, captured.err, names)
+    assert snapshot(tmp_path) == before, "something was written"
+
+
+def test_text_that_is_not_utf8_is_trained_on_with_one_warning(tmp_path, capsys):
+    """Latin-1 text is text: its raw bytes are the tokens; the user is told once, and the
+    run's description of its data (summary.json's `data`) says so."""
+    from lowcomm.data import load_bytes
+
+    p = tmp_path / "latin1.txt"
+    p.write_bytes(TEXT.encode() + "déjà vu\n".encode("latin-1"))
+    tokens, label = load_bytes(str(p))
+    assert len(tokens) == len(TEXT) + len("déjà vu\n") and label.endswith(", not UTF-8)")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: data file '{p}' is not UTF-8 (an invalid byte at offset {len(TEXT) + 1:,}): "
+                   f"training on its raw bytes"]
+    load_bytes(str(p), quiet=True)  # the launcher's check before the workers start: silent
+    assert capsys.readouterr().err == ""
 
 
 def test_bad_input_without_out_writes_nothing(tmp_path):

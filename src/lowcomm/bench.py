@@ -38,20 +38,33 @@ class Planned:
 
 
 def for_strategy(cfg: C.RunConfig, strategy: str) -> tuple[C.RunConfig, set[str]]:
-    """A copy of cfg for `strategy` that keeps only the strategy options it declares: one
-    command line serves several strategies (--sync-every reaches diloco, not ddp).
-    Returns the copy and the option fields it used."""
+    """A copy of cfg for `strategy` that keeps only the strategy options it declares, and only
+    its own TOML table: one command line or config serves several strategies (--sync-every and
+    [diloco] reach diloco, not ddp). Returns the copy and what it used: option fields, and
+    '[name]' for its table."""
     out = copy.deepcopy(cfg)
     out.strategy = strategy
     own = {f for f in get_strategy(strategy).Options.__dataclass_fields__}
     out.pending_options = {k: v for k, v in cfg.pending_options.items() if k in own}
-    return out, set(out.pending_options)
+    out.options = {k: v for k, v in cfg.options.items() if k == strategy}
+    return out, set(out.pending_options) | {f"[{k}]" for k in out.options}
 
 
-def parse_strategies(text: str | None) -> list[str]:
-    names = [s.strip() for s in text.split(",")] if text else [s for s in DEFAULT_STRATEGIES if s in available()]
-    if not names or not all(names):
-        raise UsageError(f"--strategies '{text}' must be a comma-separated list of strategies")
+def unused_options(cfg: C.RunConfig, used: set[str]) -> str | None:
+    """The first strategy option (its flag) or table ('[acco]') given that none of the chosen
+    strategies used (for_strategy's sets); None when each reached one."""
+    given = [raw_name for key, (_, raw_name) in cfg.pending_options.items() if key not in used]
+    return next(iter(given + [f"[{k}]" for k in cfg.options if f"[{k}]" not in used]), None)
+
+
+def parse_strategies(text: str | None, default: list[str] | None = None) -> list[str]:
+    """--strategies A,B,... (None: not given, so `default`, else the bench's defaults that are
+    registered). An empty list is refused, not read as the default or as all of them."""
+    if text is None:
+        return default if default is not None else [s for s in DEFAULT_STRATEGIES if s in available()]
+    names = [s.strip() for s in text.split(",")]
+    if not all(names):
+        raise UsageError(f"--strategies '{text}' must be a comma-separated list of strategies (none empty)")
     for name in names:
         get_strategy(name)  # UsageError naming the registered ones
     if len(set(names)) != len(names):
@@ -77,9 +90,9 @@ def plan_runs(base: C.RunConfig, strategies: list[str], out: Path, tokens: int |
         cfg.out = str(out / name)
         prepare(cfg, create=False, overwrite=overwrite)
         planned.append(Planned(name, cfg))
-    unused = [raw_name for key, (_, raw_name) in base.pending_options.items() if key not in used]
+    unused = unused_options(base, used)
     if unused:
-        raise UsageError(f"{unused[0]} applies to none of the strategies benched ({', '.join(strategies)})")
+        raise UsageError(f"{unused} applies to none of the strategies benched ({', '.join(strategies)})")
     return planned
 
 

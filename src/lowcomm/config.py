@@ -225,6 +225,10 @@ def resolve_options(cfg: RunConfig) -> Options:
     cfg.pending_options.clear()
     for strategy, opts in cfg.options.items():
         opts.validate(strategy)
+    other = next((name for name in cfg.options if name != cfg.strategy), None)
+    if other is not None:  # as a flag of another strategy is refused, so is its table
+        raise UsageError(f"[{other}] ({', '.join(f'{other}.{k}' for k in cfg.options[other].as_dict()) or 'a table'}) "
+                         f"does not apply to strategy '{cfg.strategy}' (drop the table, or set strategy = \"{other}\")")
     options.check_run(cfg)
     return options
 

@@ -145,9 +145,29 @@ def config_from_args(args: argparse.Namespace):
 
     if getattr(args, "resume", None):
         from .checkpoint import resume_config
+        _refuse_for_resume(args)
         return resume_config(args, lambda cfg: apply_flags(cfg, args))
     config = getattr(args, "config", None)
     return apply_flags(C.load_toml(config) if config else C.RunConfig(), args)
+
+
+def _refuse_for_resume(args: argparse.Namespace) -> None:
+    """What a resumed run cannot honour, named before anything else is compared: a resumed
+    run continues its own strategy in its own directory."""
+    from pathlib import Path
+
+    from . import config as C
+    from .errors import UsageError
+
+    if getattr(args, "overwrite", False):
+        raise UsageError(f"--overwrite does not apply with --resume (it continues the run in {args.resume}; "
+                         f"to start over, drop --resume)")
+    saved = Path(args.resume) / "config.toml"
+    if given(args, "--strategy") and saved.is_file():
+        trained = C.load_toml(saved).strategy
+        if args.strategy != trained:
+            raise UsageError(f"--strategy {args.strategy}: the run in {args.resume} trains {trained}, and a resumed "
+                             f"run keeps its strategy (start a new run for {args.strategy})")
 
 
 def apply_flags(cfg, args: argparse.Namespace):
@@ -158,12 +178,21 @@ def apply_flags(cfg, args: argparse.Namespace):
     for name, flag in RUN_FLAGS.items():
         raw = getattr(args, dest(flag.key), None)
         if raw is not None:
-            C.set_value(cfg, flag.key, raw, name=name)
+            C.set_value(cfg, flag.key, _not_empty(raw, name), name=name)
     if getattr(args, "link", None) is not None:
-        C.set_link(cfg, args.link)
+        C.set_link(cfg, _not_empty(args.link, "--link"))
     for name, opt in option_table().items():
         raw = getattr(args, option_dest(opt.field), None)
         if raw is not None:
-            C.set_option(cfg, opt.field, raw, name)
+            C.set_option(cfg, opt.field, _not_empty(raw, name), name)
     return cfg
+
+
+def _not_empty(raw, name: str):
+    """An empty value ('--out ""', '--slowdown ""') is refused, not read as the default."""
+    from .errors import UsageError
+
+    if isinstance(raw, str) and not raw.strip():
+        raise UsageError(f"{name} is given an empty value (leave the flag out for its default)")
+    return raw
 

@@ -155,24 +155,31 @@ def _report(args) -> int:
 
 # -- plan ----------------------------------------------------------------------
 
+# More workers than any cluster built so far: the planner loops over workers, and at a
+# million that takes ~10 s on 2 cores, at 1e8 minutes, so more is refused, not left to hang.
+MAX_PLAN_WORKERS = 1_000_000
+
+
 def _plan(args) -> int:
     from . import config as C
     from . import planner
-    from .bench import for_strategy
+    from .bench import for_strategy, parse_strategies, unused_options
     from .report.runs import load_bench, reach
     from .report.table import default_target
     from .strategies import available
-    from .strategies import get as get_strategy
 
     bench = load_bench(args.calibrate) if args.calibrate else None
     runs = {e.summary["strategy"]: e for e in bench.entries if hasattr(e, "summary")} if bench else {}
     if bench is not None and not runs:
         raise UsageError(f"bench '{args.calibrate}' has no finished run to calibrate from")
-    if bench is not None and not args.config:  # the bench's cluster, model and batch, unless flags say otherwise
+    from_bench = bench is not None and not args.config
+    if from_bench:  # the bench's cluster, model and batch, unless flags say otherwise
         args.config = str(next(iter(runs.values())).path / "config.toml")
     cfg = config_from_args(args)
     if cfg.workers < 1:
         raise UsageError(f"workers must be at least 1, got {cfg.workers}")
+    if cfg.workers > MAX_PLAN_WORKERS:
+        raise UsageError(f"--workers {cfg.workers} is beyond what lowcomm plan models (at most {MAX_PLAN_WORKERS:,})")
     for name in ("accum", "micro_batch", "steps"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"{name} must be at least 1, got {getattr(cfg, name)}")
@@ -180,17 +187,17 @@ def _plan(args) -> int:
         cfg.slowdown = ()  # the bench's slowdowns do not fit the planned --workers: plan equal workers
     if cfg.slowdown and len(cfg.slowdown) != cfg.workers:
         raise UsageError(f"slowdown has {len(cfg.slowdown)} factor(s) but there are {cfg.workers} workers")
-    names = [s.strip() for s in args.strategies.split(",")] if args.strategies else available()
-    for name in names:
-        get_strategy(name)
+    names = parse_strategies(args.strategies, default=available())
     options, used = {}, set()
     for name in names:
         one, fields = for_strategy(cfg, name)
         used |= fields
         options[name] = C.resolve_options(one)
-    unused = [raw for key, (_, raw) in cfg.pending_options.items() if key not in used]
+    if from_bench:  # the run's own [<strategy>] table came with its config: no one asked for it
+        used |= {f"[{name}]" for name in cfg.options}
+    unused = unused_options(cfg, used)
     if unused:
-        raise UsageError(f"{unused[0]} applies to none of the strategies planned ({', '.join(names)})")
+        raise UsageError(f"{unused} applies to none of the strategies planned ({', '.join(names)})")
 
     model_flags = {k for k in planner.MODEL_KEYS if getattr(args, "model__" + k) is not None}
     asked = planner.size_model(cfg, args.params, model_flags) if args.params is not None else None

