@@ -47,18 +47,18 @@ RUN_FLAGS = {
     "--val-fraction": Flag("data.val_fraction", "FRACTION", "share of the text held out for validation (0 to 1)"),
     "--seed": Flag("seed", "N", "seed for init, data order and sampling"),
     "--out": Flag("out", "DIR", "output directory", zero="runs/<strategy>-w<W>-<time>"),
-    "--eval-every": Flag("eval_every", "STEPS", "validate every K trainer steps", zero="only at the end"),
+    "--eval-every": Flag("eval_every", "STEPS", "validate every STEPS trainer steps", zero="only at the end"),
     "--eval-batches": Flag("eval_batches", "N", "validation micro-batches per worker"),
     "--threads": Flag("threads", "N", "torch threads per worker"),
     "--backend": Flag("backend", "NAME", "auto (nccl with CUDA, else gloo), gloo or nccl"),
     "--device": Flag("device", "NAME", "auto (cuda with nccl, else cpu), cpu or cuda"),
-    "--log-every": Flag("log_every", "STEPS", "gather all ranks' step results every K trainer steps"),
+    "--log-every": Flag("log_every", "STEPS", "gather all ranks' step results every STEPS trainer steps"),
     "--slowdown": Flag("slowdown", "F1,...,FW", "rank r computes F_r times slower, each factor >= 1 (emulated)",
                        zero="none"),
     "--stragglers": Flag("stragglers", "P,F", "each step one random rank is F times slower with probability P "
                                               "(emulated)", zero="none"),
     "--timeout": Flag("timeout", "SECONDS", "seconds a collective waits for a stuck peer before the run fails"),
-    "--checkpoint-every": Flag("checkpoint_every", "STEPS", "write a checkpoint every N trainer steps and at the "
+    "--checkpoint-every": Flag("checkpoint_every", "STEPS", "write a checkpoint every STEPS trainer steps and at the "
                                                             "end", zero="off"),
     "--keep": Flag("keep", "N", "checkpoints kept (the newest N)"),
     "--stop-at": Flag("stop_at", "STEP", "end cleanly after this trainer step with a checkpoint (continue later "

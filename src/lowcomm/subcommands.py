@@ -47,7 +47,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     add_run_flags(bench, [f for f in RUN_FLAGS if f != "--strategy"], helps={
         "--out": "bench directory: one run per strategy, report.md, plots (default: runs/bench-<time>)",
         "--steps": "trainer steps per strategy, instead of --tokens (default: from --tokens)",
-        "--eval-every": "validate every K trainer steps (default: an eighth of each run)"})
+        "--eval-every": "validate every STEPS trainer steps (default: an eighth of each run)"})
     add_link_flag(bench, default=DEFAULT_LINK)
     bench.add_argument("--overwrite", action="store_true", help="replace a bench already in --out (default: off)")
     bench.add_argument("--quiet", action="store_true", help="no progress output (default: off)")
