@@ -325,6 +325,7 @@ def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
     resolve_options(cfg)
     name, options = registry.resolve(cfg.strategy, cfg.strategy_options())
     if name != cfg.strategy:  # an older spelling (quantized --bits 1): the run is named what runs
+        cfg.options.pop(cfg.strategy)  # and its table is the new name's (no other strategy's is left)
         cfg.strategy, cfg.options[name] = name, options
         options.check_run(cfg)
     if cfg.link.bandwidth is None:
