@@ -64,8 +64,8 @@ def _caveats(rows: list[dict]) -> list[str]:
                    f"(marked † in the table).")
     more = [r for r in rows if r["status"] == "ok" and r.get("tokens_planned") and r["tokens"] > r["tokens_planned"]]
     if more:
-        out.append("Trained more tokens than planned (an adaptive strategy computes extra micro-batches while "
-                   "it communicates): " + ", ".join(
+        out.append("Trained more tokens than planned (their steps computed extra micro-batches: see each "
+                   "strategy's docs): " + ", ".join(
                        f"{r['label']} {r['tokens']:,} (+{100 * (r['tokens'] / r['tokens_planned'] - 1):.0f}%)"
                        for r in more) + ".")
     return out
