@@ -43,15 +43,20 @@ def lowcomm(*args: str) -> str:
     return proc.stdout
 
 
-def provenance(load_before: float, started: float) -> str:
-    """One line: what was measured where and when."""
+def tree() -> str:
+    """'commit abc1234', and whether the tree differs from it (taken before this script writes)."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                            capture_output=True, text=True).stdout.strip()
+    return f"commit {commit}" + (" with uncommitted changes" if dirty else "")
+
+
+def provenance(tree: str, load_before: float, started: float) -> str:
+    """One line: what was measured where and when."""
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
-    return (f"_Measured at commit {commit}{' with uncommitted changes' if dirty else ''} on "
+    return (f"_Measured at {tree} on "
             f"{time.strftime('%Y-%m-%d')}: {os.cpu_count()} CPUs ({cpu}), load average {load_before:.1f} before and "
             f"{os.getloadavg()[0]:.1f} after, {time.time() - started:.0f} s end to end._")
 
@@ -108,9 +113,10 @@ def first_session(stdout: str) -> str:
 
 def main(bench_flags: list[str]) -> None:
     RUNS.mkdir(exist_ok=True)
+    state = tree()
     load, started = os.getloadavg()[0], time.time()
     out = lowcomm("train", "--out", str(RUNS / "readme-train"), "--overwrite")
-    write_block(README, "first-session", first_session(out) + "\n\n" + provenance(load, started)
+    write_block(README, "first-session", first_session(out) + "\n\n" + provenance(state, load, started)
                 + " `lowcomm train`, no flags.")
 
     load, started = os.getloadavg()[0], time.time()
@@ -120,13 +126,13 @@ def main(bench_flags: list[str]) -> None:
     report = report[report.index("# lowcomm bench"):].split("\nbench: report")[0]
     body = report.split("\n", 1)[1].strip()  # the answer, what ran, the table
     write_block(RESULTS, "bench", "`" + " ".join(["lowcomm", "bench", *bench_flags]) + "`\n\n" + body + "\n\n"
-                + provenance(load, started))
+                + provenance(state, load, started))
 
     load, started = os.getloadavg()[0], time.time()
     recipe = RUNS / "readme-recipe"
     lowcomm(*RECIPE, "--out", str(recipe), "--overwrite")
     write_block(RESULTS, "recipe", f"`lowcomm {' '.join(RECIPE)}`\n\n{recipe_table(recipe)}\n\n"
-                + provenance(load, started))
+                + provenance(state, load, started))
     print(f"wrote {README.name}, {RESULTS.relative_to(ROOT)} and {FIGURE.relative_to(ROOT)}: commit them")
 
 

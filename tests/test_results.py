@@ -57,4 +57,5 @@ def test_every_recorded_block_is_from_one_run_of_the_script():
               R.read_block(R.README, "first-session")]
     commits = {R.commit_of(b) for b in blocks}
     assert len(commits) == 1 and None not in commits, commits
+    assert not any("uncommitted" in b for b in blocks), "measured on a tree that differs from its commit"
     assert "load average" in blocks[0] and "tokens trained" in blocks[0]
