@@ -17,6 +17,8 @@ from .subcommands import add_subcommands, run_subcommand
 TRAIN_FLAGS = {
     "--strategy": ("strategy", "the strategy (one of: {strategies})"),
     "--workers": ("workers", "number of worker processes W"),
+    "--replicas": ("replicas", "R replicas of W/R processes each: the strategy runs across replicas (default W)"),
+    "--inside": ("inside", "what runs inside a replica: ddp (gradients averaged every step); fsdp: not yet"),
     "--steps": ("steps", "trainer steps (an optimizer step, or what the strategy counts as one: see its docs)"),
     "--micro-batch": ("micro_batch", "sequences per micro-batch per worker"),
     "--accum": ("accum", "micro-batches accumulated per step (adaptive strategies: at least this many)"),
@@ -92,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
             options.add_argument(flag, dest=_option_dest(opt.field), metavar="X", help=help_text)
     train.add_argument("--link", metavar="BW,LAT[,JIT]",
                        help="emulate a link per rank, e.g. 100mbit,20ms or 1gbit,5ms,1ms (TOML: [link])")
+    train.add_argument("--intra-link", metavar="BW,LAT[,JIT]",
+                       help="emulate the link inside a replica (default: unshaped; TOML: [intra_link])")
     train.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest complete "
                        "checkpoint (its config.toml; --steps, --stop-at and other safe flags may change)")
@@ -114,6 +118,8 @@ def _apply_flags(cfg: C.RunConfig, args: argparse.Namespace) -> C.RunConfig:
             C.set_value(cfg, key, raw, name=flag)
     if args.link is not None:
         C.set_link(cfg, args.link)
+    if args.intra_link is not None:
+        C.set_link(cfg, args.intra_link, "--intra-link", "intra_link")
     for flag, opt in option_table().items():
         raw = getattr(args, _option_dest(opt.field))
         if raw is not None:
