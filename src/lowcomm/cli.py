@@ -14,7 +14,7 @@ import traceback
 
 from . import __version__
 from .errors import Interrupted, RunError, UsageError
-from .flags import RUN_FLAGS, add_link_flag, add_run_flags, add_strategy_options, config_from_args
+from .flags import RUN_FLAGS, add_intra_link_flag, add_link_flag, add_run_flags, add_strategy_options, config_from_args
 from .subcommands import SUBCOMMANDS, run_subcommand
 
 __all__ = ["build_parser", "config_from_args", "main"]
@@ -47,6 +47,7 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     train.add_argument("--config", metavar="FILE", help="TOML file of settings; flags override it (default: none)")
     add_run_flags(train, RUN_FLAGS)
     add_link_flag(train)
+    add_intra_link_flag(train)
     train.add_argument("--overwrite", action="store_true", help="replace a run already in --out (default: off)")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest complete "
                        "checkpoint with its config.toml; only --steps, --stop-at, checkpointing, logging, "

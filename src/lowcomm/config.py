@@ -23,6 +23,7 @@ else:  # pragma: no cover
 from .comm.link import format_bandwidth, format_duration, parse_bandwidth, parse_duration, split_link_spec
 from .errors import UsageError
 from .strategies import registry
+from .strategies.inside import check_replicas
 from .strategies.options import Options, type_name
 from .values import convert, format_numbers, parse_slowdown, parse_stragglers
 
@@ -110,7 +111,11 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    link: LinkConfig = field(default_factory=LinkConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)  # across replicas (a flat run: between all workers)
+    # R replicas of workers/R processes (0: one per worker), `inside` in each over `intra_link` (strategies/inside.py)
+    replicas: int = 0
+    inside: str = "ddp"
+    intra_link: LinkConfig = field(default_factory=LinkConfig)
     # "f1,...,fW": rank r computes f_r times slower (empty = all 1)
     slowdown: tuple = field(default=(), metadata=_typed(parse_slowdown, format_numbers))
     # "P,F": each step, with probability P one random rank is F times slower
@@ -272,17 +277,17 @@ def load_toml(path: str | Path, cfg: RunConfig | None = None) -> RunConfig:
     return cfg
 
 
-def set_link(cfg: RunConfig, raw: str, name: str = "--link") -> None:
-    """--link BANDWIDTH,LATENCY[,JITTER] -> the [link] table's three typed values."""
+def set_link(cfg: RunConfig, raw: str, name: str = "--link", table: str = "link") -> None:
+    """--link BANDWIDTH,LATENCY[,JITTER] -> the [link] table's three typed values (--intra-link: [intra_link])."""
     bandwidth, latency, jitter = split_link_spec(raw, name)
     for key, value in (("bandwidth", bandwidth), ("latency", latency), ("jitter", jitter)):
-        set_value(cfg, f"link.{key}", value, f"link {key}")
+        set_value(cfg, f"{table}.{key}", value, f"{table.replace('_', ' ')} {key}")
 
 
-def make_link(cfg: RunConfig, seed: int = 0):
-    """The configured comm.link.LinkModel, or None for no emulation."""
+def make_link(cfg: RunConfig, seed: int = 0, table: str = "link"):
+    """The configured comm.link.LinkModel ([link], or [intra_link]), or None for no emulation."""
     from .comm.link import LinkModel
-    ln = cfg.link
+    ln = getattr(cfg, table)
     if ln.bandwidth is None:
         return None
     return LinkModel(ln.bandwidth, ln.latency, ln.jitter, seed=seed)
@@ -328,12 +333,13 @@ def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
         cfg.options.pop(cfg.strategy)  # and its table is the new name's (no other strategy's is left)
         cfg.strategy, cfg.options[name] = name, options
         options.check_run(cfg)
-    if cfg.link.bandwidth is None:
-        for key in ("latency", "jitter"):
-            value = getattr(cfg.link, key)
+    for table in ("link", "intra_link"):
+        for key in ("latency", "jitter") if getattr(cfg, table).bandwidth is None else ():
+            value = getattr(getattr(cfg, table), key)
             if value:
-                raise UsageError(f"link.{key} '{format_duration(value)}' needs a link bandwidth too "
-                                 f"(e.g. --link inf,{format_duration(value)} for latency only)")
+                raise UsageError(f"{table}.{key} '{format_duration(value)}' needs a link bandwidth too "
+                                 f"(e.g. --{table.replace('_', '-')} inf,{format_duration(value)} for latency only)")
+    check_replicas(cfg, [n for n in strategies if registry.get(n).runs_inside(cfg.inside)])
     if cfg.slowdown and len(cfg.slowdown) != cfg.workers:
         raise UsageError(f"slowdown '{format_numbers(cfg.slowdown)}' has {len(cfg.slowdown)} factor(s) but "
                          f"there are {cfg.workers} workers (give one per worker)")

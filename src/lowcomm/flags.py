@@ -28,6 +28,10 @@ class Flag:
 RUN_FLAGS = {
     "--strategy": Flag("strategy", "NAME", "the strategy (one of: {strategies})"),
     "--workers": Flag("workers", "N", "worker processes W (under torchrun: the world size)"),
+    "--replicas": Flag("replicas", "R", "R replicas of W/R processes each: the strategy runs across replicas, "
+                                        "--inside within each", zero="W, one process a replica"),
+    "--inside": Flag("inside", "ENGINE", "what runs inside a replica: ddp (gradients averaged every step); "
+                                         "fsdp is not supported yet"),
     "--steps": Flag("steps", "N", "trainer steps: optimizer steps, or what the strategy counts as one "
                                   "(acco: rounds; diloco family: inner steps)"),
     "--micro-batch": Flag("micro_batch", "N", "sequences per micro-batch per worker"),
@@ -116,6 +120,11 @@ def add_link_flag(parser: argparse.ArgumentParser, default: str = "none") -> Non
     parser.add_argument("--link", metavar="BW,LAT[,JIT]", help=f"{LINK_HELP} (default: {default})")
 
 
+def add_intra_link_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--intra-link", metavar="BW,LAT[,JIT]",
+                        help="emulate the link inside a replica, as --link (TOML: [intra_link]; default: none)")
+
+
 def add_strategy_options(parser: argparse.ArgumentParser) -> None:
     """Every registered strategy's option flags (importing the strategies: torch)."""
     from .strategies import option_table
@@ -181,6 +190,8 @@ def apply_flags(cfg, args: argparse.Namespace):
             C.set_value(cfg, flag.key, _not_empty(raw, name), name=name)
     if getattr(args, "link", None) is not None:
         C.set_link(cfg, _not_empty(args.link, "--link"))
+    if getattr(args, "intra_link", None) is not None:
+        C.set_link(cfg, _not_empty(args.intra_link, "--intra-link"), "--intra-link", "intra_link")
     for name, opt in option_table().items():
         raw = getattr(args, option_dest(opt.field), None)
         if raw is not None:

@@ -27,10 +27,12 @@ import torch.nn as nn
 
 from .comm import Comm, CommStats
 from .comm.control import agree_max, control_group
+from .comm.groups import combined
 from .comm.pacer import Pacer
 from .errors import UsageError
 from .strategies.base import MakeOptimizer, Strategy
 from .strategies.context import Schedule, StepContext, StepResult, batch_tokens
+from .strategies.inside import make_inside
 from .strategies.options import build_options
 from .strategies.registry import get, resolve
 
@@ -40,9 +42,11 @@ NextBatch = Callable[[], Any]
 
 def make_run(strategy: str, model: nn.Module, comm: Comm, make_optimizer: MakeOptimizer, *, accum: int = 1,
              schedule: Schedule | None = None, total_steps: int | None = None, pacer: Pacer | None = None,
-             options=None, **option_values) -> "RunDriver":
+             options=None, replica: Comm | None = None, inside: str = "ddp", **option_values) -> "RunDriver":
     """Build strategy `strategy` on `model` and drive it. `options` is a validated Options
-    instance (the CLI's), or give its fields as keywords (e.g. max_accum=8); defaults equal the CLI's."""
+    instance (the CLI's), or give its fields as keywords (e.g. max_accum=8); defaults equal the CLI's.
+    Replica groups (comm/groups.py): `comm` is the group across replicas, `replica` the group
+    inside this rank's replica, where `inside` runs (strategies/inside.py); None: a flat run."""
     if options is None:
         options = build_options(get(strategy).Options, option_values, strategy)
     elif option_values:
@@ -50,7 +54,7 @@ def make_run(strategy: str, model: nn.Module, comm: Comm, make_optimizer: MakeOp
     strategy, options = resolve(strategy, options)  # an older spelling runs the strategy now named for it
     cls = get(strategy)
     return RunDriver(cls(model, comm, make_optimizer, accum=accum, schedule=schedule, options=options,
-                         total_steps=total_steps), pacer)
+                         total_steps=total_steps, inside=make_inside(inside, replica)), pacer)
 
 
 def link_seed(seed: int, rank: int) -> int:
@@ -103,6 +107,12 @@ class RunDriver:
         return self.strategy.options
 
     @property
+    def levels(self) -> list[Comm]:
+        """The run's groups: across replicas (a flat run's only one), then inside this rank's replica."""
+        inside = self.strategy.inside
+        return [self.comm] if inside is None else [self.comm, inside.comm]
+
+    @property
     def steps_done(self) -> int:
         """Optimizer steps (for acco: rounds) finished so far."""
         return self.strategy.steps_done
@@ -149,7 +159,7 @@ class RunDriver:
 
     def _begin(self, pull: bool = False) -> StepContext:
         if self.ctx is None:
-            self.ctx = StepContext(self.strategy.steps_done, time.perf_counter(), self.comm.snapshot(), pull=pull)
+            self.ctx = StepContext(self.strategy.steps_done, time.perf_counter(), combined(self.levels), pull=pull)
             self.strategy.begin_step(self.ctx)
         return self.ctx
 
@@ -168,7 +178,7 @@ class RunDriver:
 
     def _finish(self) -> StepResult:
         ctx, self.ctx = self.ctx, None
-        spent: CommStats = self.comm.snapshot() - ctx.comm_before
+        spent: CommStats = combined(self.levels) - ctx.comm_before  # every level's traffic
         self.strategy.steps_done += 1
         self.skipped_steps += ctx.skipped
         self.result = StepResult(

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 
 from . import config as C
+from .comm.groups import combined
+from .metrics.levels import gather_levels, level_summary
 from .metrics.runlog import write_json_atomic
 from .metrics.summary import build_summary, describe
 from .metrics.trace import write_trace
@@ -23,10 +25,11 @@ def summarize(t, run, out_dir: Path | None, quiet: bool) -> dict | None:
     """Gather every rank's measurements; rank 0 writes summary.json (and trace.json)."""
     comm, strategy = t.comm, t.run.strategy
     peak = comm.meta_all_gather(torch.tensor([float(peak_memory_bytes(t.device))], device=t.device)).max()
-    mine = comm.snapshot()
+    mine = combined(t.run.levels)  # every level's (a flat run: the world's)
     slept = t.run.pacer.slept_s if t.run.pacer is not None else 0.0
     link_times = comm.meta_all_gather(torch.tensor(
         [mine.busy_s, mine.emulated_s, slept], dtype=torch.float64, device=t.device)).cpu()
+    every_level = gather_levels(comm, t.run.levels, t.device)
     events = t.tracer.gather(comm, t.device) if t.tracer is not None else None
     lead = t.rank == 0 and out_dir is not None
     if lead and events is not None:
@@ -34,16 +37,18 @@ def summarize(t, run, out_dir: Path | None, quiet: bool) -> dict | None:
                                                      "link": C.to_dict(t.cfg)["link"]})
     if not lead:
         return None
-    cls = type(strategy)
-    plan = cls.comm_plan(layout_of(t.model), t.world, strategy.options)
-    planned = t.world * sum(op.wire_bytes(t.world) * cls.plan_occurrences(op, t.cfg.steps, strategy.options)
-                            for op in plan)
+    replicas, layout = t.cfg.replicas or t.world, layout_of(t.model)
+    plan = type(strategy).comm_plan(layout, replicas, strategy.options)
+    links = {c.level: c.link.describe() for c in t.run.levels if c.link is not None}
+    levels = level_summary(every_level, strategy, layout, t.world, replicas, t.cfg.steps, links)
+    planned = sum(level["planned_wire_bytes"] for level in levels.values())
     summary = build_summary(
         t.cfg, world=t.world, backend=t.backend, params=sum(p.numel() for p in t.model.parameters()), source=t.source,
         totals=run.totals, train_loss=run.train_loss, val_loss=run.val_loss, wall_s=run.wall_s,
         optimizer_state_bytes=strategy.optimizer_state_bytes(), peak_mem_bytes=int(peak),
         link=comm.link.describe() if comm.link is not None else None, link_times=link_times,
         traced=t.tracer is not None, strategy_report=strategy.report(), plan=plan, planned_wire_bytes=planned)
+    summary.update(replicas=replicas, inside=t.cfg.inside if replicas < t.world else None, levels=levels)
     write_json_atomic(out_dir / "summary.json", summary)
     if not quiet:
         print(describe(summary), flush=True)

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .errors import UsageError
-from .flags import RUN_FLAGS, add_link_flag, add_run_flags, add_strategy_options, config_from_args, given
+from .flags import RUN_FLAGS, add_intra_link_flag, add_link_flag, add_run_flags, add_strategy_options, config_from_args, given
 from .values import convert, parse_count
 
 # Train flags that only train takes: bench and plan declare them hidden, so that giving one is
@@ -49,6 +49,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         "--steps": "trainer steps per strategy, instead of --tokens (default: from --tokens)",
         "--eval-every": "validate every STEPS trainer steps (default: an eighth of each run)"})
     add_link_flag(bench, default=DEFAULT_LINK)
+    add_intra_link_flag(bench)
     bench.add_argument("--overwrite", action="store_true", help="replace a bench already in --out (default: off)")
     bench.add_argument("--quiet", action="store_true", help="no progress output (default: off)")
     add_strategy_options(bench)

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from . import config as C
 from . import faults, run_end
 from .comm import Comm
+from .comm.groups import ReplicaLayout
+from .comm.groups import form as form_groups
 from .data import VOCAB_SIZE, load_bytes, split, val_batches
 from .errors import RunError
 from .metrics.progress import ProgressView
@@ -144,25 +146,31 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
     """Model, data, strategy, emulation and tracing of one rank (group already initialised)."""
     backend = dist.get_backend()
     device = pick_device(cfg, backend, local_rank)
-    comm = Comm(link=C.make_link(cfg, seed=link_seed(cfg.seed, rank)))
+    layout = ReplicaLayout(world, cfg.replicas or world)  # the world: a flat run's one level, else bookkeeping
+    comm = Comm(link=C.make_link(cfg, seed=link_seed(cfg.seed, rank)), level="cross" if layout.flat else "world")
+    levels = None if layout.flat else form_groups(layout, C.make_link(cfg, link_seed(cfg.seed + 1, rank), "intra_link"),
+                                                  C.make_link(cfg, seed=link_seed(cfg.seed, rank)))
     model = build_model(cfg, device)
     verify_identical_params(model, comm)
 
     tokens, source = load_bytes(cfg.data.source, quiet=rank != 0)
     train_tokens, val_tokens = split(tokens, cfg.data.val_fraction)
-    loader = ShardedBatches(train_tokens, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.seed)
+    loader = ShardedBatches(train_tokens, layout.replica(rank), layout.replicas, cfg.model.seq_len, cfg.micro_batch,
+                            cfg.seed, layout.position(rank), layout.size)
     val = val_batches(val_tokens, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches)
 
     pacer = make_pacer(rank, world, cfg.slowdown[rank] if cfg.slowdown else 1.0, cfg.stragglers, cfg.seed)
-    run = make_run(cfg.strategy, model, comm, adamw_factory(cfg.optim), accum=cfg.accum,
-                   schedule=lr_schedule(cfg.optim, cfg.steps), total_steps=cfg.steps, pacer=pacer,
-                   options=cfg.strategy_options())  # resolved and validated once, at launch
+    run = make_run(cfg.strategy, model, levels.cross if levels else comm, adamw_factory(cfg.optim),
+                   accum=cfg.accum, schedule=lr_schedule(cfg.optim, cfg.steps), total_steps=cfg.steps, pacer=pacer,
+                   options=cfg.strategy_options(),  # resolved and validated once, at launch
+                   replica=levels.intra if levels else None, inside=cfg.inside)
     tracer = Tracer(rank) if cfg.trace else None
     if tracer is not None:
         for opt in run.optimizers():
             tracer.watch_optimizer(opt)
         tracer.align(comm, device)
-        comm.tracer = tracer
+        for c in {id(c): c for c in [comm, *run.levels]}.values():
+            c.tracer = tracer
     run = faults.inject(run, rank)  # test-only faults, when a test asked for them
     return Trainer(cfg, rank, world, device, backend, comm, model, run, loader, val, source, tracer)
 

@@ -117,8 +117,8 @@ class _Issued(NamedTuple):
 class Comm:
     """Counts and times every collective on one process group."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, link=None):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None = None, link=None, level: str = "cross"):
+        self.group, self.level = group, level  # level: "cross" (across replicas; a flat run's), "intra"
         # Optional: a comm.link.LinkModel to emulate a slower network, and a
         # metrics.trace.Tracer to record spans. Without either, an op costs
         # only its timing and counters (see _run).
@@ -330,9 +330,9 @@ class Comm:
                          output, async_op, local=lambda: output.copy_(input))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
-        """Bytes S (pipelined ring)."""
+        """From `src`, a rank of this group. Bytes S (pipelined ring)."""
         return self._run("broadcast", _nbytes(tensor),
-                         lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a),
+                         lambda a: dist.broadcast(tensor, group_src=src, group=self.group, async_op=a),
                          tensor, async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
@@ -354,7 +354,7 @@ class Comm:
         A no-op on one rank."""
         if self.world > 1:
             self._run("broadcast", _nbytes(tensor),
-                      lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a),
+                      lambda a: dist.broadcast(tensor, group_src=src, group=self.group, async_op=a),
                       tensor, False, meta=True)
         return tensor
 

@@ -23,6 +23,11 @@ def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return _GROUPS[key]
 
 
+def register_control(group: dist.ProcessGroup, control: dist.ProcessGroup) -> None:
+    """`control` is the control group beside `group` (groups formed on every rank at once, comm/groups.py)."""
+    _GROUPS[id(group)] = control
+
+
 def agree_max(value: int, group: dist.ProcessGroup | None) -> int:
     """The largest `value` over the ranks of `group`, through its control group."""
     t = torch.tensor([value], dtype=torch.int64)

@@ -40,12 +40,17 @@ def _windows(x: np.ndarray, idx: np.ndarray, seq_len: int) -> tuple[torch.Tensor
 
 
 class ShardedBatches:
+    """Rank `rank` of `world` reads its shard. Replica groups: `rank` and `world` are the replica
+    and the replica count, and the replica's `positions` processes split each batch of
+    positions·micro_batch windows that one worker would read, `position` taking its part."""
+
     def __init__(self, train: np.ndarray, rank: int, world: int, seq_len: int,
-                 micro_batch: int, seed: int):
+                 micro_batch: int, seed: int, position: int = 0, positions: int = 1):
         size = len(train) // world
         self.shard = train[rank * size:(rank + 1) * size]
         self.seq_len, self.micro_batch = seq_len, micro_batch
         self.seed, self.rank = seed, rank
+        self.position, self.positions = position, positions
         self.starts = np.arange(0, len(self.shard) - seq_len, seq_len)
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)
@@ -55,15 +60,16 @@ class ShardedBatches:
         return self.starts[rng.permutation(len(self.starts))]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = []
-        while len(idx) < self.micro_batch:
+        idx, want = [], self.micro_batch * self.positions
+        while len(idx) < want:
             if self.index >= len(self._order):
                 self.epoch, self.index = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)
-            take = min(self.micro_batch - len(idx), len(self._order) - self.index)
+            take = min(want - len(idx), len(self._order) - self.index)
             idx.extend(self._order[self.index:self.index + take])
             self.index += take
-        return _windows(self.shard, np.asarray(idx), self.seq_len)
+        mine = idx[self.position * self.micro_batch:(self.position + 1) * self.micro_batch]
+        return _windows(self.shard, np.asarray(mine), self.seq_len)
 
     __call__ = next
 

@@ -26,8 +26,16 @@ implements only the hooks its algorithm needs:
     release()              stop the threads the strategy holds (default: nothing)
 
 The constructor is called with the model, a Comm, make_optimizer(params), accum, the
-schedule (step -> lr), validated options and the run's length (None if unknown). By
-then `self.params` holds the trainable parameters and every rank has rank 0's values.
+schedule (step -> lr), validated options, the run's length (None if unknown) and `inside`.
+By then `self.params` holds the trainable parameters and every rank has rank 0's values.
+
+Replica groups (--replicas R of W workers): `comm` is then the group across replicas (the
+R ranks at this rank's position) and `self.inside` the engine inside this rank's replica
+(strategies/inside.py; None in a flat run). A strategy that runs there lists the engines
+it works with in `inside_replica` (on its own class: a subclass is a new algorithm and
+declares its own) and calls the engine where its algorithm reduces gradients (ddp: in its
+comm hook, before the cross-replica all-reduce; diloco: before each inner step); every
+other strategy is refused at start-up.
 """
 from __future__ import annotations
 
@@ -58,12 +66,18 @@ class Strategy(Planned):
     # True where the whole state_dict() is identical on every rank (ddp): a checkpoint then
     # stores it once and can load it on another number of workers (lowcomm/checkpoint).
     checkpoint_replicated: ClassVar[bool] = False
+    # The engines inside a replica (--inside) this strategy runs across replica groups with;
+    # read from the class itself (runs_inside), never inherited.
+    inside_replica: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, model: nn.Module, comm: Comm, make_optimizer: MakeOptimizer, accum: int = 1,
                  schedule: Schedule | None = None, options: Options | None = None,
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, inside=None):
         if accum < 1:
             raise UsageError(f"accum must be at least 1, got {accum}")
+        if inside is not None and not self.runs_inside(inside.name):
+            raise UsageError(f"strategy '{self.name}' does not run across replica groups with --inside {inside.name}")
+        self.inside = inside  # the engine inside this rank's replica (strategies/inside.py), None: flat
         self.model, self.comm, self.accum = model, comm, accum
         self.make_optimizer, self.schedule, self.total_steps = make_optimizer, schedule, total_steps
         self.options = options if options is not None else self.Options().validate(self.name)
@@ -77,14 +91,23 @@ class Strategy(Planned):
     def _start_from_rank0(self) -> None:
         """Every rank starts from rank 0's values (a bookkeeping broadcast, as DDP does at
         construction), so a Python-API user who forgot to seed identically still trains one model."""
-        if self.comm.world == 1:
+        # Across replicas from replica 0, then inside each replica from its first rank.
+        comms = [c for c in (self.comm, getattr(self.inside, "comm", None)) if c is not None and c.world > 1]
+        if not comms:
             return
-        flat = self.comm.meta_broadcast(torch.cat([p.detach().reshape(-1) for p in self.params]), src=0)
+        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        for comm in comms:
+            comm.meta_broadcast(flat, src=0)
         with torch.no_grad():
             at = 0
             for p in self.params:
                 p.copy_(flat[at:at + p.numel()].view_as(p))
                 at += p.numel()
+
+    @classmethod
+    def runs_inside(cls, inside: str) -> bool:
+        """Whether this strategy runs across replica groups with engine `inside` inside each."""
+        return inside in vars(cls).get("inside_replica", ())
 
     # -- the hooks (see the module docstring) ---------------------------------------
     @classmethod

@@ -38,9 +38,12 @@ def counted_allreduce_hook(comm: Comm, bucket: dist.GradBucket) -> torch.futures
 def paced_hook(strategy: "DDP", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The hook DDP calls for every bucket: pay the emulated slowdown of the compute so far
     (a slower device would issue this bucket that much later, and the peers must wait for
-    it inside the reduction, not at some later sync point), then the strategy's comm_hook."""
+    it inside the reduction, not at some later sync point), then the strategy's comm_hook
+    (across replica groups: on the bucket already averaged inside the replica)."""
     strategy.pace()
     strategy.buckets_sent += 1
+    if strategy.inside is not None:
+        strategy.inside.reduce(bucket.buffer())
     return strategy.comm_hook(bucket)
 
 
@@ -48,6 +51,7 @@ def paced_hook(strategy: "DDP", bucket: dist.GradBucket) -> torch.futures.Future
 class DDP(Strategy):
     Options = DDPOptions
     checkpoint_replicated = True  # parameters and optimizer state are the same on every rank
+    inside_replica = ("ddp",)  # across replica groups: reduce inside, all-reduce across (comm = cross)
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)

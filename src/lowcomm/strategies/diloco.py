@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UsageError
 from ..models.layout import layout_of
 from . import outer_sync
 from .base import Strategy
@@ -50,6 +51,11 @@ class DiLoCoOptions(Options):
     def check(self) -> None:
         self.wire().check()
 
+    def check_run(self, cfg) -> None:
+        if self.sync_by == "time" and (cfg.replicas or cfg.workers) < cfg.workers:
+            raise UsageError(f"--sync-by time does not run across replica groups yet (--replicas {cfg.replicas} "
+                             f"of --workers {cfg.workers}); use --sync-by steps")
+
     def wire(self) -> WireFormat:
         return WireFormat(self.outer_precision, self.outer_compress, self.outer_ef_decay)
 
@@ -62,6 +68,7 @@ class DiLoCoOptions(Options):
 class DiLoCo(Strategy):
     Options = DiLoCoOptions
     reproducible_options = {"sync_by": "steps"}
+    inside_replica = ("ddp",)  # the inner phase inside a replica, pseudo-gradients synced across (comm = cross)
 
     @classmethod
     def model_state_bytes(cls, num_params, world, options):
@@ -84,6 +91,8 @@ class DiLoCo(Strategy):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         o = self.options
+        if self.inside is not None and o.sync_by == "time":
+            raise UsageError("--sync-by time does not run across replica groups yet; use --sync-by steps")
         fragments, delay, self.alpha = o.streaming()
         self.inner = self.make_optimizer(self.params)
         self.sync = outer_sync.OuterSync(self.params, layout_of(self.model).fragments(fragments), self.comm,
@@ -100,7 +109,9 @@ class DiLoCo(Strategy):
             ctx.end_idle(self.last_loss)  # the rank's latest inner loss, not a fake 0
 
     def update(self, ctx):
-        # Inner steps are local: a non-finite loss or gradient skips this rank's inner step only.
+        if self.inside is not None:  # the replica's ranks take one inner step, on their mean gradient
+            self.inside.reduce_grads(self.params)
+        # Inner steps are local: a non-finite loss or gradient skips this rank's (replica's) inner step only.
         if ctx.poison_nonfinite(*(p.grad for p in self.params if p.grad is not None)):
             ctx.skip()
         else:

@@ -1,0 +1,52 @@
+"""summary.json's `levels`: bytes and exposed time across replicas and inside a replica.
+
+A flat run has one level, "cross" (every worker is a replica of one process); a run with
+--replicas R < W has "intra" (inside each replica of K = W/R ranks, --intra-link) and
+"cross" (the K groups of R ranks at the same position of every replica, --link). Each
+level's bytes are set beside its plan: the strategy's own plan on R ranks across, the
+inside engine's on K ranks inside.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm
+from ..models.layout import ModelLayout
+
+LEVELS = ("intra", "cross")
+
+
+def gather_levels(world_comm: Comm, levels: list[Comm], device) -> torch.Tensor:
+    """(W, levels, 3) of every rank's wire bytes, exposed and busy seconds per level (collective)."""
+    mine = torch.zeros(len(LEVELS), 3, dtype=torch.float64)
+    for comm in levels:
+        s = comm.snapshot()
+        mine[LEVELS.index(comm.level)] = torch.tensor([s.wire_bytes, s.exposed_s, s.busy_s], dtype=torch.float64)
+    return world_comm.meta_all_gather(mine.to(device)).cpu()
+
+
+def planned_bytes(plan, ranks_in_group: int, world: int, occurrences) -> int:
+    """Wire bytes all `world` ranks send for `plan` on groups of `ranks_in_group` ranks."""
+    return world * sum(op.wire_bytes(ranks_in_group) * occurrences(op) for op in plan)
+
+
+def level_summary(every: torch.Tensor, strategy, layout: ModelLayout, world: int, replicas: int,
+                  steps: int, links: dict) -> dict:
+    """summary.json's `levels` from gather_levels' tensor, with each level's planned bytes."""
+    cls, size = type(strategy), world // replicas
+    inside_plan = strategy.inside.plan(layout) if strategy.inside is not None else []
+    plans = {"intra": (inside_plan, size, lambda op: op.occurrences(steps)),
+             "cross": (cls.comm_plan(layout, replicas, strategy.options), replicas,
+                       lambda op: cls.plan_occurrences(op, steps, strategy.options))}
+    out = {}
+    for i, level in enumerate(LEVELS):
+        plan, ranks, occurrences = plans[level]
+        out[level] = {
+            "ranks_per_group": ranks, "groups": world // ranks,
+            "wire_bytes": int(every[:, i, 0].sum()),
+            "planned_wire_bytes": planned_bytes(plan, ranks, world, occurrences),
+            "exposed_comm_s_per_rank": every[:, i, 1].tolist(),
+            "comm_s_per_rank": every[:, i, 2].tolist(),
+            "link": links.get(level),
+        }
+    return out
