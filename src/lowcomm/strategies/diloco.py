@@ -42,9 +42,8 @@ class DiLoCoOptions(Options):
                                   "(blockwise absmax, all-gathered)", choices=tuple(PRECISIONS))
     sync_by: str = option("steps", "inner phase length: 'steps' (H inner steps) or 'time' (as many as fit "
                           "in a 1x worker's H steps; FedNova averaging)", choices=("steps", "time"))
-    outer_compress: str = option("none", "outer gradients through a lowcomm.compress SPEC with error "
-                                 "feedback, all-gathered, e.g. topk:0.02,bits:2 or int4,block:64 "
-                                 "(topk:F|K, chunk:N, bits:B, quant:absmax|stat; none: off)")
+    outer_compress: str = option("none", "outer gradients through a lowcomm.compress SPEC with error feedback, "
+                                 "all-gathered: topk:F|K, chunk:N, bits:B, quant:absmax|stat (e.g. topk:0.02,bits:2)")
     outer_ef_decay: float = option(1.0, "--outer-compress error feedback: e <- decay*e + delta before "
                                    "compressing (1: classic, 0: no error feedback)", min=0, max=1)
 
@@ -53,8 +52,7 @@ class DiLoCoOptions(Options):
 
     def check_run(self, cfg) -> None:
         if self.sync_by == "time" and (cfg.replicas or cfg.workers) < cfg.workers:
-            raise UsageError(f"--sync-by time does not run across replica groups yet (--replicas {cfg.replicas} "
-                             f"of --workers {cfg.workers}); use --sync-by steps")
+            raise UsageError(f"--sync-by time does not run across replica groups (--replicas {cfg.replicas}) yet")
 
     def wire(self) -> WireFormat:
         return WireFormat(self.outer_precision, self.outer_compress, self.outer_ef_decay)
@@ -71,8 +69,7 @@ class DiLoCo(Strategy):
     inside_replica = ("ddp",)  # the inner phase inside a replica, pseudo-gradients synced across (comm = cross)
 
     @classmethod
-    def model_state_bytes(cls, num_params, world, options):
-        # θ, ∇θ, AdamW's moments, the fp32 θ_global, outer momentum (+ a residual if compressed)
+    def model_state_bytes(cls, num_params, world, options):  # θ, ∇θ, moments, θ_global, momentum (+ residual)
         return 24 * num_params + (4 * num_params if options.outer_compress != "none" else 0)
 
     @classmethod
@@ -91,8 +88,6 @@ class DiLoCo(Strategy):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         o = self.options
-        if self.inside is not None and o.sync_by == "time":
-            raise UsageError("--sync-by time does not run across replica groups yet; use --sync-by steps")
         fragments, delay, self.alpha = o.streaming()
         self.inner = self.make_optimizer(self.params)
         self.sync = outer_sync.OuterSync(self.params, layout_of(self.model).fragments(fragments), self.comm,
@@ -112,10 +107,8 @@ class DiLoCo(Strategy):
         if self.inside is not None:  # the replica's ranks take one inner step, on their mean gradient
             self.inside.reduce_grads(self.params)
         # Inner steps are local: a non-finite loss or gradient skips this rank's (replica's) inner step only.
-        if ctx.poison_nonfinite(*(p.grad for p in self.params if p.grad is not None)):
-            ctx.skip()
-        else:
-            self.inner.step()
+        bad = ctx.poison_nonfinite(*(p.grad for p in self.params if p.grad is not None))
+        ctx.skip() if bad else self.inner.step()
         self.inner.zero_grad(set_to_none=True)
         self.inner_steps, self.last_loss = self.inner_steps + 1, ctx.mean_loss
         self.sync.inner_step(time.perf_counter() - ctx.t0)
@@ -130,8 +123,7 @@ class DiLoCo(Strategy):
         self.sync.issue_due(t)
         self._land(ctx, t, self.alpha)  # delay 0: at once
 
-    def _land(self, ctx, t: int | None, alpha: float) -> None:
-        """The syncs whose merge is due at step t (None: all): outer step, then merge."""
+    def _land(self, ctx, t: int | None, alpha: float) -> None:  # merges due at step t (None: all)
         for i in self.sync.merges_due(t):
             self._collect(ctx, i)
             self.sync.merge(i, alpha)
@@ -146,8 +138,7 @@ class DiLoCo(Strategy):
             elif ctx is not None:
                 ctx.skip()
 
-    def rounds_started(self) -> int:
-        """1 while a sync is owed (the driver takes the most over ranks: all do the final sync)."""
+    def rounds_started(self) -> int:  # 1 while a sync is owed: the driver takes the most over the ranks
         return int(self.sync.owed())
 
     def finish(self, rounds: int, ctx=None) -> None:
@@ -163,7 +154,7 @@ class DiLoCo(Strategy):
         self.sync.use_comm(comm)
 
     def release(self) -> None:
-        self.sync.release()
+        self.sync.release()  # nothing left unwaited
 
     @contextmanager
     def swapped_for_eval(self):
@@ -175,7 +166,7 @@ class DiLoCo(Strategy):
         return [self.inner, self.outer]
 
     def extra_state(self) -> dict:
-        self._collect()
+        self._collect()  # a sync in flight lands first: its outer step is part of the state
         return {**self.sync.state_dict(), "inner_steps": self.inner_steps, "last_loss": self.last_loss}
 
     def load_extra_state(self, sd: dict) -> None:
@@ -183,6 +174,7 @@ class DiLoCo(Strategy):
         self.inner_steps, self.last_loss = sd["inner_steps"], sd["last_loss"]
 
     def report(self) -> dict:
-        return {**self.sync.report(self.steps_done), "inner_steps_rank0": self.inner_steps,
-                "inner_steps_per_step_rank0": self.inner_steps / max(self.steps_done, 1),
-                **{k: getattr(self.options, k) for k in ("sync_every", "sync_by", "outer_precision", "outer_compress")}}
+        o = self.options
+        return {**self.sync.report(self.steps_done), "inner_steps_rank0": self.inner_steps, "sync_every": o.sync_every,
+                "inner_steps_per_step_rank0": self.inner_steps / max(self.steps_done, 1), "sync_by": o.sync_by,
+                "outer_precision": o.outer_precision, "outer_compress": o.outer_compress}
