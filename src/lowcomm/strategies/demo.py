@@ -54,6 +54,12 @@ class DeMoOptions(Options):
         if self.beta >= 1.0:
             raise UsageError(f"--demo-beta (demo.beta) must be below 1, got {self.beta}")
 
+    def check_model(self, layout):
+        largest = max(e.block for e in encoders(layout.shapes, self.chunk, self.topk))
+        if self.topk >= largest:  # (a smaller tensor's chunk keeps all of its coefficients: it is sent whole)
+            raise UsageError(f"--demo-topk {self.topk} keeps every coefficient of every chunk of this model "
+                             f"(the largest chunk holds {largest}): nothing is compressed; use fewer")
+
 
 @register("demo")
 class DeMo(Strategy):

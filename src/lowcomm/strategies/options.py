@@ -36,6 +36,11 @@ class Options:
     def check(self) -> None:
         """Rules that involve more than one field; subclasses raise UsageError."""
 
+    def check_model(self, layout) -> None:
+        """Rules that involve the model (models.layout.ModelLayout: shapes, blocks), checked at
+        launch before anything is written: a value the model cannot honour is refused, never
+        clamped silently. Subclasses raise UsageError."""
+
     def check_run(self, cfg) -> None:
         """Rules that involve the run's settings too (cfg: config.RunConfig, e.g. its accum);
         called once the strategy is chosen. Subclasses raise UsageError."""

@@ -25,6 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 from ..comm.powersgd_state import (MIN_COMPRESSION_RATE, HookStateLayout, compresses, hook_state_dict,
                                    load_hook_state, matrix_shape)
 from ..comm.torch_hooks import BucketChain, CountedGroup, route_collectives
+from ..errors import UsageError
 from .base import Strategy
 from .ddp import DDP, DDPOptions
 from .options import option
@@ -37,6 +38,11 @@ class PowerSGDOptions(DDPOptions):
     rank: int = option(4, "PowerSGD matrix approximation rank", flag="--powersgd-rank", min=1)
     start: int = option(10, "plain all-reduce for this many steps before PowerSGD starts (torch needs > 1)",
                         flag="--powersgd-start", min=2)
+
+    def check_model(self, layout) -> None:
+        if powersgd_sizes(layout.shapes, self.rank)[1] == 0:
+            raise UsageError(f"--powersgd-rank {self.rank} compresses no tensor of this model (an n x m matrix is "
+                             f"compressed when (n+m)*rank*{MIN_COMPRESSION_RATE} < n*m); use a lower rank")
 
 
 def powersgd_sizes(shapes, rank: int) -> tuple[int, int, int]:

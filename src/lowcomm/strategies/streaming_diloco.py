@@ -49,6 +49,13 @@ class StreamingOptions(DiLoCoOptions):
             raise UsageError(f"--fragment-delay ({self.fragment_delay}) must be less than --sync-every "
                              f"({self.sync_every}): a fragment must land before its next sync")
 
+    def check_model(self, layout) -> None:
+        empty = layout.fragment_numels(self.fragments).count(0)
+        if empty:
+            raise UsageError(f"--fragments {self.fragments}: {empty} of them would hold no parameter in this model "
+                             f"(fragments are strided over its transformer blocks); use at most "
+                             f"{self.fragments - empty}")
+
     def streaming(self) -> tuple[int, int, float]:
         return self.fragments, self.fragment_delay, self.merge_alpha
 
