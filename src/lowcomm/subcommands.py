@@ -162,12 +162,9 @@ MAX_PLAN_WORKERS = 1_000_000
 
 
 def _plan(args) -> int:
-    from . import config as C
     from . import planner
-    from .bench import for_strategy, parse_strategies, unused_options
-    from .report.runs import load_bench, reach
+    from .report.runs import load_bench
     from .report.table import default_target
-    from .strategies import available
 
     bench = load_bench(args.calibrate) if args.calibrate else None
     runs = {e.summary["strategy"]: e for e in bench.entries if hasattr(e, "summary")} if bench else {}
@@ -176,6 +173,32 @@ def _plan(args) -> int:
     from_bench = bench is not None and not args.config
     if from_bench:  # the bench's cluster, model and batch, unless flags say otherwise
         args.config = str(next(iter(runs.values())).path / "config.toml")
+    cfg = _plan_config(args, calibrated=bench is not None)
+    names, options = _plan_options(args, cfg, from_bench)
+    cluster, dims, per_token = _plan_cluster(args, cfg, calibrated=bench is not None)
+    target = _target(args)
+    if bench is not None:
+        target = target if target is not None else bench.meta.get("target_loss") or default_target(bench.entries)
+    ranked = planner.rank(_predict(args, cfg, cluster, names, options, runs, per_token, target))
+    why = planner.recommend(ranked, cluster)
+    if args.json:
+        from . import config as C
+        print(json.dumps({"cluster": {"params": cluster.params, "workers": cfg.workers, "tokens_per_step":
+                                      cluster.tokens_per_step, "link": C.to_dict(cfg)["link"],
+                                      "slowdown": list(cfg.slowdown), "accum": cfg.accum,
+                                      "steps": cfg.steps if given(args, "--steps") else None, "model": dims},
+                          "target_loss": target, "ranked": [asdict(p) for p in ranked],
+                          "recommendation": why}, indent=2))
+    else:
+        print(planner.describe_model(dims))
+        print(_plan_table(ranked, cluster, cfg, target))
+        print("\n" + why)
+    return 0
+
+
+def _plan_config(args, calibrated: bool):
+    """The run config to plan, with the counts the planner needs checked (it does not validate
+    the whole config: a plan needs no data, device or backend)."""
     cfg = config_from_args(args)
     if cfg.workers < 1:
         raise UsageError(f"workers must be at least 1, got {cfg.workers}")
@@ -184,10 +207,19 @@ def _plan(args) -> int:
     for name in ("accum", "micro_batch", "steps"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"{name} must be at least 1, got {getattr(cfg, name)}")
-    if bench is not None and not given(args, "--slowdown") and len(cfg.slowdown) != cfg.workers:
+    if calibrated and not given(args, "--slowdown") and len(cfg.slowdown) != cfg.workers:
         cfg.slowdown = ()  # the bench's slowdowns do not fit the planned --workers: plan equal workers
     if cfg.slowdown and len(cfg.slowdown) != cfg.workers:
         raise UsageError(f"slowdown has {len(cfg.slowdown)} factor(s) but there are {cfg.workers} workers")
+    return cfg
+
+
+def _plan_options(args, cfg, from_bench: bool) -> tuple[list[str], dict]:
+    """The strategies to plan and each one's resolved options; an option none of them takes is refused."""
+    from . import config as C
+    from .bench import for_strategy, parse_strategies, unused_options
+    from .strategies import available
+
     names = parse_strategies(args.strategies, default=available())
     options, used = {}, set()
     for name in names:
@@ -199,27 +231,41 @@ def _plan(args) -> int:
     unused = unused_options(cfg, used)
     if unused:
         raise UsageError(f"{unused} applies to none of the strategies planned ({', '.join(names)})")
+    return names, options
+
+
+def _plan_cluster(args, cfg, calibrated: bool):
+    """(the planner's Cluster, the model's dims, seconds per token of one 1x worker or None:
+    from --worker-tflops, else measured per strategy by the calibrating bench)."""
+    from . import config as C
+    from . import planner
 
     model_flags = {k for k in planner.MODEL_KEYS if getattr(args, "model__" + k) is not None}
     asked = planner.size_model(cfg, args.params, model_flags) if args.params is not None else None
     layout = planner.model_layout(cfg)
     params, dims = layout.numel, planner.model_dims(cfg, layout, asked)
     tokens = parse_count(args.tokens_per_step, "--tokens-per-step") if args.tokens_per_step else cfg.tokens_per_step
-    per_token = None  # seconds per token of one 1x worker: from --worker-tflops, else measured per strategy
+    per_token = None
     if args.worker_tflops is not None:
         tflops = convert(args.worker_tflops, "float", "--worker-tflops")
         if tflops <= 0:
             raise UsageError(f"--worker-tflops must be positive, got {args.worker_tflops}")
         per_token = planner.flops_seconds_per_token(params, tflops * 1e12)
-    elif bench is None:
+    elif not calibrated:
         raise UsageError("give --worker-tflops X (one worker's sustained TFLOP/s) or --calibrate BENCHDIR")
     cluster = planner.Cluster(layout, cfg.workers, tokens, 0.0, C.make_link(cfg), tuple(cfg.slowdown), cfg.accum)
+    return cluster, dims, per_token
 
-    target = _target(args)
-    if bench is not None:
-        target = target if target is not None else bench.meta.get("target_loss") or default_target(bench.entries)
-        measured = {n: r.seconds_per_token() * params / r.summary["params"] for n, r in runs.items()}
-        fallback = sorted(measured.values())[len(measured) // 2]
+
+def _predict(args, cfg, cluster, names, options, runs, per_token, target) -> list:
+    """Each strategy's prediction; a calibrating bench's runs give their measured speed (scaled
+    to the planned model; the median for a strategy it did not run), overhead and time to target."""
+    from . import planner
+    from .report.runs import reach
+
+    params = cluster.params
+    measured = {n: r.seconds_per_token() * params / r.summary["params"] for n, r in runs.items()}
+    fallback = sorted(measured.values())[len(measured) // 2] if measured else None
     preds = []
     for name in names:
         run = runs.get(name)
@@ -232,20 +278,7 @@ def _plan(args) -> int:
             if p.tokens_to_target is not None:
                 p.time_to_target_s = p.tokens_to_target / p.tokens_per_s
         preds.append(p)
-    ranked = planner.rank(preds)
-    why = planner.recommend(ranked, cluster)
-    if args.json:
-        print(json.dumps({"cluster": {"params": params, "workers": cfg.workers, "tokens_per_step": tokens,
-                                      "link": C.to_dict(cfg)["link"], "slowdown": list(cfg.slowdown),
-                                      "accum": cfg.accum, "steps": cfg.steps if given(args, "--steps") else None,
-                                      "model": dims},
-                          "target_loss": target, "ranked": [asdict(p) for p in ranked],
-                          "recommendation": why}, indent=2))
-    else:
-        print(planner.describe_model(dims))
-        print(_plan_table(ranked, cluster, cfg, target))
-        print("\n" + why)
-    return 0
+    return preds
 
 
 def _plan_table(ranked, cluster, cfg, target) -> str:

@@ -35,32 +35,49 @@ def write_plots(runs: list[Run], out: Path, target: float | None, setting: str) 
             ("loss_vs_time.png", "time_s", "training time (s; evaluation excluded)", 1.0, "Validation loss vs time"),
             ("loss_vs_bytes.png", "wire_bytes", "data sent, all ranks (MB)", 1e-6, "Validation loss vs data sent")):
         fig, ax = plt.subplots(figsize=(7.2, 4.6))
-        log_x = key == "wire_bytes" and _log_worthy([p.wire_bytes for r in runs for p in r.curve])
-        for i, run in enumerate(runs):
-            points = [p for p in run.curve if p.wire_bytes > 0 or not log_x]  # 0 has no place on a log axis
-            label = run.label + (f" ({len(run.curve) - len(points)} points at 0 MB not shown)"
-                                 if len(points) < len(run.curve) else "")
-            line, = ax.plot([getattr(p, key) * scale for p in points], [p.val_loss for p in points],
-                            linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)], markersize=5,
-                            markerfacecolor="none", linewidth=1.6, alpha=0.9, label=label, zorder=3 + len(runs) - i)
-            hit = reach(run.curve, target, key) if target is not None else None
-            if hit is not None and (hit > 0 or not log_x):
-                ax.plot([hit * scale], [target], marker="*", markersize=13, color=line.get_color(),
-                        markeredgecolor="black", markeredgewidth=0.6, linestyle="none", zorder=10)
-        if target is not None:
-            ax.axhline(target, color="grey", linestyle=":", linewidth=1,
-                       label=f"target {target:.4f} (★ where each run reaches it)")
-            ax.set_ylim(*_loss_range(runs, target))
-        if log_x:
-            ax.set_xscale("log")
-        else:
-            ax.set_xlim(left=0)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(LOSS)
-        ax.grid(alpha=0.3, which="both" if log_x else "major")
-        ax.legend(fontsize=8)
+        _draw_loss(ax, runs, target, key, xlabel, scale)
         save(fig, name, what)
+    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    _draw_time_breakdown(ax, runs)
+    save(fig, "time_breakdown.png", "Where the time went")
+    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    ax.bar([r.label for r in runs], [r.summary["tokens_per_s"] for r in runs], color="tab:green")
+    ax.set_ylabel("throughput (tokens/s, all workers)")
+    ax.tick_params(axis="x", labelrotation=30)
+    save(fig, "tokens_per_s.png", "Training throughput")
+    return written
 
+
+def _draw_loss(ax, runs: list[Run], target: float | None, key: str, xlabel: str, scale: float) -> None:
+    """Validation loss against `key` of each curve point (time_s or wire_bytes), each run's
+    crossing of the target starred."""
+    log_x = key == "wire_bytes" and _log_worthy([p.wire_bytes for r in runs for p in r.curve])
+    for i, run in enumerate(runs):
+        points = [p for p in run.curve if p.wire_bytes > 0 or not log_x]  # 0 has no place on a log axis
+        label = run.label + (f" ({len(run.curve) - len(points)} points at 0 MB not shown)"
+                             if len(points) < len(run.curve) else "")
+        line, = ax.plot([getattr(p, key) * scale for p in points], [p.val_loss for p in points],
+                        linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)], markersize=5,
+                        markerfacecolor="none", linewidth=1.6, alpha=0.9, label=label, zorder=3 + len(runs) - i)
+        hit = reach(run.curve, target, key) if target is not None else None
+        if hit is not None and (hit > 0 or not log_x):
+            ax.plot([hit * scale], [target], marker="*", markersize=13, color=line.get_color(),
+                    markeredgecolor="black", markeredgewidth=0.6, linestyle="none", zorder=10)
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1,
+                   label=f"target {target:.4f} (★ where each run reaches it)")
+        ax.set_ylim(*_loss_range(runs, target))
+    if log_x:
+        ax.set_xscale("log")
+    else:
+        ax.set_xlim(left=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(LOSS)
+    ax.grid(alpha=0.3, which="both" if log_x else "major")
+    ax.legend(fontsize=8)
+
+
+def _draw_time_breakdown(ax, runs: list[Run]) -> None:
     # Per rank, averaged over ranks: forward/backward (slowdown included), waits on the
     # network, and the rest of the wall time (optimizer, waiting for slower ranks, evaluation).
     labels = [r.label for r in runs]
@@ -72,7 +89,6 @@ def write_plots(runs: list[Run], out: Path, target: float | None, setting: str) 
         compute.append(c)
         exposed.append(e)
         idle.append(max(0.0, s["wall_s"] - c - e))
-    fig, ax = plt.subplots(figsize=(7.2, 4.6))
     ax.bar(labels, compute, label="compute (forward, backward)")
     ax.bar(labels, exposed, bottom=compute, label="waiting on the network (exposed communication)", hatch="//")
     ax.bar(labels, idle, bottom=[c + e for c, e in zip(compute, exposed)], label="other (optimizer, evaluation, "
@@ -81,14 +97,6 @@ def write_plots(runs: list[Run], out: Path, target: float | None, setting: str) 
     ax.set_ylim(0, 1.4 * max(c + e + i for c, e, i in zip(compute, exposed, idle)))  # room for the legend
     ax.legend(fontsize=8, loc="upper center")
     ax.tick_params(axis="x", labelrotation=30)
-    save(fig, "time_breakdown.png", "Where the time went")
-
-    fig, ax = plt.subplots(figsize=(7.2, 4.6))
-    ax.bar(labels, [r.summary["tokens_per_s"] for r in runs], color="tab:green")
-    ax.set_ylabel("throughput (tokens/s, all workers)")
-    ax.tick_params(axis="x", labelrotation=30)
-    save(fig, "tokens_per_s.png", "Training throughput")
-    return written
 
 
 def _log_worthy(values: list[float]) -> bool:
