@@ -122,7 +122,7 @@ def add_link_flag(parser: argparse.ArgumentParser, default: str = "none") -> Non
 
 def add_intra_link_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intra-link", metavar="BW,LAT[,JIT]",
-                        help="emulate the link inside a replica, as --link (TOML: [intra_link]; default: none)")
+                        help="emulate the link inside a replica, as --link; TOML: [intra_link] (default: none)")
 
 
 def add_strategy_options(parser: argparse.ArgumentParser) -> None:
