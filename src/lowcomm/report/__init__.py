@@ -6,19 +6,19 @@ from pathlib import Path
 from ..metrics.runlog import write_json_atomic
 from .answer import answer
 from .plots import PLOTS, write_plots
-from .runs import Failed, Run, load_bench, load_entries, load_run
+from .runs import Failed, RecordedRun, load_bench, load_entries, load_run
 from .setup import describe, not_comparable
 from .table import default_target, markdown, row
 
-__all__ = ["PLOTS", "Failed", "Run", "load_bench", "load_entries", "load_run", "write_report"]
+__all__ = ["PLOTS", "Failed", "RecordedRun", "load_bench", "load_entries", "load_run", "write_report"]
 
 
 def write_report(entries: list, out: Path, target_loss: float | None = None, title: str = "lowcomm report",
                  preamble: str = "") -> list[dict]:
     """Write report.md (the answer, the table, the plots), report.json and the plots for
-    `entries` (Run or Failed) into `out`."""
+    `entries` (RecordedRun or Failed) into `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    runs = [e for e in entries if isinstance(e, Run)]
+    runs = [e for e in entries if isinstance(e, RecordedRun)]
     apart = not_comparable(runs)
     comparable = [r for r in runs if r.label not in apart]
     target = target_loss if target_loss is not None else default_target(comparable)

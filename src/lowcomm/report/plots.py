@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .runs import Run, reach
+from .runs import RecordedRun, reach
 
 PLOTS = ("loss_vs_time.png", "loss_vs_bytes.png", "time_breakdown.png", "tokens_per_s.png")
 STYLES = ["-", "--", "-.", ":"]
@@ -17,7 +17,7 @@ LOSS = "validation loss (nats/token)"
 ABOVE_TARGET = 2.0
 
 
-def write_plots(runs: list[Run], out: Path, target: float | None, setting: str) -> list[Path]:
+def write_plots(runs: list[RecordedRun], out: Path, target: float | None, setting: str) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -48,7 +48,7 @@ def write_plots(runs: list[Run], out: Path, target: float | None, setting: str) 
     return written
 
 
-def _draw_loss(ax, runs: list[Run], target: float | None, key: str, xlabel: str, scale: float) -> None:
+def _draw_loss(ax, runs: list[RecordedRun], target: float | None, key: str, xlabel: str, scale: float) -> None:
     """Validation loss against `key` of each curve point (time_s or wire_bytes), each run's
     crossing of the target starred."""
     log_x = key == "wire_bytes" and _log_worthy([p.wire_bytes for r in runs for p in r.curve])
@@ -77,7 +77,7 @@ def _draw_loss(ax, runs: list[Run], target: float | None, key: str, xlabel: str,
     ax.legend(fontsize=8)
 
 
-def _draw_time_breakdown(ax, runs: list[Run]) -> None:
+def _draw_time_breakdown(ax, runs: list[RecordedRun]) -> None:
     # Per rank, averaged over ranks: forward/backward (slowdown included), waits on the
     # network, and the rest of the wall time (optimizer, waiting for slower ranks, evaluation).
     labels = [r.label for r in runs]
@@ -106,7 +106,7 @@ def _log_worthy(values: list[float]) -> bool:
     return bool(positive) and max(positive) > 10 * min(positive)
 
 
-def _loss_range(runs: list[Run], target: float) -> tuple[float, float]:
+def _loss_range(runs: list[RecordedRun], target: float) -> tuple[float, float]:
     losses = [p.val_loss for r in runs for p in r.curve]
     best = min(losses, default=target)
     below = max(target - best, 0.02 * abs(target))  # a run that ends at the target still shows a margin

@@ -33,7 +33,8 @@ class Point:
 
 
 @dataclass
-class Run:
+class RecordedRun:
+    """A finished run as read back from its directory (summary.json, steps.jsonl, config.toml)."""
     label: str
     path: Path
     summary: dict
@@ -79,14 +80,14 @@ class Failed:
 class Bench:
     path: Path
     meta: dict
-    entries: list = field(default_factory=list)  # Run or Failed, in bench order
+    entries: list = field(default_factory=list)  # RecordedRun or Failed, in bench order
 
 
 def is_run(path: Path) -> bool:
     return (path / "summary.json").is_file() and (path / "steps.jsonl").is_file()
 
 
-def load_run(path: str | Path, label: str | None = None) -> Run:
+def load_run(path: str | Path, label: str | None = None) -> RecordedRun:
     p = Path(path)
     if not is_run(p):
         raise UsageError(f"'{path}' is not a lowcomm run (no summary.json and steps.jsonl in it)")
@@ -98,7 +99,7 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
         raise UsageError(f"'{path}' is not a readable lowcomm run: {e}") from None
     if not isinstance(summary, dict) or "strategy" not in summary or "final_val_loss" not in summary:
         raise UsageError(f"'{path}' is not a lowcomm run (its summary.json has no strategy or final_val_loss)")
-    return Run(label or summary["strategy"], p, summary, steps, config)
+    return RecordedRun(label or summary["strategy"], p, summary, steps, config)
 
 
 def is_bench(path: Path) -> bool:

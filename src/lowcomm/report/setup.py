@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from .runs import Run
+from .runs import RecordedRun
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class Setup:
     workers: int
 
 
-def setup_of(run: Run) -> Setup:
+def setup_of(run: RecordedRun) -> Setup:
     c, s = run.config, run.summary
     seq_len = c.get("model", {}).get("seq_len", 128)
     per_step = s["workers"] * c.get("accum", 1) * c.get("micro_batch", 16) * seq_len
@@ -44,7 +44,7 @@ def differences(setup: Setup, reference: Setup) -> list[str]:
     return out
 
 
-def not_comparable(runs: list[Run]) -> dict[str, list[str]]:
+def not_comparable(runs: list[RecordedRun]) -> dict[str, list[str]]:
     """label -> how the run differs from the setup most runs share (ties: the first run's).
     Runs that share it are absent."""
     if not runs:
@@ -58,7 +58,7 @@ def not_comparable(runs: list[Run]) -> dict[str, list[str]]:
 DIMS = {"n_layer": "{} layers", "n_head": "{} heads", "d_model": "width {}"}  # a preset's dims, overridden
 
 
-def describe(run: Run) -> str:
+def describe(run: RecordedRun) -> str:
     """'2 workers, link 100mbit,10ms, GPT 1.05M params (tiny), 300,000 tokens': a plot title's words."""
     c, s = run.config, run.summary
     link = c.get("link", {})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .runs import Failed, Run, reach
+from .runs import Failed, RecordedRun, reach
 from .setup import setup_of
 
 # (key, header, format): the Markdown shows each number in this format; report.json has it unrounded.
@@ -23,7 +23,7 @@ COLUMNS = [
 
 def default_target(entries: list) -> float | None:
     """The worst (highest) final validation loss of the runs that finished: every run reaches it."""
-    finals = [e.summary["final_val_loss"] for e in entries if isinstance(e, Run)
+    finals = [e.summary["final_val_loss"] for e in entries if isinstance(e, RecordedRun)
               and math.isfinite(e.summary["final_val_loss"])]
     return max(finals) if finals else None
 
