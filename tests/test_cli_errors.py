@@ -205,8 +205,6 @@ def _setup(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str]:
     if case == "empty_option_value":
         return ["--strategy", "diloco", "--outer-compress", " ", *d], ("--outer-compress", "empty")
     # options the model cannot honour are refused, never clamped silently
-    if case == "fragments_beyond_blocks":
-        return ["--strategy", "streaming_diloco", "--n-layer", "2", "--fragments", "4", *d], ("--fragments 4", "at most 2")
     if case == "demo_topk_beyond_chunks":
         return ["--strategy", "demo", "--demo-topk", "5000", *d], ("--demo-topk 5000", "nothing is compressed")
     if case == "powersgd_rank_beyond_matrices":
@@ -249,14 +247,13 @@ CASES = ["unknown_strategy", "workers_zero", "workers_negative", "workers_non_nu
          "overwrite_not_a_run",
          "resume_with_another_strategy", "resume_with_overwrite", "toml_table_of_another_strategy",
          "empty_flag_value", "empty_option_value", "binary_data", "binary_file_in_data_dir",
-         "fragments_beyond_blocks", "demo_topk_beyond_chunks", "powersgd_rank_beyond_matrices"]
+         "demo_topk_beyond_chunks", "powersgd_rank_beyond_matrices"]
 
 # The cases whose check runs last before anything is written (data, sizes, config):
 # run them against an output dir that already holds files, which must stay as they were.
 PRE_EXISTING = {"unknown_strategy", "empty_data_file", "unreadable_data_eio", "seq_len_longer_than_data",
                 "unknown_toml_key_in_table", "workers_zero", "model_beyond_memory", "max_accum_below_accum",
-                "link_negative_latency", "overwrite_not_a_run", "toml_table_of_another_strategy", "binary_data",
-                "fragments_beyond_blocks"}
+                "link_negative_latency", "overwrite_not_a_run", "toml_table_of_another_strategy", "binary_data"}
 
 
 def assert_usage_error(code: int, stdout: str, stderr: str, names: str | tuple[str, ...]) -> None:

@@ -118,3 +118,17 @@ def test_converges_on_the_corpus_at_int4(corpus_run):
     assert s["final_val_loss"] < CONVERGE_THRESHOLD, (
         f"streaming_diloco --outer-precision int4: validation loss {s['final_val_loss']:.3f} "
         f"(ln 256 = {math.log(256):.3f})")
+
+
+def test_fragments_beyond_the_blocks_are_said_in_one_warning(capsys):
+    """With fewer transformer blocks than fragments some fragments hold nothing and never sync:
+    the run goes on (the paper's schedule kept) and says so in one line."""
+    from lowcomm.models.layout import layout_of
+    from lowcomm.strategies import get
+    opts = get("streaming_diloco").Options(fragments=4).validate("streaming_diloco")
+    opts.check_model(layout_of(lowcomm.GPT(256, 16, n_layer=4, n_head=2, d_model=16)))
+    assert capsys.readouterr().err == ""
+    opts.check_model(layout_of(lowcomm.GPT(256, 16, n_layer=2, n_head=2, d_model=16)))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["warning: --fragments 4: 2 of them hold no parameter of this model (fewer transformer "
+                   "blocks than fragments) and never sync"]

@@ -25,6 +25,7 @@ each fragment's sync.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from ..errors import UsageError
@@ -50,11 +51,13 @@ class StreamingOptions(DiLoCoOptions):
                              f"({self.sync_every}): a fragment must land before its next sync")
 
     def check_model(self, layout) -> None:
-        empty = layout.fragment_numels(self.fragments).count(0)
-        if empty:
-            raise UsageError(f"--fragments {self.fragments}: {empty} of them would hold no parameter in this model "
-                             f"(fragments are strided over its transformer blocks); use at most "
-                             f"{self.fragments - empty}")
+        """Fragments are strided over the transformer blocks: with fewer blocks than F, some
+        hold nothing and never sync (the paper's schedule is kept); said in one line, and
+        summary.json records each fragment's size."""
+        sizes = layout.fragment_numels(self.fragments)
+        if 0 in sizes:
+            print(f"warning: --fragments {self.fragments}: {sizes.count(0)} of them hold no parameter of this "
+                  f"model (fewer transformer blocks than fragments) and never sync", file=sys.stderr, flush=True)
 
     def streaming(self) -> tuple[int, int, float]:
         return self.fragments, self.fragment_delay, self.merge_alpha
