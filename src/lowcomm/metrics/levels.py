@@ -30,14 +30,22 @@ def planned_bytes(plan, ranks_in_group: int, world: int, occurrences) -> int:
     return world * sum(op.wire_bytes(ranks_in_group) * occurrences(op) for op in plan)
 
 
+def level_plans(strategy, layout: ModelLayout, replicas: int) -> tuple[list, list]:
+    """(inside a replica, across replicas): the plans one rank follows (a flat run: none inside)."""
+    cls = type(strategy)
+    if strategy.inside is None:
+        return [], cls.comm_plan(layout, replicas, strategy.options)
+    size = strategy.inside.comm.world
+    return cls.level_plans(layout, replicas, size, strategy.options, strategy.inside.plan(layout))
+
+
 def level_summary(every: torch.Tensor, strategy, layout: ModelLayout, world: int, replicas: int,
                   steps: int, links: dict) -> dict:
     """summary.json's `levels` from gather_levels' tensor, with each level's planned bytes."""
     cls, size = type(strategy), world // replicas
-    inside_plan = strategy.inside.plan(layout) if strategy.inside is not None else []
-    plans = {"intra": (inside_plan, size, lambda op: op.occurrences(steps)),
-             "cross": (cls.comm_plan(layout, replicas, strategy.options), replicas,
-                       lambda op: cls.plan_occurrences(op, steps, strategy.options))}
+    intra, cross = level_plans(strategy, layout, replicas)
+    plans = {"intra": (intra, size, lambda op: op.occurrences(steps)),
+             "cross": (cross, replicas, lambda op: cls.plan_occurrences(op, steps, strategy.options))}
     out = {}
     for i, level in enumerate(LEVELS):
         plan, ranks, occurrences = plans[level]

@@ -8,6 +8,9 @@ The comm hook keeps DDP's overlap of all-reduce with backward intact while
 Comm counts every bucket's bytes. The time a rank waits for the last buckets
 after its backward compute ends is DDP's exposed communication. (No `from __future__ import annotations` here: DDP
 checks the comm hook's return annotation at runtime.)
+
+Across replica groups (--replicas): each bucket reduce-scattered inside the replica, this
+rank's 1/K all-reduced across replicas (overlapped as above), all-gathered inside at the end.
 """
 import weakref
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ from ..comm import Comm
 from ..errors import UsageError
 from .base import Strategy
 from .options import Options, option
-from .plan import PlannedOp
+from .plan import PlannedOp, flat_numel
 from .registry import register
 
 
@@ -39,11 +42,11 @@ def paced_hook(strategy: "DDP", bucket: dist.GradBucket) -> torch.futures.Future
     """The hook DDP calls for every bucket: pay the emulated slowdown of the compute so far
     (a slower device would issue this bucket that much later, and the peers must wait for
     it inside the reduction, not at some later sync point), then the strategy's comm_hook
-    (across replica groups: on the bucket already averaged inside the replica)."""
+    (across replica groups: replica_hook, each position's piece of the bucket across)."""
     strategy.pace()
     strategy.buckets_sent += 1
     if strategy.inside is not None:
-        strategy.inside.reduce(bucket.buffer())
+        return strategy.replica_hook(bucket)
     return strategy.comm_hook(bucket)
 
 
@@ -51,7 +54,7 @@ def paced_hook(strategy: "DDP", bucket: dist.GradBucket) -> torch.futures.Future
 class DDP(Strategy):
     Options = DDPOptions
     checkpoint_replicated = True  # parameters and optimizer state are the same on every rank
-    inside_replica = ("ddp",)  # across replica groups: reduce inside, all-reduce across (comm = cross)
+    inside_replica = ("ddp",)  # across replica groups: HSDP's split by position (comm = cross)
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)
@@ -63,11 +66,42 @@ class DDP(Strategy):
         self.ddp.register_comm_hook(weakref.proxy(self), paced_hook)
         self.optimizer = make_optimizer(model.parameters())
         self.buckets_sent = 0  # in the current step: none after a synced backward means DDP was bypassed
+        self.pieces = []  # across replica groups: (parameters, piece, numel) of each bucket this step
 
     def comm_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """How one bucket of gradients is reduced (the seam subclasses replace, e.g. powersgd):
         here torch's default all-reduce (mean), through Comm."""
         return counted_allreduce_hook(self.comm, bucket)
+
+    def replica_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Across replica groups: the bucket reduce-scattered inside the replica, this rank's
+        piece (its position's 1/K) all-reduced across replicas behind the rest of the backward;
+        the pieces are all-gathered inside the replica once the backward ends (gather_pieces)."""
+        buffer = bucket.buffer()
+        piece = self.inside.scatter(buffer)
+        self.pieces.append((bucket.parameters(), piece, buffer.numel()))
+        handle = self.comm.all_reduce(piece, op="avg", async_op=True)
+        return handle.future.then(lambda f: buffer)
+
+    def gather_pieces(self) -> None:
+        """Every bucket's reduced pieces all-gathered inside the replica, into the gradients."""
+        for params, piece, numel in self.pieces:
+            flat, at = self.inside.gather(piece, numel), 0
+            for p in params:
+                if p.grad is not None:
+                    p.grad.copy_(flat[at:at + p.numel()].view_as(p.grad))
+                at += p.numel()
+        self.pieces = []
+
+    @classmethod
+    def level_plans(cls, layout, replicas, size, options, inside_plan):
+        # HSDP's split: inside, the gradients reduce-scattered and the pieces all-gathered
+        # (padded to a multiple of K, as one bucket is: several buckets pad each on its own);
+        # across, each position all-reduces its 1/K.
+        padded = 4 * flat_numel(layout.numel, size)
+        return ([PlannedOp("reduce_scatter", padded, what="gradients inside the replica (fp32, in buckets)"),
+                 PlannedOp("all_gather", padded, what="the reduced pieces inside the replica (fp32)")],
+                [PlannedOp("all_reduce", padded // size, what="this position's 1/K of the gradients (fp32)")])
 
     @property
     def train_model(self):
@@ -139,6 +173,8 @@ class DDP(Strategy):
             exposed = max(0.0, min(end - self.comm.last_issue_s, ctx.last_compute_s))
             self.comm.add_exposed(exposed, end=end)
             ctx.compute_s -= exposed
+        if self.inside is not None:
+            self.gather_pieces()
         # The all-reduce carried any NaN to every rank: all skip alike (see StepContext.received_finite).
         if ctx.received_finite(*(p.grad for p in self.model.parameters() if p.grad is not None)):
             self.optimizer.step()

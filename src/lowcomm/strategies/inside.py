@@ -1,9 +1,11 @@
 """What runs inside a replica group (--inside), below the strategy that runs across replicas.
 
 With --replicas R of --workers W, each replica's K = W/R processes act as one worker of the
-strategy: `ddp` averages their gradients every step, before the strategy's own operation
-across replicas, so every rank of a replica holds the same parameters and the strategy's
-cross-replica traffic is what R single workers would send (comm/groups.py forms the groups).
+strategy: `ddp` averages their gradients every step, so every rank of a replica holds the
+same parameters (comm/groups.py forms the groups). A strategy either syncs everything across
+replicas after `reduce` (diloco: what R single workers would send, in each of the K groups)
+or splits it by position with `scatter` / `gather` (ddp, as HSDP: each cross group all-reduces
+its position's 1/K, so the K groups together send what R single workers would).
 A strategy declares what it runs under (Strategy.inside_replica); the rest are refused at
 start-up in one line. `fsdp` (parameters sharded inside a replica) is named but not built yet.
 """
@@ -31,6 +33,21 @@ class InsideDDP:
     def reduce(self, tensor: torch.Tensor) -> None:
         """In place: the mean of `tensor` over the replica's ranks."""
         self.comm.all_reduce(tensor, op="avg")
+
+    def scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's piece (its position's 1/K, `flat` zero-padded to a multiple of K) of
+        the mean of `flat` over the replica's ranks (one reduce-scatter)."""
+        K, n = self.comm.world, flat.numel()
+        padded = flat if n % K == 0 else torch.cat([flat, flat.new_zeros(K - n % K)])
+        piece = flat.new_empty(padded.numel() // K)
+        self.comm.reduce_scatter(piece, padded, op="avg")
+        return piece
+
+    def gather(self, piece: torch.Tensor, numel: int) -> torch.Tensor:
+        """Every rank's `piece` of the replica put together (one all-gather), padding cut off."""
+        out = piece.new_empty(piece.numel() * self.comm.world)
+        self.comm.all_gather(out, piece)
+        return out[:numel]
 
     def reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Every parameter's gradient averaged over the replica (one flat all-reduce)."""

@@ -99,6 +99,14 @@ class Planned:
         return (cls.plan_occurrences(op, 2 * STEADY, options) - cls.plan_occurrences(op, STEADY, options)) / STEADY
 
     @classmethod
+    def level_plans(cls, layout, replicas: int, size: int, options: Options,
+                    inside_plan: list[PlannedOp]) -> tuple[list[PlannedOp], list[PlannedOp]]:
+        """(inside a replica, across replicas): what one rank sends at each level with
+        `replicas` replicas of `size` ranks. Here: the inside engine's `inside_plan`, and
+        the strategy's own plan on `replicas` ranks (each position syncs everything)."""
+        return inside_plan, cls.comm_plan(layout, replicas, options)
+
+    @classmethod
     def model_state_bytes(cls, num_params: int, world: int, options: Options) -> int:
         """Bytes per worker of parameters, gradients and optimizer state (activations not
         included). Here: fp32 θ and ∇θ and AdamW's two moments, replicated on every worker."""
