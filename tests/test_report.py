@@ -101,6 +101,19 @@ def test_a_tie_in_time_is_decided_by_bytes_then_optimizer_memory(tmp_path):
     assert "Pick **zero1** for this setting: within 3% of ddp's time" in text and "less optimizer state" in text
 
 
+def test_a_pick_that_ends_well_above_the_lowest_final_loss_is_said_to(tmp_path):
+    """The default target is the loss every run reached: the run that only just reached it at its
+    end can be first to it, and the answer must not hide that it ends far above the others."""
+    runs = [fake_run(tmp_path, "ddp", [(2, 100e6, 4.6), (4, 200e6, 3.3)]),
+            fake_run(tmp_path, "onebit_adam", [(1, 10e6, 4.5), (3, 20e6, 4.5)])]
+    text = answer_of(report_of(tmp_path, runs)[0])
+    assert "Pick **onebit_adam**" in text
+    assert "But mind where it ends: onebit_adam's final loss 4.5000 is 36% above ddp's 3.3000" in text
+    close = [fake_run(tmp_path / "b", "ddp", [(2, 100e6, 4.6), (4, 200e6, 3.3)]),
+             fake_run(tmp_path / "b", "zero1", [(1, 10e6, 4.0), (3, 20e6, 3.32)])]
+    assert "mind where it ends" not in answer_of(report_of(tmp_path / "b", close)[0])
+
+
 def test_no_run_reaching_the_target_says_so(tmp_path):
     runs = [fake_run(tmp_path, "ddp", [(1, 1e6, 4.0), (2, 2e6, 3.5)])]
     text = answer_of(report_of(tmp_path, runs, target=3.0)[0])

@@ -5,6 +5,9 @@ from __future__ import annotations
 # Runs whose time to the target is within this share of the fastest count as equally fast:
 # back-to-back runs of one strategy on the shared 2-core machine differ by about this much.
 TIME_NOISE = 0.05
+# A pick whose own final loss is this much above the lowest one is said to be (the default
+# target is the loss every run reached, so the pick may be the run that only just got there).
+FINAL_LOSS_GAP = 0.02
 
 
 def answer(rows: list[dict], target: float | None, setting: str) -> str:
@@ -34,6 +37,12 @@ def answer(rows: list[dict], target: float | None, setting: str) -> str:
                if fewest is not fastest else ").")]
     why = _why(pick, fastest, fewest, tied)
     text.append(f"Pick **{pick['label']}** for this setting: {why}.")
+    best = min(ok, key=lambda r: r["final_val_loss"])
+    if pick["final_val_loss"] > best["final_val_loss"] * (1 + FINAL_LOSS_GAP):
+        gap = 100 * (pick["final_val_loss"] / best["final_val_loss"] - 1)
+        text.append(f"But mind where it ends: {pick['label']}'s final loss {pick['final_val_loss']:.4f} is "
+                    f"{gap:.0f}% above {best['label']}'s {best['final_val_loss']:.4f}; to compare them at a lower "
+                    f"loss, give --target-loss (or train longer).")
     return " ".join(text + notes)
 
 
