@@ -28,7 +28,7 @@ from .metrics.runlog import StepLog, result_vector, step_record
 from .metrics.trace import Tracer
 from .data.loader import ShardedBatches
 from .models import GPT, build_hf_causal_lm, lm_loss
-from .models.layout import layout_of
+from .models.layout import meta_layout
 from .optim import adamw_factory, lr_schedule
 from .run import RunDriver, link_seed, make_pacer, make_run
 
@@ -91,9 +91,8 @@ def check_model(cfg: C.RunConfig) -> None:
     """Build the model on the meta device (no memory, no compute) so a bad architecture or
     dimensions, or a strategy option this model cannot honour, fail as a usage error before
     any worker starts or any file is written."""
-    with torch.device("meta"):
-        model = build_model(cfg, torch.device("meta"))
-    cfg.strategy_options().check_model(layout_of(model))
+    layout = meta_layout(lambda: build_model(cfg, torch.device("meta")))
+    cfg.strategy_options().check_model(layout)
 
 
 @dataclass

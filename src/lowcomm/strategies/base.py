@@ -48,7 +48,7 @@ import torch.nn as nn
 from ..comm import Comm
 from ..errors import UsageError
 from ..models.layout import ModelLayout, trainable
-from .context import Schedule, StepContext, apply_schedule, tensor_bytes
+from .context import Schedule, StepContext, apply_schedule, flat_of, tensor_bytes, write_flat
 from .options import Options
 from .plan import Planned, PlannedOp
 
@@ -95,14 +95,10 @@ class Strategy(Planned):
         comms = [c for c in (self.comm, getattr(self.inside, "comm", None)) if c is not None and c.world > 1]
         if not comms:
             return
-        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        flat = flat_of(self.params)
         for comm in comms:
             comm.meta_broadcast(flat, src=0)
-        with torch.no_grad():
-            at = 0
-            for p in self.params:
-                p.copy_(flat[at:at + p.numel()].view_as(p))
-                at += p.numel()
+        write_flat(flat, self.params)
 
     @classmethod
     def runs_inside(cls, inside: str) -> bool:

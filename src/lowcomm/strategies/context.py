@@ -119,6 +119,23 @@ def apply_schedule(optimizers: Iterable[torch.optim.Optimizer], schedule: Schedu
     return lr
 
 
+def flat_of(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The tensors end to end as one vector (a copy)."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+@torch.no_grad()
+def write_flat(flat: torch.Tensor, tensors: list[torch.Tensor | None], like: list[torch.Tensor] | None = None) -> None:
+    """Copy the consecutive pieces of `flat` into `tensors`, in order (what flat_of undoes);
+    `like` gives each piece's size where a target may be None (its piece is then skipped)."""
+    at = 0
+    for t, shape in zip(tensors, like if like is not None else tensors, strict=True):
+        n = shape.numel()
+        if t is not None:
+            t.copy_(flat[at:at + n].view_as(t))
+        at += n
+
+
 def batch_tokens(batch: Any) -> int:
     """Tokens in a micro-batch: the input tensor's element count; for a dict batch
     the attention mask's ones (padding is not a token), else its input_ids."""

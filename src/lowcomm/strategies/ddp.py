@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..comm import Comm
 from ..errors import UsageError
 from .base import Strategy
+from .context import write_flat
 from .options import Options, option
 from .plan import PlannedOp, flat_numel
 from .registry import register
@@ -86,11 +87,7 @@ class DDP(Strategy):
     def gather_pieces(self) -> None:
         """Every bucket's reduced pieces all-gathered inside the replica, into the gradients."""
         for params, piece, numel in self.pieces:
-            flat, at = self.inside.gather(piece, numel), 0
-            for p in params:
-                if p.grad is not None:
-                    p.grad.copy_(flat[at:at + p.numel()].view_as(p.grad))
-                at += p.numel()
+            write_flat(self.inside.gather(piece, numel), [p.grad for p in params], like=params)
         self.pieces = []
 
     @classmethod

@@ -16,6 +16,7 @@ import torch
 from ..comm import Comm
 from ..errors import UsageError
 from ..models.layout import ModelLayout
+from .context import flat_of, write_flat
 from .plan import PlannedOp
 
 INSIDE = ("ddp", "fsdp")   # what --inside may name
@@ -52,12 +53,9 @@ class InsideDDP:
     def reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Every parameter's gradient averaged over the replica (one flat all-reduce)."""
         grads = [p.grad for p in params if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = flat_of(grads)
         self.reduce(flat)
-        at = 0
-        for g in grads:
-            g.copy_(flat[at:at + g.numel()].view_as(g))
-            at += g.numel()
+        write_flat(flat, grads)
 
     @staticmethod
     def plan(layout: ModelLayout) -> list[PlannedOp]:

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm
+from .context import flat_of, write_flat
 from .outer_wire import OuterWire, Ticket, WireFormat
 from .plan import PlannedOp
 from .sync_by_time import SlotClock, calibration_op, is_calibration
@@ -55,19 +56,6 @@ def plan_occurrences(op: PlannedOp, steps: int) -> int:
     return op.occurrences(steps - 1) + 1
 
 
-def _flat(params) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in params])
-
-
-def _write(params, flat: torch.Tensor) -> None:
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            n = p.numel()
-            p.copy_(flat[offset:offset + n].view_as(p))
-            offset += n
-
-
 class OuterSync:
     """Fragment-wise outer syncs of `params` cut into `groups` (tensor indices per fragment,
     empty ones never sync): Δ on the wire every `every` trainer steps, merged `delay` later."""
@@ -79,7 +67,7 @@ class OuterSync:
         self.count = len(groups)  # F, empty fragments included: they keep their place in the schedule
         self.fragments = [(f, [params[j] for j in g]) for f, g in enumerate(groups) if g]
         self.wire = OuterWire(fmt, fednova=timed)
-        self.globals = [nn.Parameter(_flat(ps).float().clone(), requires_grad=False) for _, ps in self.fragments]
+        self.globals = [nn.Parameter(flat_of(ps).float().clone(), requires_grad=False) for _, ps in self.fragments]
         n = len(self.fragments)
         self.since = [0] * n                          # inner steps since fragment i's last sync (τ_r)
         self.in_flight: dict[int, Ticket] = {}        # fragment i -> its reduction in flight
@@ -125,7 +113,7 @@ class OuterSync:
 
     def _issue(self, i: int, merge_at: int, c: float) -> None:
         f, ps = self.fragments[i]
-        delta = self.globals[i].detach() - _flat(ps).float()
+        delta = self.globals[i].detach() - flat_of(ps).float()
         self.in_flight[i] = self.wire.issue(self.comm, f"fragment{f}", delta, self.since[i], c)
         self.since[i] = 0
         self.pending[i] = merge_at
@@ -149,7 +137,7 @@ class OuterSync:
         """θ_f,local ← α·θ_f,local + (1−α)·θ_f,global (after `wait`): fragment i's sync is done."""
         del self.pending[i]
         ps, g = self.fragments[i][1], self.globals[i].detach()
-        _write(ps, g if alpha == 0.0 else alpha * _flat(ps).float() + (1 - alpha) * g)
+        write_flat(g if alpha == 0.0 else alpha * flat_of(ps).float() + (1 - alpha) * g, ps)
         self.syncs += 1
         infos = self.landed.pop(i)
         if self.clock is not None:
@@ -160,13 +148,13 @@ class OuterSync:
     def globals_in_model(self):
         """θ_global in the model's parameters (landed reductions only); the local θ back after."""
         params = [p for _, ps in self.fragments for p in ps]
-        local = _flat(params).clone()
+        local = flat_of(params).clone()
         for (_, ps), g in zip(self.fragments, self.globals):
-            _write(ps, g.detach())
+            write_flat(g.detach(), ps)
         try:
             yield
         finally:
-            _write(params, local)
+            write_flat(local, params)
 
     def use_comm(self, comm: Comm) -> None:
         """The next syncs run on `comm` (nothing may be in flight: `wait` first)."""
