@@ -11,7 +11,7 @@ skipped steps and the trainer stops after --max-bad-steps of them in a row.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -40,7 +40,6 @@ class StepContext:
     skipped: bool = False          # the step's update was not applied
     idle: bool = False             # strategy: this rank computes nothing in this step (an empty slot)
     idle_loss: float = float("nan")  # what an idle step reports as its loss
-    notes: dict[str, Any] = field(default_factory=dict)
 
     @property
     def mean_loss(self) -> float:
