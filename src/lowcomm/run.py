@@ -178,6 +178,7 @@ class RunDriver:
 
     def _finish(self) -> StepResult:
         ctx, self.ctx = self.ctx, None
+        self.strategy.share_inside()  # across replica groups: the owners' tensors to their replica
         spent: CommStats = combined(self.levels) - ctx.comm_before  # every level's traffic
         self.strategy.steps_done += 1
         self.skipped_steps += ctx.skipped
@@ -235,7 +236,9 @@ class RunDriver:
         self._evaluating = True
         try:
             with self.strategy.swapped_for_eval() as model:
+                self.strategy.share_inside(counted=False)  # the owners' evaluated tensors, replica-wide
                 yield model
+            self.strategy.share_inside(counted=False)  # and the training tensors back
         finally:
             self._evaluating = False
 
@@ -281,7 +284,8 @@ class RunDriver:
             rounds = s.rounds_started()
             if self.comm.world > 1:  # beside any round still in flight on the run's group
                 rounds = agree_max(rounds, self.comm.group)
-            s.finish(rounds)
+            if s.finish(rounds):
+                s.share_inside()  # across replica groups: the final tensors to the whole replica
         finally:
             self.release()
 

@@ -38,7 +38,7 @@ def summarize(t, run, out_dir: Path | None, quiet: bool) -> dict | None:
     if not lead:
         return None
     replicas, layout = t.cfg.replicas or t.world, layout_of(t.model)
-    plan = level_plans(strategy, layout, replicas)[1]  # across replicas (a flat run's only level)
+    plan = level_plans(strategy, layout, replicas).slowest_cross(replicas)  # across (a flat run's only level)
     links = {c.level: c.link.describe() for c in t.run.levels if c.link is not None}
     levels = level_summary(every_level, strategy, layout, t.world, replicas, t.cfg.steps, links)
     planned = sum(level["planned_wire_bytes"] for level in levels.values())

@@ -3,8 +3,8 @@
 A flat run has one level, "cross" (every worker is a replica of one process); a run with
 --replicas R < W has "intra" (inside each replica of K = W/R ranks, --intra-link) and
 "cross" (the K groups of R ranks at the same position of every replica, --link). Each
-level's bytes are set beside its plan: the strategy's own plan on R ranks across, the
-inside engine's on K ranks inside.
+level's bytes are set beside its plan (Strategy.level_plans): the strategy's own plan on R
+ranks across (one per position of a replica), the inside engine's on K ranks inside.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from ..comm import Comm
 from ..models.layout import ModelLayout
+from ..strategies.plan import LevelPlans
 
 LEVELS = ("intra", "cross")
 
@@ -25,34 +26,35 @@ def gather_levels(world_comm: Comm, levels: list[Comm], device) -> torch.Tensor:
     return world_comm.meta_all_gather(mine.to(device)).cpu()
 
 
-def planned_bytes(plan, ranks_in_group: int, world: int, occurrences) -> int:
-    """Wire bytes all `world` ranks send for `plan` on groups of `ranks_in_group` ranks."""
-    return world * sum(op.wire_bytes(ranks_in_group) * occurrences(op) for op in plan)
+def planned_bytes(plans, ranks_in_group: int, groups: int, occurrences) -> int:
+    """Wire bytes all ranks send for `plans` (one plan per position, or one for all) on
+    `groups` groups of `ranks_in_group` ranks each."""
+    total = sum(op.wire_bytes(ranks_in_group) * occurrences(op) for plan in plans for op in plan)
+    return total * ranks_in_group * groups // len(plans)
 
 
-def level_plans(strategy, layout: ModelLayout, replicas: int) -> tuple[list, list]:
-    """(inside a replica, across replicas): the plans one rank follows (a flat run: none inside)."""
+def level_plans(strategy, layout: ModelLayout, replicas: int) -> LevelPlans:
+    """What one rank sends inside its replica and across (a flat run: nothing inside)."""
     cls = type(strategy)
     if strategy.inside is None:
-        return [], cls.comm_plan(layout, replicas, strategy.options)
-    size = strategy.inside.comm.world
-    return cls.level_plans(layout, replicas, size, strategy.options, strategy.inside.plan(layout))
+        return LevelPlans([], [cls.comm_plan(layout, replicas, strategy.options)])
+    return cls.level_plans(layout, replicas, strategy.inside.comm.world, strategy.options)
 
 
 def level_summary(every: torch.Tensor, strategy, layout: ModelLayout, world: int, replicas: int,
                   steps: int, links: dict) -> dict:
     """summary.json's `levels` from gather_levels' tensor, with each level's planned bytes."""
     cls, size = type(strategy), world // replicas
-    intra, cross = level_plans(strategy, layout, replicas)
-    plans = {"intra": (intra, size, lambda op: op.occurrences(steps)),
-             "cross": (cross, replicas, lambda op: cls.plan_occurrences(op, steps, strategy.options))}
+    plans = level_plans(strategy, layout, replicas)
+    counts = {"intra": ([plans.intra], size, replicas, lambda op: op.occurrences(steps)),
+              "cross": (plans.cross, replicas, size, lambda op: cls.plan_occurrences(op, steps, strategy.options))}
     out = {}
     for i, level in enumerate(LEVELS):
-        plan, ranks, occurrences = plans[level]
+        plan, ranks, groups, occurrences = counts[level]
         out[level] = {
-            "ranks_per_group": ranks, "groups": world // ranks,
+            "ranks_per_group": ranks, "groups": groups,
             "wire_bytes": int(every[:, i, 0].sum()),
-            "planned_wire_bytes": planned_bytes(plan, ranks, world, occurrences),
+            "planned_wire_bytes": planned_bytes(plan, ranks, groups, occurrences),
             "exposed_comm_s_per_rank": every[:, i, 1].tolist(),
             "comm_s_per_rank": every[:, i, 2].tolist(),
             "link": links.get(level),

@@ -47,6 +47,28 @@ class ModelLayout:
         numels = self.numels
         return [sum(numels[j] for j in group) for group in self.fragments(F)]
 
+    def positions(self, K: int) -> list[list[int]]:
+        """Tensor indices each of K ranks of a replica owns (replica groups, strategies/inside.py)."""
+        return owned_tensors(self.numels, K)
+
+    def subset(self, indices: list[int]) -> "ModelLayout":
+        """The layout of tensors `indices` only (in that order), blocks kept."""
+        blocks = None if self.blocks is None else tuple(self.blocks[j] for j in indices)
+        return ModelLayout(tuple(self.shapes[j] for j in indices), blocks)
+
+
+def owned_tensors(numels: list[int], K: int) -> list[list[int]]:
+    """Which tensors each of K positions owns, whole tensors only (DeMo's DCT, PowerSGD's
+    matrices and Streaming DiLoCo's blocks need a tensor's shape, which a flat slice loses):
+    the largest first, each to the least loaded position (ties: the lowest position);
+    each position's indices in model order."""
+    load, out = [0] * K, [[] for _ in range(K)]
+    for j in sorted(range(len(numels)), key=lambda j: (-numels[j], j)):
+        p = min(range(K), key=lambda q: (load[q], q))
+        out[p].append(j)
+        load[p] += numels[j]
+    return [sorted(group) for group in out]
+
 
 def contiguous_groups(numels: list[int], F: int) -> list[list[int]]:
     """Indices of consecutive tensors in F groups of nearly equal size (a tensor goes to the

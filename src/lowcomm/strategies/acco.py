@@ -45,6 +45,7 @@ class AccoOptions(ShardedOptions):
     max_accum: int = option(0, "most micro-batches per round while communicating (0: 4 x --accum)", min=0)
 
     def check_run(self, cfg) -> None:
+        super().check_run(cfg)
         self.rounds_bound(cfg.accum)
 
     def rounds_bound(self, accum: int) -> int:
@@ -60,6 +61,7 @@ class AccoOptions(ShardedOptions):
 class ACCO(OverlappedStrategy):
     Options = AccoOptions
     reproducible_options = {"deterministic": True}
+    inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -114,7 +116,7 @@ class ACCO(OverlappedStrategy):
         if self.starting:  # start-up: one micro-batch at θ_0 fills G and B
             self.starting = False
             self.local_count = 1
-            self.rounds.load_gradients(self.local_count)
+            self.load_round(self.local_count)
             self.start_round()
             ctx.micro = 0  # the start-up micro-batch belongs to no round
             return False
@@ -132,6 +134,7 @@ class ACCO(OverlappedStrategy):
     def finish(self, rounds):
         """The run ends: this rank completes the rounds the others started (the micro-batches
         of an unfinished round are dropped), then the model gets the real θ."""
+        changed = self.steps_done < rounds or self.holds_estimate
         while self.steps_done < rounds:
             if not self.rounds.engine.pending:
                 self.start_round()
@@ -140,6 +143,7 @@ class ACCO(OverlappedStrategy):
         if self.holds_estimate:
             self.flat.params.copy_(self.comm.meta_all_gather(self.shard_opt.own_params()).view(-1))
             self.holds_estimate = False
+        return changed
 
     def end_round(self, ctx):
         total = self.rounds.wait()
@@ -150,7 +154,7 @@ class ACCO(OverlappedStrategy):
             self.applied += total
             self.real_rounds += 1
         self.rounds.swap_in()  # θ̃_{t+1} after an estimate round, θ_{t+1} after a real one
-        self.rounds.load_gradients(self.local_count)
+        self.load_round(self.local_count)
         self.holds_estimate = estimate
         self.estimate_next = not estimate
         if ctx is not None:

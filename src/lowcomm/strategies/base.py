@@ -17,7 +17,8 @@ implements only the hooks its algorithm needs:
     extra_state() / load_extra_state(sd)   buffers beyond model and optimizers (default: none)
     swapped_for_eval()     context: the module holding the parameters to evaluate (default: the model)
     finish(rounds)         the run ends: complete `rounds` rounds (see rounds_started), drain what is
-                           in flight, leave the final parameters in the model (default: nothing)
+                           in flight, leave the final parameters in the model; True when that
+                           changed them (default: nothing, False)
     rounds_started()       rounds this rank has started, for finish (default: steps_done)
     use_comm(comm)         the run's group was replaced between steps (default: self.comm = comm)
     report()               strategy-specific fields of summary.json (default: none)
@@ -33,9 +34,10 @@ Replica groups (--replicas R of W workers): `comm` is then the group across repl
 R ranks at this rank's position) and `self.inside` the engine inside this rank's replica
 (strategies/inside.py; None in a flat run). A strategy that runs there lists the engines
 it works with in `inside_replica` (on its own class: a subclass is a new algorithm and
-declares its own) and calls the engine where its algorithm reduces gradients (ddp: in its
-comm hook, before the cross-replica all-reduce; diloco: before each inner step); every
-other strategy is refused at start-up.
+declares its own); every other strategy is refused at start-up. Such a strategy runs on the
+tensors its position owns: `self.params` holds only those (`self.replica_params`: all of
+them), and it calls `self.reduce_inside()` where its algorithm reads the step's gradients;
+the driver shares the owners' parameters inside the replica after every step.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ import torch.nn as nn
 
 from ..comm import Comm
 from ..errors import UsageError
-from ..models.layout import ModelLayout, trainable
+from ..models.layout import ModelLayout, layout_of, trainable
 from .context import Schedule, StepContext, apply_schedule, flat_of, tensor_bytes, write_flat
 from .options import Options
 from .plan import Planned, PlannedOp
@@ -69,6 +71,9 @@ class Strategy(Planned):
     # The engines inside a replica (--inside) this strategy runs across replica groups with;
     # read from the class itself (runs_inside), never inherited.
     inside_replica: ClassVar[tuple[str, ...]] = ()
+    # Across replica groups: the strategy runs on the whole tensors its position owns (False:
+    # it splits the replica's work itself, as ddp's buckets).
+    owns_tensors: ClassVar[bool] = True
 
     def __init__(self, model: nn.Module, comm: Comm, make_optimizer: MakeOptimizer, accum: int = 1,
                  schedule: Schedule | None = None, options: Options | None = None,
@@ -81,9 +86,16 @@ class Strategy(Planned):
         self.model, self.comm, self.accum = model, comm, accum
         self.make_optimizer, self.schedule, self.total_steps = make_optimizer, schedule, total_steps
         self.options = options if options is not None else self.Options().validate(self.name)
-        self.params = trainable(model)
-        if not self.params:
+        self.replica_params = trainable(model)  # every trainable tensor
+        if not self.replica_params:
             raise UsageError("the model has no trainable parameters")
+        owned = (list(range(len(self.replica_params))) if not self.owns_part
+                 else inside.positions(self.replica_params)[inside.comm.rank])
+        if not owned:
+            raise UsageError(f"a replica of {inside.comm.world} ranks has more ranks than the model has tensors "
+                             f"({len(self.replica_params)}): each rank must own one; use fewer ranks per replica")
+        self.params = [self.replica_params[j] for j in owned]  # what this rank runs the strategy on
+        self.layout = layout_of(model).subset(owned)
         self.steps_done = 0  # optimizer steps finished (the driver counts them)
         self.pace: Callable[[], None] = lambda: None  # the driver's: pay the emulated slowdown so far
         self._start_from_rank0()
@@ -95,10 +107,27 @@ class Strategy(Planned):
         comms = [c for c in (self.comm, getattr(self.inside, "comm", None)) if c is not None and c.world > 1]
         if not comms:
             return
-        flat = flat_of(self.params)
+        flat = flat_of(self.replica_params)
         for comm in comms:
             comm.meta_broadcast(flat, src=0)
-        write_flat(flat, self.params)
+        write_flat(flat, self.replica_params)
+
+    @property
+    def owns_part(self) -> bool:
+        """Whether this rank runs the strategy on the tensors its position of a replica owns."""
+        return self.inside is not None and self.owns_tensors
+
+    def reduce_inside(self, op: str = "avg") -> None:
+        """Across replica groups: each owned gradient <- its mean ("avg") or sum over the
+        replica, the rest dropped; a flat run: nothing."""
+        if self.owns_part:
+            self.inside.reduce_to_owners(self.replica_params, op)
+
+    def share_inside(self, counted: bool = True) -> None:
+        """Across replica groups: every tensor <- its owner's value (the driver's, after each
+        step; `counted=False`: bookkeeping, e.g. around an evaluation); a flat run: nothing."""
+        if self.owns_part:
+            self.inside.share(self.replica_params, counted)
 
     @classmethod
     def runs_inside(cls, inside: str) -> bool:
@@ -146,8 +175,8 @@ class Strategy(Planned):
     def rounds_started(self) -> int:
         return self.steps_done
 
-    def finish(self, rounds: int) -> None:
-        pass
+    def finish(self, rounds: int) -> bool:
+        return False
 
     def use_comm(self, comm: Comm) -> None:
         self.comm = comm

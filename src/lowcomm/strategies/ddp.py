@@ -24,7 +24,7 @@ from ..errors import UsageError
 from .base import Strategy
 from .context import write_flat
 from .options import Options, option
-from .plan import PlannedOp, flat_numel
+from .plan import LevelPlans, PlannedOp, flat_numel
 from .registry import register
 
 
@@ -56,6 +56,7 @@ class DDP(Strategy):
     Options = DDPOptions
     checkpoint_replicated = True  # parameters and optimizer state are the same on every rank
     inside_replica = ("ddp",)  # across replica groups: HSDP's split by position (comm = cross)
+    owns_tensors = False  # splits each bucket by position instead (replica_hook)
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)
@@ -91,14 +92,15 @@ class DDP(Strategy):
         self.pieces = []
 
     @classmethod
-    def level_plans(cls, layout, replicas, size, options, inside_plan):
+    def level_plans(cls, layout, replicas, size, options):
         # HSDP's split: inside, the gradients reduce-scattered and the pieces all-gathered
         # (padded to a multiple of K, as one bucket is: several buckets pad each on its own);
         # across, each position all-reduces its 1/K.
         padded = 4 * flat_numel(layout.numel, size)
-        return ([PlannedOp("reduce_scatter", padded, what="gradients inside the replica (fp32, in buckets)"),
-                 PlannedOp("all_gather", padded, what="the reduced pieces inside the replica (fp32)")],
-                [PlannedOp("all_reduce", padded // size, what="this position's 1/K of the gradients (fp32)")])
+        cross = [PlannedOp("all_reduce", padded // size, what="this position's 1/K of the gradients (fp32)")]
+        return LevelPlans([PlannedOp("reduce_scatter", padded, what="gradients inside the replica (fp32, in buckets)"),
+                           PlannedOp("all_gather", padded, what="the reduced pieces inside the replica (fp32)")],
+                          [cross] * size)
 
     @property
     def train_model(self):

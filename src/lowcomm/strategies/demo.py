@@ -64,6 +64,7 @@ class DeMoOptions(Options):
 @register("demo")
 class DeMo(Strategy):
     Options = DeMoOptions
+    inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)
@@ -98,6 +99,7 @@ class DeMo(Strategy):
         return sum(d.numel() * d.element_size() for d in self.deltas)
 
     def update(self, ctx):
+        self.reduce_inside()  # across replica groups: the replica's mean gradient of the owned tensors
         self._step(ctx)
         for p in self.params:
             p.grad = None

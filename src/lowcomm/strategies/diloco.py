@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UsageError
-from ..models.layout import layout_of
 from . import outer_sync
 from .base import Strategy
 from .context import all_finite
@@ -90,7 +89,7 @@ class DiLoCo(Strategy):
         o = self.options
         fragments, delay, self.alpha = o.streaming()
         self.inner = self.make_optimizer(self.params)
-        self.sync = outer_sync.OuterSync(self.params, layout_of(self.model).fragments(fragments), self.comm,
+        self.sync = outer_sync.OuterSync(self.params, self.layout.fragments(fragments), self.comm,
                                          o.sync_every, o.wire(), timed=o.sync_by == "time", delay=delay)
         self.outer = torch.optim.SGD(self.sync.globals, lr=o.outer_lr, momentum=o.outer_momentum,
                                      nesterov=o.outer_nesterov and o.outer_momentum > 0)
@@ -104,8 +103,7 @@ class DiLoCo(Strategy):
             ctx.end_idle(self.last_loss)  # the rank's latest inner loss, not a fake 0
 
     def update(self, ctx):
-        if self.inside is not None:  # the replica's ranks take one inner step, on their mean gradient
-            self.inside.reduce_grads(self.params)
+        self.reduce_inside()  # across replica groups: the replica's mean gradient, one inner step
         # Inner steps are local: a non-finite loss or gradient skips this rank's (replica's) inner step only.
         bad = ctx.poison_nonfinite(*(p.grad for p in self.params if p.grad is not None))
         ctx.skip() if bad else self.inner.step()
@@ -147,6 +145,7 @@ class DiLoCo(Strategy):
             self._land(ctx, None, self.alpha)
             self.sync.issue_all()
             self._land(ctx, None, 0.0)
+        return bool(rounds)
 
     def use_comm(self, comm) -> None:
         self._collect()  # what is in flight lands on the group it was issued on

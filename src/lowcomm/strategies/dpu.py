@@ -27,6 +27,7 @@ class DpuOptions(ShardedOptions):
 @register("dpu")
 class DPU(OverlappedStrategy):
     Options = DpuOptions
+    inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -60,12 +61,12 @@ class DPU(OverlappedStrategy):
 
     def update(self, ctx):
         if self.synchronous:
-            self.rounds.load_gradients(self.accum)
+            self.load_round(self.accum)
             self.rounds.start(estimate=False)
         if self.synchronous or self.delayed:
             self._land_round(ctx)
         if not self.synchronous:
-            self.rounds.load_gradients(self.accum)  # g(θ_t), applied next step
+            self.load_round(self.accum)  # g(θ_t), applied next step
 
     def _land_round(self, ctx):
         self.rounds.wait()
@@ -82,6 +83,8 @@ class DPU(OverlappedStrategy):
         the gradient waiting in B for the next step is dropped."""
         if self.rounds.engine.pending:
             self._land_round(None)
+            return True
+        return False
 
     def extra_state(self):
         return {**super().extra_state(), "updates": self.updates}

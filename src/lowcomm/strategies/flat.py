@@ -161,6 +161,12 @@ class ShardedOptions(Options):
     param_dtype: str = option("fp32", "flat parameter/gradient buffers: fp32 or bf16 (fp32 master either way)",
                               choices=tuple(PARAM_DTYPES))
 
+    def check_run(self, cfg) -> None:
+        if self.param_dtype != "fp32" and (cfg.replicas or cfg.workers) < cfg.workers:
+            # the tensors a rank does not own stay in the model's dtype: one model, two dtypes
+            raise UsageError(f"--param-dtype {self.param_dtype} does not run across replica groups "
+                             f"(--replicas {cfg.replicas}); use fp32")
+
 
 class ShardedStrategy(Strategy):
     """A strategy on ZeRO-1's layout (zero1, acco, dpu): flat θ and ∇θ, optimizer

@@ -1,11 +1,20 @@
 """What runs inside a replica group (--inside), below the strategy that runs across replicas.
 
 With --replicas R of --workers W, each replica's K = W/R processes act as one worker of the
-strategy: `ddp` averages their gradients every step, so every rank of a replica holds the
-same parameters (comm/groups.py forms the groups). A strategy either syncs everything across
-replicas after `reduce` (diloco: what R single workers would send, in each of the K groups)
-or splits it by position with `scatter` / `gather` (ddp, as HSDP: each cross group all-reduces
-its position's 1/K, so the K groups together send what R single workers would).
+strategy (comm/groups.py forms the groups). `ddp` inside: every step the replica's gradients
+are averaged and every rank of a replica ends the step with the same parameters. The strategy
+runs across replicas on the part each rank holds, so the K cross-replica groups together send
+what R single workers would:
+
+    position p of a replica owns whole tensors (ModelLayout.positions: balanced by size)
+    G_p  <- mean over the replica of the owned gradients    (reduce_to_owners: one reduce-scatter)
+    the strategy's step on the owned tensors, across the R ranks at position p (its optimizer
+         state, error feedback, outer state: for the owned tensors only, 1/K of a worker's)
+    θ    <- every owner's tensors                            (share: one all-gather)
+
+Whole tensors, not HSDP's flat slices, because DeMo's DCT, PowerSGD's matrices and Streaming
+DiLoCo's blocks need a tensor's shape. ddp splits its buckets by position instead (`scatter` /
+`gather`): a bucket of gradients has no shape to keep.
 A strategy declares what it runs under (Strategy.inside_replica); the rest are refused at
 start-up in one line. `fsdp` (parameters sharded inside a replica) is named but not built yet.
 """
@@ -15,25 +24,19 @@ import torch
 
 from ..comm import Comm
 from ..errors import UsageError
-from ..models.layout import ModelLayout
-from .context import flat_of, write_flat
-from .plan import PlannedOp
+from ..models.layout import owned_tensors
 
 INSIDE = ("ddp", "fsdp")   # what --inside may name
 BUILT = ("ddp",)           # what runs today
 
 
 class InsideDDP:
-    """Gradients averaged over the replica's ranks (fp32, one all-reduce per step)."""
+    """Data parallel inside a replica: the replica's gradients averaged, its parameters shared."""
 
     name = "ddp"
 
     def __init__(self, comm: Comm):
         self.comm = comm
-
-    def reduce(self, tensor: torch.Tensor) -> None:
-        """In place: the mean of `tensor` over the replica's ranks."""
-        self.comm.all_reduce(tensor, op="avg")
 
     def scatter(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's piece (its position's 1/K, `flat` zero-padded to a multiple of K) of
@@ -50,17 +53,74 @@ class InsideDDP:
         self.comm.all_gather(out, piece)
         return out[:numel]
 
-    def reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """Every parameter's gradient averaged over the replica (one flat all-reduce)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        flat = flat_of(grads)
-        self.reduce(flat)
-        write_flat(flat, grads)
+    # -- whole tensors owned by position ------------------------------------------------
+    def positions(self, params: list[torch.nn.Parameter]) -> list[list[int]]:
+        """Indices of the tensors each position owns (the planner's ModelLayout.positions)."""
+        return owned_tensors([p.numel() for p in params], self.comm.world)
 
-    @staticmethod
-    def plan(layout: ModelLayout) -> list[PlannedOp]:
-        """What one rank sends inside its replica per trainer step."""
-        return [PlannedOp("all_reduce", 4 * layout.numel, what="gradients inside the replica (fp32)")]
+    def owned(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        return [params[j] for j in self.positions(params)[self.comm.rank]]
+
+    def _by_position(self, tensors: list[torch.Tensor | None], params) -> tuple[torch.Tensor, int]:
+        """Every position's tensors end to end in one fp32 buffer, each position's part padded
+        to the largest (`part` elements), so a reduce-scatter hands each its own part."""
+        groups = self.positions(params)
+        part = max(sum(params[j].numel() for j in g) for g in groups)
+        flat = torch.zeros(part * len(groups), dtype=torch.float32, device=params[0].device)
+        for p, group in enumerate(groups):
+            at = p * part
+            for j in group:
+                n = params[j].numel()
+                if tensors[j] is not None:
+                    flat[at:at + n].copy_(tensors[j].reshape(-1))
+                at += n
+        return flat, part
+
+    @torch.no_grad()
+    def reduce_to_owners(self, params: list[torch.nn.Parameter], op: str = "avg") -> None:
+        """Each owned gradient <- its mean (op "avg") or sum over the replica's ranks (one
+        reduce-scatter); the gradients this rank does not own are dropped (set to None)."""
+        flat, part = self._by_position([p.grad for p in params], params)
+        piece = flat.new_empty(part)
+        self.comm.reduce_scatter(piece, flat, op=op)
+        owned, at = self.positions(params)[self.comm.rank], 0
+        mine = set(owned)
+        for j in owned:
+            p, n = params[j], params[j].numel()
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(piece[at:at + n].view_as(p))
+            at += n
+        for j, p in enumerate(params):
+            if j not in mine:
+                p.grad = None
+
+    @torch.no_grad()
+    def share(self, params: list[torch.nn.Parameter], counted: bool = True) -> None:
+        """Every parameter <- its owner's value (one all-gather of the owned parts; not counted
+        as the run's traffic with `counted=False`)."""
+        groups = self.positions(params)
+        flat, part = self._by_position([p if j in set(groups[self.comm.rank]) else None
+                                        for j, p in enumerate(params)], params)
+        mine = flat[self.comm.rank * part:(self.comm.rank + 1) * part].clone()
+        if counted:
+            self.comm.all_gather(flat, mine)
+        else:
+            flat = self.comm.meta_all_gather(mine).reshape(-1)
+        for q, group in enumerate(groups):
+            if q == self.comm.rank:
+                continue
+            at = q * part
+            for j in group:
+                n = params[j].numel()
+                params[j].copy_(flat[at:at + n].view_as(params[j]))
+                at += n
+
+    def sum(self, count: int, device: torch.device) -> int:
+        """`count` summed over the replica's ranks (micro-batches: a float64 all-reduce)."""
+        n = torch.tensor([float(count)], dtype=torch.float64, device=device)
+        self.comm.all_reduce(n, op="sum")
+        return int(n.item())
 
 
 def make_inside(kind: str, comm: Comm | None) -> InsideDDP | None:

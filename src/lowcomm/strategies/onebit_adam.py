@@ -71,10 +71,11 @@ class OneBitAdam(Strategy):
     # A warm-up that needs no run length (the contract tests build runs without total_steps)
     # and ends early enough that their few steps cross the freeze.
     reproducible_options = {"freeze_variance_after": 2}
+    inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)
-        self.optimizer = make_optimizer(model.parameters())
+        self.optimizer = make_optimizer(self.params)
         self.adam = FrozenAdam(self.optimizer, self.params)
         self.allreduce = CompressedAllReduce(comm, self.params, BITS, self.options.block_size,
                                              self.options.error_feedback)
@@ -111,6 +112,7 @@ class OneBitAdam(Strategy):
             self.warmup = self.options.warmup_steps(self.total_steps)
 
     def update(self, ctx):
+        self.reduce_inside()  # across replica groups: the replica's mean gradient of the owned tensors
         if self.steps_done < self.warmup:
             self._exact_adam_step(ctx)
         else:

@@ -29,7 +29,7 @@ import torch
 from ..comm import Comm
 from .context import all_finite, fill_nan_if_nonfinite
 from .flat import FlatModel, ShardedStrategy, ShardOptimizer
-from .plan import PlannedOp
+from .plan import LevelPlans, PlannedOp
 
 
 class Background:
@@ -178,6 +178,20 @@ class OverlappedStrategy(ShardedStrategy):
     @classmethod
     def comm_plan(cls, layout, world, options):
         return OverlappedRounds.plan(cls.flat_bytes(layout.numel, world, options))  # per round = per step
+
+    @classmethod
+    def level_plans(cls, layout, replicas, size, options):
+        plans = super().level_plans(layout, replicas, size, options)
+        count = PlannedOp("all_reduce", 8, what="micro-batch count inside the replica (float64)")
+        return LevelPlans(plans.intra + [count], plans.cross)
+
+    def load_round(self, count: int) -> None:
+        """The next round's B <- G of `count` micro-batches (across replica groups: the replica's
+        sum of the owned gradients, and of its ranks' counts)."""
+        if self.inside is not None:
+            self.reduce_inside(op="sum")
+            count = self.inside.sum(count, self.flat.grads.device)
+        self.rounds.load_gradients(count)
 
     def loss_scale(self) -> float:
         return 1.0

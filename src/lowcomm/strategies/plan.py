@@ -44,6 +44,32 @@ def flat_numel(num_params: int, world: int) -> int:
 
 
 @dataclass(frozen=True)
+class LevelPlans:
+    """A run of replica groups: what one rank sends inside its replica (every rank alike) and
+    across replicas (one plan per position p of a replica: the ranks at p hold their own part)."""
+    intra: list[PlannedOp]
+    cross: list[list[PlannedOp]]
+
+    def cross_bytes_per_step(self, replicas: int) -> float:
+        """Steady-state ring bytes all ranks together send across replicas per trainer step
+        (each occurrence at its `every`; a strategy's transients left out)."""
+        return replicas * sum(bytes_per_step(plan, replicas) for plan in self.cross)
+
+    def slowest_cross(self, replicas: int) -> list[PlannedOp]:
+        """The position whose cross-replica plan sends the most (the one a step waits for)."""
+        return max(self.cross, key=lambda plan: bytes_per_step(plan, replicas))
+
+
+def owned_tensors_plan(layout, size: int) -> list[PlannedOp]:
+    """Inside a replica of `size` ranks that own whole tensors: the fp32 gradients reduce-
+    scattered to their owners and the owners' fp32 parameters all-gathered, each position's
+    part padded to the largest (one collective each per trainer step)."""
+    part = max(sum(layout.numels[j] for j in owned) for owned in layout.positions(size))
+    return [PlannedOp("reduce_scatter", 4 * size * part, what="gradients to their owners inside the replica (fp32)"),
+            PlannedOp("all_gather", 4 * size * part, what="the owners' parameters inside the replica (fp32)")]
+
+
+@dataclass(frozen=True)
 class StepCost:
     """What `lowcomm plan` (planner.py) tells a strategy about one trainer step when it
     asks how much of its communication is exposed (Strategy.exposed_comm_s)."""
@@ -99,12 +125,14 @@ class Planned:
         return (cls.plan_occurrences(op, 2 * STEADY, options) - cls.plan_occurrences(op, STEADY, options)) / STEADY
 
     @classmethod
-    def level_plans(cls, layout, replicas: int, size: int, options: Options,
-                    inside_plan: list[PlannedOp]) -> tuple[list[PlannedOp], list[PlannedOp]]:
-        """(inside a replica, across replicas): what one rank sends at each level with
-        `replicas` replicas of `size` ranks. Here: the inside engine's `inside_plan`, and
-        the strategy's own plan on `replicas` ranks (each position syncs everything)."""
-        return inside_plan, cls.comm_plan(layout, replicas, options)
+    def level_plans(cls, layout, replicas: int, size: int, options: Options) -> "LevelPlans":
+        """What one rank sends at each level with `replicas` replicas of `size` ranks. Here
+        (strategies/inside.py): position p of a replica owns whole tensors (layout.positions);
+        inside, the gradients are reduce-scattered to their owners and the owners' updated
+        parameters all-gathered, every step; across, position p runs this strategy's own plan
+        on its tensors, on `replicas` ranks."""
+        return LevelPlans(owned_tensors_plan(layout, size),
+                          [cls.comm_plan(layout.subset(owned), replicas, options) for owned in layout.positions(size)])
 
     @classmethod
     def model_state_bytes(cls, num_params: int, world: int, options: Options) -> int:

@@ -52,6 +52,7 @@ class QuantizedOptions(OneBitAdamOptions):
 @register("quantized")
 class Quantized(Strategy):
     Options = QuantizedOptions
+    inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
 
     @classmethod
     def resolve(cls, options: QuantizedOptions):
@@ -69,7 +70,7 @@ class Quantized(Strategy):
         if self.options.runs_onebit_adam():  # the Python API, where no config resolved the name
             raise UsageError("quantized with bits=1 and freeze_variance_after -1 or > 0 is 1-bit Adam: "
                              "use strategy 'onebit_adam' (freeze_variance_after=0 sends 1-bit gradients)")
-        self.optimizer = make_optimizer(model.parameters())
+        self.optimizer = make_optimizer(self.params)
         self.allreduce = CompressedAllReduce(comm, self.params, self.options.bits, self.options.block_size,
                                              self.options.error_feedback)
 
@@ -92,6 +93,7 @@ class Quantized(Strategy):
         self.comm = self.allreduce.comm = comm
 
     def update(self, ctx):
+        self.reduce_inside()  # across replica groups: the replica's mean gradient of the owned tensors
         mean = self.allreduce.mean(ctx, self.allreduce.flat([p.grad for p in self.params]))
         if mean is not None:
             t0 = time.perf_counter()

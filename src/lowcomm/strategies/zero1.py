@@ -17,6 +17,7 @@ from .registry import register
 
 @register("zero1")
 class Zero1(ShardedStrategy):
+    inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.shard_grad = torch.empty(self.flat.shard_size, dtype=self.flat.grads.dtype,
@@ -33,6 +34,7 @@ class Zero1(ShardedStrategy):
         self.flat.zero_grad()
 
     def update(self, ctx):
+        self.reduce_inside()  # across replica groups: G <- the replica's mean, for the owned tensors
         ctx.poison_nonfinite(self.flat.grads)  # a NaN anywhere reaches every shard: all ranks skip alike
         self.comm.reduce_scatter(self.shard_grad, self.flat.grads, op="avg")
         if ctx.received_finite(self.shard_grad):
