@@ -1,10 +1,12 @@
-"""Replica groups (--replicas R of --workers W, ddp inside each replica), as a user runs them.
+"""Replica groups (--replicas R of --workers W, ddp inside each replica), every strategy.
 
 Exact reduction: R replicas of K processes at micro-batch m, the replica's processes splitting
 what one worker would read, equal R single-process workers at micro-batch K·m (same seed:
-final parameters within 1e-6; ddp's K cross-replica groups, each syncing its position's 1/K,
-together send what the R workers send, diloco's each send it). Bytes per level equal the plan at (R, K) = (2, 2), (2, 1) and (1, 2). What is not built
-yet is refused in one line, exit 2, nothing written. Six tiny CLI runs (W <= 4, 4 steps).
+final parameters within 1e-6), and the K cross-replica groups together send what the R workers
+send. For every registered strategy that runs across replicas, in one W=4 spawn: (2, 2) against
+(2, 1) on the replicas' first ranks, plus bytes per level against Strategy.level_plans. The CLI
+runs check summary.json's levels at (R, K) = (2, 2), (2, 1) and (1, 2). What cannot run is
+refused in one line, exit 2, nothing written.
 """
 from __future__ import annotations
 
@@ -12,10 +14,115 @@ import json
 
 import pytest
 import torch
-from dist_utils import rel_err
+import torch.distributed as dist
+from dist_utils import rel_err, run_dist
 
+import lowcomm
 from lowcomm.checkpoint import read, read_state
 from lowcomm.cli import main
+from lowcomm.comm.control import register_control
+from lowcomm.comm.groups import ReplicaLayout, form
+from lowcomm.metrics.levels import planned_bytes
+from lowcomm.models.layout import layout_of
+from lowcomm.run import make_run
+from lowcomm.strategies import available, get
+
+# -- every strategy in one W=4 spawn: (2, 2) against (2, 1) ------------------------------------
+
+R, K, MICRO, SEQ, ACCUM, N_STEPS = 2, 2, 2, 16, 2, 4
+ACROSS = [n for n in available() if get(n).runs_inside("ddp")]
+LOCAL_SGD = {"sync_every": 2, "sync_by": "steps"}
+OPTIONS = {"diloco": LOCAL_SGD, "sparseloco": LOCAL_SGD,
+           "streaming_diloco": {**LOCAL_SGD, "fragments": 2, "fragment_delay": 1},
+           # its exact warm-up: the compressed steps compress other flat buffers (below)
+           "onebit_adam": {"freeze_variance_after": N_STEPS}}
+# Compressors over one flat buffer of the tensors a rank holds (blockwise scales, chunks of
+# 4096 values): a position's part of the model cuts other blocks than a whole worker's does,
+# so these agree to their quantization error, and their bytes to the blocks' padding.
+FLAT_COMPRESSED = {"quantized": 1e-2, "sparseloco": 5e-2}
+
+
+def _model():
+    return lowcomm.GPT(vocab_size=256, seq_len=SEQ, n_layer=1, n_head=2, d_model=16)
+
+
+def _batch(step: int, worker: int, micro: int, rows: slice):
+    """Micro-batch `micro` of worker `worker` (K·MICRO rows), the rows `rows` of it."""
+    g = torch.Generator().manual_seed(100_000 * step + 100 * worker + micro)
+    seq = torch.randint(0, 256, (K * MICRO, SEQ + 1), generator=g)[rows]
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def _train(name, comm, replica, worker: int, rows: slice):
+    torch.manual_seed(1234)
+    model = _model()
+    options = {**get(name).reproducible_options, **OPTIONS.get(name, {})}
+    run = make_run(name, model, comm, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                   accum=ACCUM, schedule=lambda step: 1e-2 * min(1.0, (step + 1) / 3), total_steps=N_STEPS,
+                   replica=replica, **options)
+    for _ in range(N_STEPS):
+        step, micro = run.steps_done, iter(range(1000))
+        run.step(lambda: _batch(step, worker, next(micro), rows), lowcomm.lm_loss)
+    run.close()
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def _replica_life(rank, world, names):
+    layout = ReplicaLayout(world, R)
+    levels = form(layout)
+    # The reference: the replicas' first ranks as R single workers (the others idle).
+    ref, _ = dist.new_subgroups_by_enumeration(layout.cross_ranks())
+    control, _ = dist.new_subgroups_by_enumeration(layout.cross_ranks(), backend="gloo")
+    register_control(ref, control)
+    out = {}
+    for name in names:
+        before = {c.level: c.snapshot().wire_bytes for c in (levels.intra, levels.cross)}
+        p = layout.position(rank)
+        grouped = _train(name, levels.cross, levels.intra, layout.replica(rank), slice(p * MICRO, (p + 1) * MICRO))
+        counted = {c.level: c.snapshot().wire_bytes - before[c.level] for c in (levels.intra, levels.cross)}
+        flat, flat_bytes = None, 0
+        if p == 0:
+            comm = lowcomm.Comm(ref)
+            flat = _train(name, comm, None, layout.replica(rank), slice(None))
+            flat_bytes = comm.snapshot().wire_bytes
+        out[name] = {"grouped": grouped, "counted": counted, "flat": flat, "flat_bytes": flat_bytes}
+    return out
+
+
+@pytest.fixture(scope="module")
+def replica_runs():
+    return run_dist(_replica_life, R * K, ACROSS, timeout=600)
+
+
+def _planned(name, level):
+    cls = get(name)
+    options = cls.Options(**{**cls.reproducible_options, **OPTIONS.get(name, {})}).validate(name)
+    plans = cls.level_plans(layout_of(_model()), R, K, options)
+    if level == "intra":
+        return planned_bytes([plans.intra], K, R, lambda op: op.occurrences(N_STEPS))
+    return planned_bytes(plans.cross, R, K, lambda op: cls.plan_occurrences(op, N_STEPS, options))
+
+
+@pytest.mark.parametrize("name", ACROSS)
+def test_every_strategy_across_replicas_equals_one_worker_per_replica(name, replica_runs):
+    tolerance = FLAT_COMPRESSED.get(name, 1e-6)
+    for rank, out in enumerate(replica_runs):  # rank r·K + p holds what worker r holds
+        reference = replica_runs[rank - rank % K][name]["flat"]
+        assert rel_err(out[name]["grouped"], reference) <= tolerance, (name, rank)
+    cross = sum(out[name]["counted"]["cross"] for out in replica_runs)
+    flat = sum(out[name]["flat_bytes"] for out in replica_runs)
+    # the K groups together send what the R workers send (overlapped rounds: plus a count per group)
+    assert abs(cross - flat) <= (0.2 * flat if name in FLAT_COMPRESSED else 8 * R * N_STEPS * (K - 1) + 8), (cross, flat)
+
+
+@pytest.mark.parametrize("name", ACROSS)
+def test_every_strategy_sends_its_level_plans(name, replica_runs):
+    for level in ("intra", "cross"):
+        counted = sum(out[name]["counted"][level] for out in replica_runs)
+        assert counted == _planned(name, level), (name, level)
+
+
+# -- through the CLI: summary.json's levels -------------------------------------------------
 
 STEPS = 4
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good "
@@ -23,7 +130,6 @@ TEXT = ("It is a truth universally acknowledged, that a single man in possession
 # (workers, replicas, micro-batch): (2, 2) replicas of 2, (2, 1) the flat reference, (1, 2)
 LAYOUTS = {"2x2": (4, 2, 2), "2x1": (2, 2, 4), "1x2": (2, 1, 2)}
 EXTRA = {"ddp": [], "diloco": ["--sync-every", "2", "--sync-by", "steps"]}
-SPLIT = ("ddp",)  # the strategies whose cross-replica groups each sync only their position's 1/K
 
 
 def _argv(data, out, strategy, workers, replicas, micro):
@@ -62,10 +168,8 @@ def test_replicas_of_k_equal_one_worker_at_k_times_the_micro_batch(runs, strateg
     assert grouped["tokens"] == flat["tokens"]
     cross = grouped["levels"]["cross"]
     assert cross["groups"] == 2 and cross["ranks_per_group"] == 2
-    # ddp splits by position (HSDP): the K groups together send what the R workers send;
-    # diloco syncs the whole model in each of them.
-    groups = 1 if strategy in SPLIT else cross["groups"]
-    assert cross["wire_bytes"] / groups == flat["levels"]["cross"]["wire_bytes"]
+    # each position syncs its part: the K groups together send what the R workers send
+    assert cross["wire_bytes"] == flat["levels"]["cross"]["wire_bytes"]
     assert flat["levels"]["intra"]["wire_bytes"] == 0 and grouped["levels"]["intra"]["wire_bytes"] > 0
 
 
@@ -81,10 +185,9 @@ def test_bytes_per_level_equal_the_plan(runs, strategy, layout):
 
 
 REFUSED = {
-    "zero1": (["--strategy", "zero1", "--replicas", "2"], ("zero1", "--replicas")),
-    "streaming": (["--strategy", "streaming_diloco", "--replicas", "2"], ("streaming_diloco", "--replicas")),
     "powersgd": (["--strategy", "powersgd", "--replicas", "2"], ("powersgd", "--replicas")),
     "fsdp": (["--strategy", "ddp", "--replicas", "2", "--inside", "fsdp"], ("ddp", "--inside fsdp")),
+    "bf16_flat": (["--strategy", "zero1", "--replicas", "2", "--param-dtype", "bf16"], ("--param-dtype bf16",)),
     "inside_unknown": (["--replicas", "2", "--inside", "tp"], ("--inside", "tp")),
     "not_dividing": (["--replicas", "3"], ("--replicas 3", "--workers 4")),
     "negative": (["--replicas", "-1"], ("replicas", "-1")),

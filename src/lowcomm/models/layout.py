@@ -39,7 +39,7 @@ class ModelLayout:
 
     def fragments(self, F: int) -> list[list[int]]:
         """Tensor indices of each of F fragments (some may be empty: fewer blocks than F)."""
-        if self.blocks is not None and any(b != OUTSIDE for b in self.blocks):
+        if self.blocks is not None:  # (a subset may hold no block's tensor: they still go by the rule)
             return [[j for j, b in enumerate(self.blocks) if max(b, 0) % F == f] for f in range(F)]
         return contiguous_groups(self.numels, F)
 
@@ -93,6 +93,8 @@ def layout_of(model: nn.Module) -> ModelLayout:
         for p in block.parameters():
             where[id(p)] = b
     blocks = tuple(where.get(id(p), OUTSIDE) for p in params) if where else None
+    if blocks is not None and all(b == OUTSIDE for b in blocks):  # blocks found, none of them trained
+        blocks = None
     return ModelLayout(tuple(tuple(p.shape) for p in params), blocks)
 
 

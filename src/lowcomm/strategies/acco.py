@@ -29,13 +29,13 @@ updates have consumed; an estimate round and the real round after it share one l
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import UsageError
 from .flat import ShardedOptions
 from .options import option
 from .overlap import OverlappedStrategy
-from .plan import flat_numel
+from .plan import ONCE, LevelPlans, flat_numel
 from .registry import register
 
 
@@ -96,6 +96,14 @@ class ACCO(OverlappedStrategy):
         return super().model_state_bytes(num_params, world, options) + cls.flat_bytes(num_params, world, options) \
             + 12 * n // world
 
+    @classmethod
+    def level_plans(cls, layout, replicas, size, options):
+        # The start-up micro-batch's gradients are reduced inside the replica once more (no round).
+        plans = super().level_plans(layout, replicas, size, options)
+        startup = [replace(op, every=ONCE, offset=1, what=f"{op.what}, at start-up")
+                   for op in plans.intra if op.collective != "all_gather"]
+        return LevelPlans(plans.intra + startup, plans.cross)
+
     def begin_step(self, ctx):
         if self.starting:  # G must hold ∇θ_0 before the first round can start
             self.flat.zero_grad()
@@ -105,7 +113,7 @@ class ACCO(OverlappedStrategy):
     def start_round(self):
         estimate = self.estimate_next
         if estimate:  # the estimate and the real round that follows share one lr
-            self.lr = self.set_lr(self.applied // (self.comm.world * self.accum))
+            self.lr = self.set_lr(self.applied // (self.data_parallel_ranks * self.accum))
         self.rounds.start(estimate)
         if not estimate:
             self.flat.zero_grad()
@@ -134,7 +142,7 @@ class ACCO(OverlappedStrategy):
     def finish(self, rounds):
         """The run ends: this rank completes the rounds the others started (the micro-batches
         of an unfinished round are dropped), then the model gets the real θ."""
-        changed = self.steps_done < rounds or self.holds_estimate
+        changed = self.steps_done < rounds
         while self.steps_done < rounds:
             if not self.rounds.engine.pending:
                 self.start_round()
@@ -143,6 +151,7 @@ class ACCO(OverlappedStrategy):
         if self.holds_estimate:
             self.flat.params.copy_(self.comm.meta_all_gather(self.shard_opt.own_params()).view(-1))
             self.holds_estimate = False
+            self.share_inside(counted=False)  # bookkeeping, as the gather above
         return changed
 
     def end_round(self, ctx):

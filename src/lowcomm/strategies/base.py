@@ -117,6 +117,11 @@ class Strategy(Planned):
         """Whether this rank runs the strategy on the tensors its position of a replica owns."""
         return self.inside is not None and self.owns_tensors
 
+    @property
+    def data_parallel_ranks(self) -> int:
+        """Every process of the run: the cross-replica group's R ranks times K per replica."""
+        return self.comm.world * (self.inside.comm.world if self.inside is not None else 1)
+
     def reduce_inside(self, op: str = "avg") -> None:
         """Across replica groups: each owned gradient <- its mean ("avg") or sum over the
         replica, the rest dropped; a flat run: nothing."""

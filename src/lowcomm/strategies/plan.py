@@ -33,6 +33,9 @@ class PlannedOp:
         return 0 if steps < first else (steps - first) // self.every + 1
 
 
+ONCE = 2**62  # PlannedOp.every of an op that runs once in a run (with offset=1: at its first step)
+
+
 def bytes_per_step(plan: list[PlannedOp], world: int) -> float:
     """Steady-state ring bytes one rank sends per trainer step."""
     return sum(op.wire_bytes(world) / op.every for op in plan)
