@@ -10,12 +10,13 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import lowcomm
 from lowcomm import UsageError
 from lowcomm.cli import main
 
-from dist_utils import run_dist
+from dist_utils import rel_err, run_dist
 
 TEXT = ("Now is the winter of our discontent made glorious summer by this sun of York; "
         "and all the clouds that lour'd upon our house in the deep bosom of the ocean buried. ") * 40
@@ -206,3 +207,84 @@ def test_tokens_are_counted_for_tuple_and_dict_batches():
     mask = torch.ones(4, 32, dtype=torch.long)
     mask[:, 20:] = 0  # padding is not a token
     assert batch_tokens({"input_ids": ids, "attention_mask": mask}) == 80
+
+
+# -- replica groups through wrap(): the user's loop unchanged ---------------------------------
+
+REPLICA_STEPS, ROWS = 4, 4  # ROWS: what one replica reads per micro-batch, split among its ranks
+
+
+def _replica_data(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + replica)
+    return torch.randn(ROWS, 8, generator=g), torch.randn(ROWS, 1, generator=g)
+
+
+def _user_loop(rank, world, strategy, replicas):
+    """A user's loop: its own model, data and loss; the data sharded by where the run says
+    this rank is (flat: replica = rank, one rank in it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    kw = {"replicas": replicas, "intra_link": "10gbit,50us"} if replicas else {}
+    with lowcomm.wrap(model, lambda p: torch.optim.AdamW(p, lr=1e-2), strategy, accum=2, **kw) as run:
+        assert run.replica_size * run.replicas == world
+        assert run.replica_rank * run.replica_size + run.rank_in_replica == rank
+        rows = ROWS // run.replica_size
+        mine = slice(run.rank_in_replica * rows, (run.rank_in_replica + 1) * rows)
+        micro = 0
+        while run.steps < REPLICA_STEPS:
+            x, y = _replica_data(micro, run.replica_rank)
+            micro += 1
+            run.backward(torch.nn.functional.mse_loss(run.model(x[mine]), y[mine]))
+        where = (run.replicas, run.replica_rank, run.replica_size, run.rank_in_replica)
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    refused = {}
+    cases = (("powersgd", {"strategy": "powersgd", "replicas": 2}),
+             ("three", {"strategy": strategy, "replicas": 3}),
+             ("group", {"strategy": strategy, "replicas": 2, "group": dist.new_group(list(range(world)))}))
+    for name, kw in cases if replicas else ():
+        try:
+            lowcomm.wrap(torch.nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), **kw)
+        except UsageError as e:
+            refused[name] = str(e)
+    return params, where, refused
+
+
+@pytest.fixture(scope="module")
+def replica_runs():
+    return {(strategy, replicas): run_dist(_user_loop, 4 if replicas else 2, strategy, replicas, timeout=180)
+            for strategy in ("zero1", "ddp") for replicas in (2, None)}
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "ddp"])
+def test_replicas_through_wrap_equal_one_worker_at_k_times_the_micro_batch(replica_runs, strategy):
+    """W=4 as 2 replicas of 2 (each rank half of its replica's micro-batch) ends with the
+    parameters of 2 single-process workers reading the whole micro-batch."""
+    grouped, flat = replica_runs[strategy, 2], replica_runs[strategy, None]
+    for rank, (params, where, _) in enumerate(grouped):
+        assert where == (2, rank // 2, 2, rank % 2)
+        reference = flat[rank // 2][0]
+        assert rel_err(params, reference) <= 1e-6, (strategy, rank, rel_err(params, reference))
+    assert flat[1][1] == (2, 1, 1, 0)  # a flat run: each rank its own replica
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("powersgd", "strategy 'powersgd' does not run across replica groups yet (replicas=2 of the world size 4"),
+    ("three", "replicas=3 does not divide the world size 4"),
+    ("group", "pass group= or replicas=, not both"),
+])
+def test_bad_replicas_through_wrap_are_refused_in_one_line(replica_runs, case, needle):
+    message = replica_runs["zero1", 2][0][2][case]
+    assert needle in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"replicas": 2}, "replicas=2 does not divide the world size 1"),
+    ({"replicas": -1}, "replicas must be at least 1"),
+    ({"replicas": "2"}, "replicas must be a whole number of replicas, got '2'"),
+    ({"intra_link": "10gbit,50us"}, "intra_link needs replica groups: replicas fewer than the world size (1)"),
+    ({"replicas": 1, "inside": "fsdp"}, "inside='fsdp' is not supported yet"),
+])
+def test_bad_replicas_on_one_process_are_refused(kw, needle):
+    with pytest.raises(UsageError) as e:
+        _run("zero1", **kw)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -29,7 +29,8 @@ RUN_FLAGS = {
     "--strategy": Flag("strategy", "NAME", "the strategy (one of: {strategies})"),
     "--workers": Flag("workers", "N", "worker processes W (under torchrun: the world size)"),
     "--replicas": Flag("replicas", "R", "R replicas of W/R processes each: the strategy runs across replicas, "
-                                        "--inside within each", zero="W, one process a replica"),
+                                        "--inside within each",
+                     zero="one per node under torchrun across nodes, else W: one process a replica"),
     "--inside": Flag("inside", "ENGINE", "what runs inside a replica: ddp (gradients averaged every step); "
                                          "fsdp is not supported yet"),
     "--steps": Flag("steps", "N", "trainer steps: optimizer steps, or what the strategy counts as one "

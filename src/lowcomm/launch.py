@@ -15,23 +15,24 @@ from . import config as C
 from . import rundir
 from .data import check_sizes, load_bytes
 from .errors import RunError, UsageError
+from .nodes import default_replicas, under_torchrun
 from .resources import check_fits
 from .strategies import available
 from .supervise import run_workers
 from .worker import check_model, pick_backend, run_rank, spawned_entry
 
 
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
 def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resume: bool = False) -> Path:
     """Validate config and data; create the output dir and write config.toml (`resume`: pick
     the checkpoint to continue from in the existing --out instead, checkpoint.prepare_resume).
     Raises UsageError (before writing anything) on bad input."""
+    chosen = None
     if under_torchrun():
         cfg.workers = int(os.environ["WORLD_SIZE"])
+        chosen = default_replicas(cfg, available())  # one replica per node, unless --replicas
     C.validate(cfg, available())
+    if chosen and os.environ.get("RANK", "0") == "0":
+        print(f"lowcomm: {chosen}", flush=True)
     backend = pick_backend(cfg)
     if (backend == "nccl" or cfg.device == "cuda") and not torch.cuda.is_available():
         raise UsageError(f"backend '{backend}' on device '{cfg.device}' needs CUDA, and no GPU is visible")

@@ -112,6 +112,30 @@ class RunDriver:
         inside = self.strategy.inside
         return [self.comm] if inside is None else [self.comm, inside.comm]
 
+    # -- where this rank is, for the user's data sharding (HSDP's, torchft's layout) ----------
+    @property
+    def replicas(self) -> int:
+        """R: the replicas the strategy runs across (a flat run: the world size)."""
+        return self.comm.world
+
+    @property
+    def replica_rank(self) -> int:
+        """Which replica this rank is in, 0 .. R−1 (a flat run: the rank)."""
+        return self.comm.rank
+
+    @property
+    def replica_size(self) -> int:
+        """K: ranks in each replica (a flat run: 1)."""
+        inside = self.strategy.inside
+        return 1 if inside is None else inside.comm.world
+
+    @property
+    def rank_in_replica(self) -> int:
+        """This rank's position in its replica, 0 .. K−1 (a flat run: 0). The global rank is
+        replica_rank · replica_size + rank_in_replica."""
+        inside = self.strategy.inside
+        return 0 if inside is None else inside.comm.rank
+
     @property
     def steps_done(self) -> int:
         """Optimizer steps (for acco: rounds) finished so far."""

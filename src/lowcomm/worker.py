@@ -30,6 +30,7 @@ from .data.loader import ShardedBatches
 from .models import GPT, build_hf_causal_lm, lm_loss
 from .models.layout import meta_layout
 from .optim import adamw_factory, lr_schedule
+from .nodes import check_numbering, under_torchrun
 from .run import RunDriver, link_seed, make_pacer, make_run
 
 
@@ -149,6 +150,8 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
     device = pick_device(cfg, backend, local_rank)
     layout = ReplicaLayout(world, cfg.replicas or world)  # the world: a flat run's one level, else bookkeeping
     comm = Comm(link=C.make_link(cfg, seed=link_seed(cfg.seed, rank)), level="cross" if layout.flat else "world")
+    if under_torchrun():  # every rank's replica count agreed, and a node per replica where the nodes chose it
+        check_numbering(comm, layout, cfg.replicas_by_node, device)
     levels = None if layout.flat else form_groups(layout, C.make_link(cfg, link_seed(cfg.seed + 1, rank), "intra_link"),
                                                   C.make_link(cfg, seed=link_seed(cfg.seed, rank)))
     model = build_model(cfg, device)

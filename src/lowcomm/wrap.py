@@ -16,6 +16,22 @@ accumulating, start or finish a communication round, swap parameters, or
 step: the same driver (run.py) the CLI's trainer runs `step()` on. The
 process group is the one you made, torchrun's (initialised here from its
 environment when you have not), or none for a single process.
+
+Replica groups (HSDP's layout, as `lowcomm train --replicas`): `replicas=R` runs the
+world's W processes as R replicas of K = W/R, ranks r·K .. r·K+K−1 forming replica r
+(under torchrun with K processes a node: replica r is node r). `inside` ("ddp") runs
+inside each replica over `intra_link`, the strategy across replicas over `link`:
+
+    run = lowcomm.wrap(model, make_opt, "zero1", replicas=2, intra_link="10gbit,50us", link="1gbit,5ms")
+    sampler = DistributedSampler(data, num_replicas=dist.get_world_size(), rank=dist.get_rank())
+
+Shard the data by global rank as for any data-parallel run (torchtitan's dp_rank): a
+replica's K ranks then read K different micro-batches, and R replicas of K at micro-batch
+m train as R workers at micro-batch K·m would. A loader sharded per replica takes
+`run.replica_rank` / `run.replicas` (which replica, how many) and `run.rank_in_replica` /
+`run.replica_size` (the position in it, K): torchft's DistributedSampler(data,
+replica_rank=run.replica_rank, num_replica_groups=run.replicas,
+group_rank=run.rank_in_replica, num_replicas=run.replica_size).
 """
 from __future__ import annotations
 
@@ -26,9 +42,14 @@ import torch
 import torch.distributed as dist
 
 from .comm import Comm
+from .comm.groups import ReplicaLayout, form
 from .comm.link import LinkModel, split_link_spec
+from .config.schema import RunConfig
 from .errors import UsageError
 from .run import RunDriver, link_seed, make_pacer, make_run
+from .strategies.inside import check_layout
+from .strategies.options import build_options
+from .strategies.registry import available, get, resolve
 from .strategies.base import MakeOptimizer
 from .strategies.context import Schedule
 from .values import parse_slowdown, parse_stragglers
@@ -38,7 +59,8 @@ def wrap(model: torch.nn.Module, make_optimizer: MakeOptimizer, strategy: str = 
          schedule: Schedule | None = None, total_steps: int | None = None,
          link: str | LinkModel | None = None, slowdown: float | Sequence[float] | None = None,
          stragglers: str | tuple[float, float] | None = None, seed: int = 0,
-         group: dist.ProcessGroup | None = None, **options) -> RunDriver:
+         group: dist.ProcessGroup | None = None, replicas: int | None = None, inside: str = "ddp",
+         intra_link: str | LinkModel | None = None, **options) -> RunDriver:
     """Put `model` under `strategy` for a loop of your own.
 
     make_optimizer(params) builds the inner optimizer; accum is micro-batches per
@@ -47,15 +69,50 @@ def wrap(model: torch.nn.Module, make_optimizer: MakeOptimizer, strategy: str = 
     the strategy's own (the CLI's names and defaults, e.g. max_accum=8).
     Emulation: link "BW,LAT[,JIT]" (e.g. "100mbit,10ms") or a LinkModel; slowdown
     this rank's factor, or one per rank; stragglers "P,F".
+    Replica groups: replicas R (None or the world size: one per process, flat), inside
+    the engine in each replica ("ddp"), intra_link its link ("BW,LAT[,JIT]" or a LinkModel),
+    formed from the default process group (see the module docstring for the data sharding).
     """
     _join_group_if_torchrun(model)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
-    comm = Comm(group, link=_link(link, link_seed(seed, rank)))
+    cross_link = _link(link, link_seed(seed, rank))
     factor = _slowdown(slowdown, rank, world)
     straggle = parse_stragglers(stragglers, "stragglers") if stragglers is not None else None
-    return make_run(strategy, model, comm, make_optimizer, accum=accum, schedule=schedule, total_steps=total_steps,
-                    pacer=make_pacer(rank, world, factor, straggle, seed), **options)
+    run = dict(accum=accum, schedule=schedule, total_steps=total_steps,
+               pacer=make_pacer(rank, world, factor, straggle, seed))
+    if not replicas and intra_link is None:  # flat, as always: the strategy on the (given) group
+        return make_run(strategy, model, Comm(group, link=cross_link), make_optimizer, **run, **options)
+    strategy, opts = _replica_options(strategy, options, world, replicas or world, inside, accum, intra_link, group)
+    layout = ReplicaLayout(world, replicas or world)
+    # groups formed in comm/groups.form, as for the CLI's workers, with the CLI's link seeds
+    levels = None if layout.flat else form(layout, _link(intra_link, link_seed(seed + 1, rank)), cross_link)
+    return make_run(strategy, model, levels.cross if levels else Comm(group, link=cross_link), make_optimizer,
+                    **run, options=opts, replica=levels.intra if levels else None, inside=inside)
+
+
+def _replica_options(strategy: str, values: dict, world: int, replicas: int, inside: str, accum: int,
+                     intra_link, group) -> tuple[str, object]:
+    """The strategy (under the name that runs) and its options, once replicas, inside and the
+    strategy are checked to fit together as the CLI checks them; a UsageError in one line."""
+    if not isinstance(replicas, int) or isinstance(replicas, bool):
+        raise UsageError(f"replicas must be a whole number of replicas, got {replicas!r}")
+    if replicas < world and group is not None and group is not dist.group.WORLD:
+        raise UsageError("replicas= forms its groups from the default process group: pass group= or replicas=, "
+                         "not both")
+    name, opts = resolve(strategy, build_options(get(strategy).Options, values, strategy))
+    supported = [n for n in available() if get(n).runs_inside(inside)]
+    check_layout(world, replicas, inside, name, supported, intra_link=intra_link is not None, spell=_keyword)
+    # the strategy's own rules about replicas (e.g. diloco's sync_by="time"), as on the CLI
+    opts.check_run(RunConfig(strategy=name, workers=world, replicas=replicas, accum=accum, inside=inside))
+    return name, opts
+
+
+def _keyword(name: str, value=None) -> str:
+    """A setting as wrap()'s caller wrote it (`replicas=3`); the workers are the world's processes."""
+    if name == "workers":
+        return "the world size" if value is None else f"the world size {value}"
+    return name if value is None else f"{name}={value!r}"
 
 
 def _join_group_if_torchrun(model: torch.nn.Module) -> None:

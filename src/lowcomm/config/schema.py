@@ -98,7 +98,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     link: LinkConfig = field(default_factory=LinkConfig)  # across replicas (a flat run: between all workers)
     # R replicas of workers/R processes (0: one per worker), `inside` in each over `intra_link` (strategies/inside.py)
-    replicas: int = 0
+    replicas: int = 0  # under torchrun across nodes, 0 means one replica per node (nodes.py)
     inside: str = "ddp"
     intra_link: LinkConfig = field(default_factory=LinkConfig)
     # "f1,...,fW": rank r computes f_r times slower (empty = all 1)
@@ -122,6 +122,8 @@ class RunConfig:
     pending_options: dict = field(default_factory=dict, metadata={"internal": True})
     # The checkpoint directory this run continues from (set by the launcher: --resume, a restart).
     resume_from: str = field(default="", metadata={"internal": True})
+    # Set when torchrun's nodes chose `replicas` (nodes.default_replicas): each replica must be a node.
+    replicas_by_node: bool = field(default=False, metadata={"internal": True})
 
     def strategy_options(self, name: str | None = None) -> Options:
         """The (chosen) strategy's options, its defaults where nothing was set."""

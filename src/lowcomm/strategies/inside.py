@@ -135,20 +135,35 @@ def make_inside(kind: str, comm: Comm | None) -> InsideDDP | None:
 def check_replicas(cfg, supported: list[str]) -> None:
     """UsageError (one line) unless --replicas, --inside, --intra-link and the strategy of `cfg`
     (config.RunConfig) fit together (`supported`: the strategies that run under its --inside)."""
-    workers, replicas, inside, strategy = cfg.workers, cfg.replicas, cfg.inside, cfg.strategy
+    check_layout(cfg.workers, cfg.replicas, cfg.inside, cfg.strategy, supported,
+                 intra_link=cfg.intra_link.bandwidth is not None, spell=_flag)
+
+
+def _flag(name: str, value=None) -> str:
+    """A setting as the command line spells it: `--replicas 3`."""
+    flag = "--" + name.replace("_", "-")
+    return flag if value is None else f"{flag} {value}"
+
+
+def check_layout(workers: int, replicas: int, inside: str, strategy: str, supported: list[str], *,
+                 intra_link: bool, spell=_flag) -> None:
+    """UsageError (one line) unless `replicas` replicas of `workers` processes, `inside` inside
+    each and `strategy` across them fit together; `spell(name, value)` names a setting as the
+    caller's user wrote it (the CLI's flags, or lowcomm.wrap's keywords)."""
     if replicas < 0:
         raise UsageError(f"replicas must be at least 1 (0: one per worker), got {replicas}")
     R = replicas or workers
     if workers % R:
-        raise UsageError(f"--replicas {R} does not divide --workers {workers} (each replica holds "
-                         f"workers/replicas processes)")
+        raise UsageError(f"{spell('replicas', R)} does not divide {spell('workers', workers)} (each replica "
+                         f"holds workers/replicas processes)")
     if inside not in INSIDE:
-        raise UsageError(f"unknown --inside '{inside}' (choose from: {', '.join(INSIDE)})")
+        raise UsageError(f"unknown {spell('inside')} '{inside}' (choose from: {', '.join(INSIDE)})")
     if inside not in BUILT:
-        raise UsageError(f"--inside {inside} is not supported yet (strategy '{strategy}'; "
+        raise UsageError(f"{spell('inside', inside)} is not supported yet (strategy '{strategy}'; "
                          f"choose from: {', '.join(BUILT)})")
     if R < workers and strategy not in supported:
-        raise UsageError(f"strategy '{strategy}' does not run across replica groups yet (--replicas {R} of "
-                         f"--workers {workers}; with --inside {inside}: {', '.join(supported)})")
-    if cfg.intra_link.bandwidth is not None and R == workers:
-        raise UsageError(f"--intra-link needs replica groups: --replicas fewer than --workers ({workers})")
+        raise UsageError(f"strategy '{strategy}' does not run across replica groups yet ({spell('replicas', R)} of "
+                         f"{spell('workers', workers)}; with {spell('inside', inside)}: {', '.join(supported)})")
+    if intra_link and R == workers:
+        raise UsageError(f"{spell('intra_link')} needs replica groups: {spell('replicas')} fewer than "
+                         f"{spell('workers')} ({workers})")
