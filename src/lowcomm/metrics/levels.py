@@ -15,6 +15,8 @@ from ..models.layout import ModelLayout
 from ..strategies.plan import LevelPlans
 
 LEVELS = ("intra", "cross")
+# A level in words a user reads (progress line, summary, report), the slow link's first.
+LEVEL_WORDS = {"cross": "across replicas", "intra": "inside replicas"}
 
 
 def gather_levels(world_comm: Comm, levels: list[Comm], device) -> torch.Tensor:
