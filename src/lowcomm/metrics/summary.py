@@ -1,7 +1,7 @@
 """Run totals, summary.json's contents, and the one-paragraph summary printed at the end of a run."""
 from __future__ import annotations
 
-from .levels import LEVEL_WORDS, LEVELS
+from .levels import LEVEL_WORDS, LEVELS, has_levels, level_figures
 
 
 class Totals:
@@ -30,7 +30,6 @@ class Totals:
             self.compute_per_rank[r] += per_rank["compute_s"][r]
             self.exposed_per_rank[r] += per_rank["exposed_comm_s"][r]
             self.micro_per_rank[r] += per_rank["micro_batches"][r]
-
 
     def per_level(self, steps: int, elapsed_s: float) -> dict[str, tuple[float, float]]:
         """level -> (MB per step, all ranks; share of `elapsed_s` waited, the slowest rank's per
@@ -109,15 +108,11 @@ def describe(s: dict) -> str:
 
 def _describe_levels(s: dict) -> str:
     """With replica groups, each level's share: the slow link's bytes are the ones that matter."""
-    levels = s.get("levels")
-    if not levels or s.get("replicas", s["workers"]) >= s["workers"]:
+    if not has_levels(s):
         return ""
-    parts = []
-    for level, words in LEVEL_WORDS.items():
-        lv = levels[level]
-        waited = sum(lv["exposed_comm_s_per_rank"]) / len(lv["exposed_comm_s_per_rank"]) / s["wall_s"]
-        parts.append(f"{words} {lv['wire_bytes'] / 1e6:,.2f} MB ({lv['wire_bytes'] / max(s['tokens'], 1):,.1f} "
-                     f"bytes per token), waited {100 * waited:.1f}%")
+    parts = [f"{LEVEL_WORDS[level]} {s['levels'][level]['wire_bytes'] / 1e6:,.2f} MB ({per_token:,.1f} bytes "
+             f"per token), waited {100 * waited / s['wall_s']:.1f}%"
+             for level, (per_token, waited) in level_figures(s).items()]
     return f" By level ({s['replicas']} replicas of {s['workers'] // s['replicas']}; waits: mean over ranks): " + \
         "; ".join(parts) + "."
 

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-
 COMM_TID = 1000  # a level's comm lanes are tids COMM_TID·(i+1) + slot, i its place in LANE_ORDER
 LANE_ORDER = {"cross": 0, "intra": 1, "world": 2}  # the slow link's lanes first, bookkeeping last
 

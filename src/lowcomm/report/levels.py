@@ -4,7 +4,7 @@ report's table, answer and time plot. Shown only when a run of the report has re
 with replicas counts all its traffic as across (each worker is a replica of one process)."""
 from __future__ import annotations
 
-from ..metrics.levels import LEVEL_WORDS
+from ..metrics.levels import has_levels, level_figures
 from .runs import RecordedRun
 
 TIE = 0.005  # bytes per token this close count as the same (a strategy's plan, not noise, sets them)
@@ -18,35 +18,27 @@ COLUMNS = [
 
 
 def leveled(run: RecordedRun) -> bool:
-    s = run.summary
-    return bool(s.get("levels")) and s.get("replicas", s["workers"]) < s["workers"]
+    return has_levels(run.summary)
 
 
-def level_figures(run: RecordedRun) -> dict[str, dict[str, float]]:
-    """level -> bytes_per_token (all ranks' bytes on that level over the tokens trained) and
-    exposed_s (seconds a rank waited on it, mean over ranks). Runs that did not count levels
-    (flat ones, or written before levels existed) sent everything across."""
+def run_levels(run: RecordedRun) -> dict[str, tuple[float, float]]:
+    """level -> (bytes per token, seconds a rank waited on it: mean over ranks). Runs that
+    did not count levels (flat ones, or written before levels existed) sent everything across."""
     s = run.summary
-    counted = s.get("levels") if leveled(run) else None
-    out = {}
-    for level in LEVEL_WORDS:
-        if counted is not None:
-            wire, waits = counted[level]["wire_bytes"], counted[level]["exposed_comm_s_per_rank"]
-        elif level == "cross":
-            wire, waits = sum(r["wire_bytes"] for r in run.steps), s["exposed_comm_s_per_rank"]
-        else:
-            wire, waits = 0, [0.0]
-        out[level] = {"bytes_per_token": wire / max(s["tokens"], 1), "exposed_s": sum(waits) / len(waits)}
-    return out
+    if leveled(run):
+        return level_figures(s)
+    waits = s["exposed_comm_s_per_rank"]
+    return {"cross": (sum(r["wire_bytes"] for r in run.steps) / max(s["tokens"], 1), sum(waits) / len(waits)),
+            "intra": (0.0, 0.0)}
 
 
 def level_cells(run: RecordedRun) -> dict:
     """A table row's level columns (COLUMNS' keys), with the layout they were measured on."""
     s = run.summary
     cells = {"replicas": s.get("replicas", s["workers"])}
-    for level, fig in level_figures(run).items():
-        cells[f"{level}_bytes_per_token"] = fig["bytes_per_token"]
-        cells[f"{level}_exposed_pct"] = 100 * fig["exposed_s"] / s["wall_s"]
+    for level, (per_token, waited) in run_levels(run).items():
+        cells[f"{level}_bytes_per_token"] = per_token
+        cells[f"{level}_exposed_pct"] = 100 * waited / s["wall_s"]
     return cells
 
 

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 from ..metrics.levels import LEVEL_WORDS
-from .levels import leveled, level_figures
+from .levels import leveled, run_levels
 from .runs import RecordedRun, reach
 
 PLOTS = ("loss_vs_time.png", "loss_vs_bytes.png", "time_breakdown.png", "tokens_per_s.png")
@@ -96,8 +96,8 @@ def _draw_time_breakdown(ax, runs: list[RecordedRun]) -> None:
         e = sum(s["exposed_comm_s_per_rank"]) / s["workers"]
         compute.append(c)
         if by_level:
-            for level, fig in level_figures(r).items():
-                waits[level].append(fig["exposed_s"])
+            for level, (_, waited) in run_levels(r).items():
+                waits[level].append(waited)
         else:
             waits["all"].append(e)
         idle.append(max(0.0, s["wall_s"] - c - sum(w[-1] for w in waits.values())))
