@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from .comm import Comm, CommStats
 from .comm.control import agree_max, control_group
-from .comm.groups import combined
+from .comm.groups import by_level, total
 from .comm.pacer import Pacer
 from .errors import UsageError
 from .strategies.base import MakeOptimizer, Strategy
@@ -183,7 +183,9 @@ class RunDriver:
 
     def _begin(self, pull: bool = False) -> StepContext:
         if self.ctx is None:
-            self.ctx = StepContext(self.strategy.steps_done, time.perf_counter(), combined(self.levels), pull=pull)
+            before = by_level(self.levels)
+            self.ctx = StepContext(self.strategy.steps_done, time.perf_counter(), total(before.values()),
+                                   levels_before=before, pull=pull)
             self.strategy.begin_step(self.ctx)
         return self.ctx
 
@@ -203,13 +205,15 @@ class RunDriver:
     def _finish(self) -> StepResult:
         ctx, self.ctx = self.ctx, None
         self.strategy.share_inside()  # across replica groups: the owners' tensors to their replica
-        spent: CommStats = combined(self.levels) - ctx.comm_before  # every level's traffic
+        levels = {level: now - ctx.levels_before[level] for level, now in by_level(self.levels).items()}
+        spent: CommStats = total(levels.values())  # every level's traffic
         self.strategy.steps_done += 1
         self.skipped_steps += ctx.skipped
         self.result = StepResult(
             loss=ctx.idle_loss if ctx.idle else ctx.mean_loss, micro_batches=ctx.micro_batches,
             tokens=ctx.tokens, wire_bytes=spent.wire_bytes, compute_s=ctx.compute_s, comm_s=spent.busy_s,
-            exposed_comm_s=spent.exposed_s, wall_s=time.perf_counter() - ctx.t0, lr=ctx.lr, skipped=ctx.skipped)
+            exposed_comm_s=spent.exposed_s, wall_s=time.perf_counter() - ctx.t0, lr=ctx.lr, skipped=ctx.skipped,
+            levels=levels)
         return self.result
 
     def _mark_compute_start(self) -> None:

@@ -195,7 +195,8 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
     cfg, run = t.cfg, t.run
     lead = t.rank == 0 and out_dir is not None
     log = StepLog(out_dir, resume_after=t.step if cfg.resume_from else None) if lead else None
-    view = ProgressView(cfg.steps, f"{cfg.strategy} W={t.world}", enabled=lead and not quiet)
+    leveled = len(run.levels) > 1  # replica groups: bytes and waits shown per level
+    view = ProgressView(cfg.steps, f"{cfg.strategy} W={t.world}", enabled=lead and not quiet, levels=leveled)
     if lead and not quiet:
         announce(t)
     totals, loss, val_loss = kept_totals(log, t.world)
@@ -235,7 +236,7 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
             if lead:
                 elapsed = time.perf_counter() - t_start
                 view.update(step, loss, totals.tokens / elapsed, totals.wire / 1e6,
-                            totals.exposed / elapsed, records[-1].get("val_loss"))
+                            totals.exposed / elapsed, records[-1].get("val_loss"), totals.per_level(step, elapsed))
             if stop_asked and step < cfg.steps:
                 stopped = True
                 break
@@ -278,7 +279,8 @@ def gather_records(t: Trainer, pending: list[torch.Tensor]) -> tuple[list[dict],
     every_rank = t.comm.meta_all_gather(torch.stack(pending + [flags]).to(t.device)).cpu()
     asked, stop_asked = (bool(every_rank[:, -1, i].any()) for i in (0, 1))
     first = t.step - len(pending) + 1
-    records = [step_record(first + i, every_rank[:, i]) for i in range(len(pending))]
+    leveled = len(t.run.levels) > 1
+    records = [step_record(first + i, every_rank[:, i], leveled) for i in range(len(pending))]
     pending.clear()
     return records, asked, stop_asked
 

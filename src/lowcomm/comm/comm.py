@@ -212,7 +212,7 @@ class Comm:
         modeled = None if link is None else link.schedule(op, nbytes, self.world, t0)
         modeled_end = None if modeled is None else modeled[1]
         span = None if self.tracer is None else \
-            self.tracer.open_comm(op, t0, wire, nbytes, meta, *(modeled or (t0, t0)))
+            self.tracer.open_comm(op, t0, wire, nbytes, meta, *(modeled or (t0, t0)), level=self.level)
         return _Issued(op, wire, meta, t0, modeled_end, span)
 
     def _run_sync(self, issued: _Issued, launch, result) -> None:
@@ -299,7 +299,7 @@ class Comm:
     def _trace_wait(self, t0: float, t1: float) -> None:
         """A span for time this thread was blocked on the network (exposed time only)."""
         if self.tracer is not None and not getattr(self._local, "overlapped", False):
-            self.tracer.span("wait", "wait", t0, t1)
+            self.tracer.span("wait", "wait", t0, t1, {"level": self.level})
 
     # -- collectives --------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):

@@ -75,7 +75,17 @@ def form(layout: ReplicaLayout, intra_link=None, cross_link=None) -> ReplicaGrou
 
 def combined(comms: list[Comm]) -> CommStats:
     """The counters of several levels added up (the driver's per-step totals); one level's as they are."""
-    snaps = [comm.snapshot() for comm in comms]
-    if len(snaps) == 1:
-        return snaps[0]
-    return CommStats(*(sum(getattr(s, f.name) for s in snaps) for f in fields(CommStats)))
+    return total(by_level(comms).values())
+
+
+def by_level(comms: list[Comm]) -> dict[str, CommStats]:
+    """Each level's counters, by Comm.level, read once (so that they and their total agree)."""
+    return {comm.level: comm.snapshot() for comm in comms}
+
+
+def total(stats) -> CommStats:
+    """Several levels' counters added up; one level's as they are."""
+    stats = list(stats)
+    if len(stats) == 1:
+        return stats[0]
+    return CommStats(*(sum(getattr(s, f.name) for s in stats) for f in fields(CommStats)))

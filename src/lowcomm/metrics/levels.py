@@ -15,6 +15,8 @@ from ..models.layout import ModelLayout
 from ..strategies.plan import LevelPlans
 
 LEVELS = ("intra", "cross")
+# A level in words a user reads (progress line, summary, report), the slow link's first.
+LEVEL_WORDS = {"cross": "across replicas", "intra": "inside replicas"}
 
 
 def gather_levels(world_comm: Comm, levels: list[Comm], device) -> torch.Tensor:
@@ -59,4 +61,20 @@ def level_summary(every: torch.Tensor, strategy, layout: ModelLayout, world: int
             "comm_s_per_rank": every[:, i, 2].tolist(),
             "link": links.get(level),
         }
+    return out
+
+
+def has_levels(summary: dict) -> bool:
+    """Whether a summary.json is of a run with replica groups (a flat run's `levels` hold one)."""
+    return bool(summary.get("levels")) and summary.get("replicas", summary["workers"]) < summary["workers"]
+
+
+def level_figures(summary: dict) -> dict[str, tuple[float, float]]:
+    """level -> (bytes per token: all ranks' bytes on the level over the tokens trained; seconds
+    a rank waited on it, mean over ranks), from a summary.json that has_levels, slow link first."""
+    out = {}
+    for level in LEVEL_WORDS:
+        counted = summary["levels"][level]
+        waits = counted["exposed_comm_s_per_rank"]
+        out[level] = (counted["wire_bytes"] / max(summary["tokens"], 1), sum(waits) / len(waits))
     return out

@@ -11,6 +11,10 @@ every rank's StepResult gathered each step). Field meanings:
   skipped_ranks   present on steps not applied on some rank: the ranks that found a loss or
                   gradient not finite and skipped the step (all of them, for strategies that
                   reduce gradients every step)
+With replica groups (--replicas R < W) each level's share of the above, L = cross or intra:
+  wire_bytes_L         summed over ranks (wire_bytes_cross + wire_bytes_intra = wire_bytes)
+  exposed_comm_s_L     max over ranks
+  per_rank.exposed_comm_s_L   each rank's
 """
 from __future__ import annotations
 
@@ -20,19 +24,30 @@ from pathlib import Path
 
 import torch
 
+from ..comm import CommStats
 from ..strategies.context import StepResult
+from .levels import LEVELS
 
 FIELDS = ("loss", "micro_batches", "tokens", "wire_bytes", "compute_s", "comm_s",
           "exposed_comm_s", "wall_s", "lr", "skipped")
+# Each level's bytes and exposed seconds follow FIELDS in every rank's vector, flat run or not,
+# so that all ranks gather vectors of one length; only a run with replicas writes them out.
+LEVEL_FIELDS = tuple(f"{f}_{level}" for level in LEVELS for f in ("wire_bytes", "exposed_comm_s"))
 
 
 def result_vector(r: StepResult) -> torch.Tensor:
-    return torch.tensor([float(getattr(r, f)) for f in FIELDS], dtype=torch.float64)
+    per_level = [float(v) for level in LEVELS for v in _level_values(r.levels.get(level))]
+    return torch.tensor([float(getattr(r, f)) for f in FIELDS] + per_level, dtype=torch.float64)
 
 
-def step_record(step: int, per_rank: torch.Tensor) -> dict:
-    """Merge every rank's StepResult (rows of `per_rank`, columns FIELDS)."""
-    col = {f: per_rank[:, i] for i, f in enumerate(FIELDS)}
+def _level_values(stats: CommStats | None) -> tuple[float, float]:
+    return (0.0, 0.0) if stats is None else (stats.wire_bytes, stats.exposed_s)
+
+
+def step_record(step: int, per_rank: torch.Tensor, levels: bool = False) -> dict:
+    """Merge every rank's StepResult (rows of `per_rank`, columns FIELDS then LEVEL_FIELDS);
+    `levels`: the run has replica groups, so the record splits its traffic by level."""
+    col = {f: per_rank[:, i] for i, f in enumerate(FIELDS + LEVEL_FIELDS)}
     record = {
         "step": step,
         "loss": float(col["loss"].mean()),
@@ -51,6 +66,12 @@ def step_record(step: int, per_rank: torch.Tensor) -> dict:
             "micro_batches": [int(v) for v in col["micro_batches"]],
         },
     }
+    if levels:
+        for level in LEVELS:
+            exposed = col[f"exposed_comm_s_{level}"]
+            record[f"wire_bytes_{level}"] = int(col[f"wire_bytes_{level}"].sum())
+            record[f"exposed_comm_s_{level}"] = float(exposed.max())
+            record["per_rank"][f"exposed_comm_s_{level}"] = [round(float(v), 6) for v in exposed]
     skipped = [r for r, v in enumerate(col["skipped"]) if v]
     if skipped:
         record["skipped_ranks"] = skipped

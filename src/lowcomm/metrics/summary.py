@@ -1,6 +1,8 @@
 """Run totals, summary.json's contents, and the one-paragraph summary printed at the end of a run."""
 from __future__ import annotations
 
+from .levels import LEVEL_WORDS, LEVELS, has_levels, level_figures
+
 
 class Totals:
     """Sums over the merged step records (metrics/runlog.py step_record)."""
@@ -12,9 +14,15 @@ class Totals:
         self.compute_per_rank = [0.0] * world
         self.exposed_per_rank = [0.0] * world
         self.micro_per_rank = [0] * world
+        self.levels: dict[str, list[float]] = {}  # level -> [wire bytes, exposed s]: a run with replicas
 
     def add(self, record: dict) -> None:
         self.tokens += record["tokens"]
+        for level in LEVELS:
+            if f"wire_bytes_{level}" in record:
+                sums = self.levels.setdefault(level, [0, 0.0])
+                sums[0] += record[f"wire_bytes_{level}"]
+                sums[1] += record[f"exposed_comm_s_{level}"]
         self.wire += record["wire_bytes"]
         self.exposed += record["exposed_comm_s"]
         per_rank = record["per_rank"]
@@ -22,6 +30,12 @@ class Totals:
             self.compute_per_rank[r] += per_rank["compute_s"][r]
             self.exposed_per_rank[r] += per_rank["exposed_comm_s"][r]
             self.micro_per_rank[r] += per_rank["micro_batches"][r]
+
+    def per_level(self, steps: int, elapsed_s: float) -> dict[str, tuple[float, float]]:
+        """level -> (MB per step, all ranks; share of `elapsed_s` waited, the slowest rank's per
+        step as for `exposed`), for the progress line; {} for a flat run."""
+        return {level: (wire / 1e6 / max(steps, 1), exposed / elapsed_s)
+                for level, (wire, exposed) in self.levels.items()}
 
 
 def build_summary(cfg, *, world: int, backend: str, params: int, source: str, totals: Totals,
@@ -89,7 +103,18 @@ def describe(s: dict) -> str:
             f"({s['wire_bytes_per_rank_per_step'] / 1e6:,.2f} MB per rank per step); waited on the network "
             f"{100 * s['exposed_comm_fraction']:.1f}% of the wall time. Optimizer state "
             f"{s['optimizer_state_bytes_per_rank'] / 1e6:,.2f} MB per rank, peak memory "
-            f"{s['peak_mem_bytes'] / 2**20:,.0f} MiB." + _describe_emulation(s))
+            f"{s['peak_mem_bytes'] / 2**20:,.0f} MiB." + _describe_levels(s) + _describe_emulation(s))
+
+
+def _describe_levels(s: dict) -> str:
+    """With replica groups, each level's share: the slow link's bytes are the ones that matter."""
+    if not has_levels(s):
+        return ""
+    parts = [f"{LEVEL_WORDS[level]} {s['levels'][level]['wire_bytes'] / 1e6:,.2f} MB ({per_token:,.1f} bytes "
+             f"per token), waited {100 * waited / s['wall_s']:.1f}%"
+             for level, (per_token, waited) in level_figures(s).items()]
+    return f" By level ({s['replicas']} replicas of {s['workers'] // s['replicas']}; waits: mean over ranks): " + \
+        "; ".join(parts) + "."
 
 
 def _describe_emulation(s: dict) -> str:

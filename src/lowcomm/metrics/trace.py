@@ -15,6 +15,12 @@ children: "real" (until the transport finished) and "emulated" (the extra
 time the link emulator held it). Time blocked on the network is a "wait"
 span on the lane of the thread that blocked.
 
+With replica groups each collective's span names its level in `args.level` ("cross":
+across replicas, the slow link; "intra": inside a replica; "world": the run's bookkeeping),
+and each level gets lanes of its own ("cross comm 0", "intra comm 0", ..., the slow link's
+first), so the two links' traffic reads apart at a glance. A flat run's spans say "cross"
+too, on plain "comm N" lanes. Wait spans carry the level of the Comm waited on.
+
 Timestamps are microseconds from a common origin: ranks on one host share
 its monotonic clock; a rank on another host lines up to within the skew of
 the collective that set the origin (see `align`).
@@ -29,6 +35,9 @@ import zlib
 from pathlib import Path
 
 import torch
+
+COMM_TID = 1000  # a level's comm lanes are tids COMM_TID·(i+1) + slot, i its place in LANE_ORDER
+LANE_ORDER = {"cross": 0, "intra": 1, "world": 2}  # the slow link's lanes first, bookkeeping last
 
 
 class Tracer:
@@ -57,8 +66,8 @@ class Tracer:
             self._spans.append((name, cat, t0, t1, lane, args))
 
     def open_comm(self, op: str, t0: float, wire: int, nbytes: int, meta: bool,
-                  modeled_start: float, modeled_end: float) -> dict:
-        rec = {"op": op, "t0": t0, "wire": wire, "bytes": nbytes, "meta": meta,
+                  modeled_start: float, modeled_end: float, level: str = "cross") -> dict:
+        rec = {"op": op, "t0": t0, "wire": wire, "bytes": nbytes, "meta": meta, "level": level,
                "modeled": (modeled_start, modeled_end), "real_end": None, "end": None}
         with self._lock:
             self._comm.append(rec)
@@ -101,19 +110,22 @@ class Tracer:
             out.append(ev)
 
         # Collectives overlap each other (DDP buckets, ACCO's count beside its
-        # reduce-scatter); give each the first comm lane that is free by then.
-        lane_free: list[float] = []
-        first_comm_tid = 1000
+        # reduce-scatter); give each the first lane of its level that is free by then.
+        levels = sorted({r["level"] for r in comm}, key=lambda lv: (LANE_ORDER.get(lv, len(LANE_ORDER)), lv))
+        lane_free: dict[str, list[float]] = {lv: [] for lv in levels}
+        first_tid = {lv: COMM_TID * (i + 1) for i, lv in enumerate(levels)}
         for rec in sorted(comm, key=lambda r: r["t0"]):
             unfinished = rec["end"] is None
             end = now if unfinished else rec["end"]
             real_end = now if rec["real_end"] is None else rec["real_end"]
-            slot = next((i for i, free in enumerate(lane_free) if free <= rec["t0"]), len(lane_free))
-            if slot == len(lane_free):
-                lane_free.append(end)
-            lane_free[slot] = end
-            tid = first_comm_tid + slot
-            args = {"meta_bytes" if rec["meta"] else "wire_bytes": rec["wire"], "bytes": rec["bytes"]}
+            free_at = lane_free[rec["level"]]
+            slot = next((i for i, free in enumerate(free_at) if free <= rec["t0"]), len(free_at))
+            if slot == len(free_at):
+                free_at.append(end)
+            free_at[slot] = end
+            tid = first_tid[rec["level"]] + slot
+            args = {"meta_bytes" if rec["meta"] else "wire_bytes": rec["wire"], "bytes": rec["bytes"],
+                    "level": rec["level"]}
             ms, me = rec["modeled"]
             if me > ms:
                 args["modeled_start_us"], args["modeled_end_us"] = us(ms), us(me)
@@ -128,7 +140,9 @@ class Tracer:
                 out.append({**base, "name": "emulated", "cat": "comm.emulated", "ts": us(real_end),
                             "dur": round((end - real_end) * 1e6, 3)})
         names = {tid: name for name, tid in lanes.items()}
-        names.update({first_comm_tid + i: f"comm {i}" for i in range(len(lane_free))})
+        prefix = "" if len(levels) == 1 else "{} "  # one level (a flat run): plain "comm N" lanes
+        names.update({first_tid[lv] + i: prefix.format(lv) + f"comm {i}"
+                      for lv in levels for i in range(len(lane_free[lv]))})
         out.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {pid}"}})
         out.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
         for tid, name in names.items():
@@ -160,10 +174,12 @@ def write_trace(path: Path, events: list[dict], metadata: dict | None = None) ->
     tmp.replace(path)
 
 
-def comm_wire_bytes(doc: dict) -> int:
-    """Sum of wire_bytes over a trace's communication spans (equals summary.json's wire_bytes_total)."""
+def comm_wire_bytes(doc: dict, level: str | None = None) -> int:
+    """Sum of wire_bytes over a trace's communication spans (equals summary.json's wire_bytes_total),
+    or over one level's (equals summary.json's levels[level].wire_bytes)."""
     return sum(int(e.get("args", {}).get("wire_bytes", 0)) for e in doc["traceEvents"]
-               if e.get("cat") == "comm" and e.get("ph") == "X")
+               if e.get("cat") == "comm" and e.get("ph") == "X"
+               and (level is None or e["args"].get("level") == level))
 
 
 def _lane_of_current_thread() -> str:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from ..metrics.runlog import write_json_atomic
 from .answer import answer
+from .levels import leveled
 from .plots import PLOTS, write_plots
 from .runs import Failed, RecordedRun, load_bench, load_entries, load_run
 from .setup import describe, not_comparable
@@ -22,7 +23,8 @@ def write_report(entries: list, out: Path, target_loss: float | None = None, tit
     apart = not_comparable(runs)
     comparable = [r for r in runs if r.label not in apart]
     target = target_loss if target_loss is not None else default_target(comparable)
-    rows = [row(e, target, apart.get(e.label)) for e in entries]
+    levels = any(leveled(r) for r in runs)  # a flat report keeps its columns
+    rows = [row(e, target, apart.get(e.label), levels) for e in entries]
     setting = describe(comparable[0]) if comparable else ""
     plots = write_plots(runs, out, target, setting if not apart else "runs of different setups") if runs else []
     text = (f"# {title}\n\n" + answer(rows, target, setting) + "\n\n" + (preamble + "\n\n" if preamble else "")

@@ -2,6 +2,8 @@
 with the fewest bytes, and which to pick for the measured setting, and why."""
 from __future__ import annotations
 
+from .levels import level_sentence
+
 # Runs whose time to the target is within this share of the fastest count as equally fast:
 # back-to-back runs of one strategy on the shared 2-core machine differ by about this much.
 TIME_NOISE = 0.05
@@ -22,7 +24,7 @@ def answer(rows: list[dict], target: float | None, setting: str) -> str:
         text = (f"**Answer.** No run reached the target loss {target:.4f}; the lowest final loss is "
                 f"**{best['label']}**'s ({best['final_val_loss']:.4f}). Lower --target-loss no further than that, "
                 f"or train longer (--tokens).")
-        return " ".join([text, *notes])
+        return " ".join([text, *_by_level(ok), *notes])
     by_time = sorted(reached, key=lambda r: r["time_to_target_s"])
     fastest = by_time[0]
     fewest = min(reached, key=lambda r: (r["mb_to_target"], r["time_to_target_s"]))
@@ -43,7 +45,7 @@ def answer(rows: list[dict], target: float | None, setting: str) -> str:
         text.append(f"But mind where it ends: {pick['label']}'s final loss {pick['final_val_loss']:.4f} is "
                     f"{gap:.0f}% above {best['label']}'s {best['final_val_loss']:.4f}; to compare them at a lower "
                     f"loss, give --target-loss (or train longer).")
-    return " ".join(text + notes)
+    return " ".join(text + _by_level(ok) + notes)
 
 
 def _why(pick: dict, fastest: dict, fewest: dict, tied: list[dict]) -> str:
@@ -60,6 +62,12 @@ def _why(pick: dict, fastest: dict, fewest: dict, tied: list[dict]) -> str:
             f"{_ratio(pick['mb_to_target'], fewest['mb_to_target'])} fewer bytes but takes {slower:.1f}x as long "
             f"here, which pays off only on a slower link (`lowcomm plan --calibrate` with that --link predicts "
             f"the ranking there)")
+
+
+def _by_level(ok: list[dict]) -> list[str]:
+    """The level sentence, where a run has replica groups (none for flat runs)."""
+    text = level_sentence(ok)
+    return [text] if text else []
 
 
 def _caveats(rows: list[dict]) -> list[str]:

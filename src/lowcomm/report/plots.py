@@ -4,8 +4,11 @@ trace the same curve), each run's crossing of the target marked, and the loss ax
 to where the curves cross the target rather than to the first, untrained evaluations."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
+from ..metrics.levels import LEVEL_WORDS
+from .levels import leveled, run_levels
 from .runs import RecordedRun, reach
 
 PLOTS = ("loss_vs_time.png", "loss_vs_bytes.png", "time_breakdown.png", "tokens_per_s.png")
@@ -15,6 +18,9 @@ LOSS = "validation loss (nats/token)"
 # The loss axis shows the target at about a third of its height: the best loss below it,
 # and this many times that distance above it.
 ABOVE_TARGET = 2.0
+# About what fits across a figure's title at its size; a longer setting (two links, with
+# replica groups) wraps rather than running off both edges.
+TITLE_CHARS = 95
 
 
 def write_plots(runs: list[RecordedRun], out: Path, target: float | None, setting: str) -> list[Path]:
@@ -25,7 +31,7 @@ def write_plots(runs: list[RecordedRun], out: Path, target: float | None, settin
     written = []
 
     def save(fig, name, what):
-        fig.suptitle(f"{what}\n{setting}", fontsize=10)
+        fig.suptitle(f"{what}\n{textwrap.fill(setting, TITLE_CHARS)}", fontsize=10)
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
@@ -80,21 +86,32 @@ def _draw_loss(ax, runs: list[RecordedRun], target: float | None, key: str, xlab
 def _draw_time_breakdown(ax, runs: list[RecordedRun]) -> None:
     # Per rank, averaged over ranks: forward/backward (slowdown included), waits on the
     # network, and the rest of the wall time (optimizer, waiting for slower ranks, evaluation).
+    # With replica groups in the report the waits are split by level: the slow link's first.
     labels = [r.label for r in runs]
-    compute, exposed, idle = [], [], []
+    by_level = any(leveled(r) for r in runs)
+    compute, waits, idle = [], {level: [] for level in (LEVEL_WORDS if by_level else ["all"])}, []
     for r in runs:
         s = r.summary
         c = sum(s["compute_s_per_rank"]) / s["workers"]
         e = sum(s["exposed_comm_s_per_rank"]) / s["workers"]
         compute.append(c)
-        exposed.append(e)
-        idle.append(max(0.0, s["wall_s"] - c - e))
+        if by_level:
+            for level, (_, waited) in run_levels(r).items():
+                waits[level].append(waited)
+        else:
+            waits["all"].append(e)
+        idle.append(max(0.0, s["wall_s"] - c - sum(w[-1] for w in waits.values())))
     ax.bar(labels, compute, label="compute (forward, backward)")
-    ax.bar(labels, exposed, bottom=compute, label="waiting on the network (exposed communication)", hatch="//")
-    ax.bar(labels, idle, bottom=[c + e for c, e in zip(compute, exposed)], label="other (optimizer, evaluation, "
+    bottom = list(compute)
+    for (level, seconds), hatch in zip(waits.items(), ("//", "\\\\")):
+        where = f", {LEVEL_WORDS[level]}" if level in LEVEL_WORDS else ""
+        ax.bar(labels, seconds, bottom=bottom, label=f"waiting on the network (exposed communication{where})",
+               hatch=hatch)
+        bottom = [b + w for b, w in zip(bottom, seconds)]
+    ax.bar(labels, idle, bottom=bottom, label="other (optimizer, evaluation, "
            "waiting for slower ranks)", hatch="..")
     ax.set_ylabel("wall time per rank (s, mean over ranks)")
-    ax.set_ylim(0, 1.4 * max(c + e + i for c, e, i in zip(compute, exposed, idle)))  # room for the legend
+    ax.set_ylim(0, 1.4 * max(b + i for b, i in zip(bottom, idle)))  # room for the legend
     ax.legend(fontsize=8, loc="upper center")
     ax.tick_params(axis="x", labelrotation=30)
 

@@ -61,14 +61,24 @@ DIMS = {"n_layer": "{} layers", "n_head": "{} heads", "d_model": "width {}"}  # 
 def describe(run: RecordedRun) -> str:
     """'2 workers, link 100mbit,10ms, GPT 1.05M params (tiny), 300,000 tokens': a plot title's words."""
     c, s = run.config, run.summary
-    link = c.get("link", {})
-    where = f"link {link['bandwidth']},{link.get('latency') or '0'}" if link.get("bandwidth") else "no link emulation"
+    where = _link(c.get("link", {}))
+    replicas = c.get("replicas") or s.get("replicas") or s["workers"]
+    if replicas < s["workers"]:  # replica groups: each level's link, the slow one first
+        where = (f" as {replicas} replicas of {s['workers'] // replicas}, {where} across replicas, "
+                 f"{_link(c.get('intra_link', {}))} inside")
+    else:
+        where = ", " + where
     slow = [f for f in s.get("slowdown") or [] if f != 1]
     model = c.get("model", {})
     preset = model.get("preset", s.get("model", "?"))
     dims = ", ".join([preset] + [text.format(model[k]) for k, text in DIMS.items() if model.get(k)])
-    return (f"{s['workers']} workers, {where}" + (", uneven workers" if slow else "")
+    return (f"{s['workers']} workers{where}" + (", uneven workers" if slow else "")
             + f", GPT {_params(s.get('params', 0))} params ({dims}), {setup_of(run).tokens:,} tokens")
+
+
+def _link(link: dict) -> str:
+    """'link 100mbit,10ms' (as --link spells it), or 'no link emulation'."""
+    return f"link {link['bandwidth']},{link.get('latency') or '0'}" if link.get("bandwidth") else "no link emulation"
 
 
 def _params(n: int) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from .levels import COLUMNS as LEVEL_COLUMNS
+from .levels import level_cells
 from .runs import Failed, RecordedRun, reach
 from .setup import setup_of
 
@@ -28,14 +30,15 @@ def default_target(entries: list) -> float | None:
     return max(finals) if finals else None
 
 
-def row(entry, target: float | None, apart: list[str] | None = None) -> dict:
-    """One table row; `apart`: how the run differs from the others (setup.not_comparable), if it does."""
+def row(entry, target: float | None, apart: list[str] | None = None, levels: bool = False) -> dict:
+    """One table row; `apart`: how the run differs from the others (setup.not_comparable), if it does;
+    `levels`: with each level's bytes and waits (a run of the report has replica groups)."""
     if isinstance(entry, Failed):
         return {"label": entry.label, "status": "failed", "error": entry.error}
     s, curve = entry.summary, entry.curve
     to_time = reach(curve, target, "time_s") if target is not None else None
     to_bytes = reach(curve, target, "wire_bytes") if target is not None else None
-    return {
+    return (level_cells(entry) if levels else {}) | {
         "label": entry.label, "status": "ok", "strategy": s["strategy"], "path": str(entry.path),
         "workers": s["workers"], "steps": s["steps"], "tokens": s["tokens"], "tokens_planned": setup_of(entry).tokens,
         "comparable": not apart, "not_comparable": apart or [], "wall_s": s["wall_s"],
@@ -51,14 +54,15 @@ def row(entry, target: float | None, apart: list[str] | None = None) -> dict:
 
 
 def markdown(rows: list[dict], target: float | None) -> str:
-    head = ["strategy"] + [h for _, h, _ in COLUMNS]
+    columns = COLUMNS + (LEVEL_COLUMNS if any("cross_bytes_per_token" in r for r in rows) else [])
+    head = ["strategy"] + [h for _, h, _ in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r["status"] != "ok":
             error = r["error"].replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {r['label']} | failed: {error} |" + " |" * (len(COLUMNS) - 1))
+            lines.append(f"| {r['label']} | failed: {error} |" + " |" * (len(columns) - 1))
             continue
-        cells = [fmt.format(r[k]) if r[k] is not None else "not reached" for k, _, fmt in COLUMNS]
+        cells = [fmt.format(r[k]) if r[k] is not None else "not reached" for k, _, fmt in columns]
         lines.append("| " + " | ".join([r["label"] + ("" if r["comparable"] else " †")] + cells) + " |")
     note = (f"Target loss {target:.4f}" if target is not None else "No run finished, so no target loss") + \
         (": time and bytes when the validation loss first reached it (interpolated between validation "

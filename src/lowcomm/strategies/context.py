@@ -11,7 +11,7 @@ skipped steps and the trainer stops after --max-bad-steps of them in a row.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
@@ -27,6 +27,7 @@ class StepContext:
     step: int                      # optimizer steps finished before this one (the schedule's index)
     t0: float                      # perf_counter() when the step began
     comm_before: CommStats         # Comm's counters then (the step's bytes and times are the difference)
+    levels_before: dict[str, CommStats] = field(default_factory=dict)  # the same, per level (Comm.level)
     pull: bool = False             # driven by step() (pulls batches), not by a user's backward() calls
     lr: float = float("nan")       # strategy: the lr this step applies (reported)
     micro: int = 0                 # micro-batches of this step so far (a strategy may restart the count)
@@ -80,6 +81,9 @@ class StepResult:
     wall_s: float
     lr: float
     skipped: bool = False  # the step was not applied: a loss or gradient was not finite
+    # This step's traffic per level (Comm.level: "cross", and "intra" with replica groups);
+    # the fields above are their sum.
+    levels: dict[str, CommStats] = field(default_factory=dict)
 
 
 def all_finite(*tensors: torch.Tensor | None) -> bool:
