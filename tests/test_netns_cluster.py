@@ -123,7 +123,6 @@ def test_two_nodes_of_two_default_to_a_replica_per_node():
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--strategy", "powersgd"], "strategy 'powersgd' does not run across replicas"),
     (["--strategy", "diloco", "--sync-by", "time"], "--sync-by time"),
 ])
 def test_a_strategy_that_cannot_run_across_replicas_stays_flat_and_says_so(flags, needle):

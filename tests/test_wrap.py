@@ -238,8 +238,7 @@ def _user_loop(rank, world, strategy, replicas):
         where = (run.replicas, run.replica_rank, run.replica_size, run.rank_in_replica)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     refused = {}
-    cases = (("powersgd", {"strategy": "powersgd", "replicas": 2}),
-             ("three", {"strategy": strategy, "replicas": 3}),
+    cases = (("three", {"strategy": strategy, "replicas": 3}),
              ("group", {"strategy": strategy, "replicas": 2, "group": dist.new_group(list(range(world)))}))
     for name, kw in cases if replicas else ():
         try:
@@ -268,7 +267,6 @@ def test_replicas_through_wrap_equal_one_worker_at_k_times_the_micro_batch(repli
 
 
 @pytest.mark.parametrize("case,needle", [
-    ("powersgd", "strategy 'powersgd' does not run across replica groups yet (replicas=2 of the world size 4"),
     ("three", "replicas=3 does not divide the world size 4"),
     ("group", "pass group= or replicas=, not both"),
 ])

@@ -77,6 +77,34 @@ def route_collectives(*modules) -> None:
             module.dist = RoutedDist(module.dist)
 
 
+class OwnedBucket:
+    """Gradients as DDP's GradBucket shows them to a comm hook, outside DDP: one bucket, the
+    last, of `params`' gradients end to end (what torch's hooks read of a GradBucket)."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self._params = params
+        self._buffer = torch.cat([p.grad.reshape(-1) for p in params])
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        views, at = [], 0
+        for p in self._params:
+            views.append(self._buffer[at:at + p.numel()].view_as(p))
+            at += p.numel()
+        return views
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
 class BucketChain:
     """DDP buckets reduced one after another. A hook whose collectives are chained by future
     callbacks (PowerSGD's three all-reduces per bucket) runs them on whichever thread completes

@@ -60,6 +60,9 @@ class DDP(Strategy):
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)
+        self.wrap_in_ddp(model, comm, make_optimizer)
+
+    def wrap_in_ddp(self, model, comm, make_optimizer) -> None:
         self.ddp = DistributedDataParallel(model, process_group=comm.group,
                                            bucket_cap_mb=self.options.bucket_mb)
         # A proxy, not self: DDP's C++ reducer keeps the state alive, and a
