@@ -88,8 +88,8 @@ def recommend_count(best: list[Prediction], workers: int) -> str:
               else f"{first.tokens_per_s:,.0f} tokens/s")
     if other is None:
         return f"replica size: {where}, {first.label} at {figure}."
-    cluster = "the flat cluster" if other is flat else "the best with replica groups"
-    whose = f"{cluster}'s best ({named(other, workers)})"
+    whose = "the flat cluster's best" if other is flat else "the best with replica groups"
+    whose += f" ({named(other, workers)})"
     by = (f"{other.time_to_target_s / first.time_to_target_s:.2f}x faster to the target than {whose}"
           if first.time_to_target_s is not None and other.time_to_target_s is not None
           else f"{first.tokens_per_s / other.tokens_per_s:.2f}x the tokens/s of {whose}")

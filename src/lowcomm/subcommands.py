@@ -351,9 +351,8 @@ def _counts_table(best, workers: int) -> str:
 
 
 def _links(cfg, grouped: bool) -> str:
-    from . import config as C
-    spec = {k: (v["bandwidth"] + "," + v["latency"] if v["bandwidth"] else "none")
-            for k, v in C.to_dict(cfg).items() if k in ("link", "intra_link")}
+    from .bench import link_specs
+    spec = link_specs(cfg)
     return (f"link {spec['link']} across replicas, intra-link {spec['intra_link']} inside" if grouped
             else f"link {spec['link']}")
 
