@@ -135,3 +135,42 @@ def test_plan_calibrates_from_the_bench(bench, capsys):
     assert out["target_loss"] == max(summary(bench / n)["final_val_loss"] for n in ("ddp", "zero1"))
     assert all(p["time_to_target_s"] is not None and math.isfinite(p["time_to_target_s"]) for p in out["ranked"])
     assert out["recommendation"].startswith(f"use {out['ranked'][0]['label']}: predicted to reach the target loss")
+
+
+GROUPED = ["--workers", "4", "--replicas", "2", "--intra-link", "10gbit,50us"]
+
+
+@pytest.fixture(scope="module")
+def grouped_bench(tmp_path_factory):
+    """ddp and zero1 as 2 replicas of 2 workers: every run of the bench gets the replica flags."""
+    out = tmp_path_factory.mktemp("bench") / "grouped"
+    flags = TINY[2:] + GROUPED  # TINY without its --workers 2
+    assert main(["bench", "--strategies", "ddp,zero1", "--tokens", "2048", *flags, "--out", str(out)]) == 0
+    return out
+
+
+def test_bench_runs_every_strategy_as_replica_groups(grouped_bench):
+    report = (grouped_bench / "report.md").read_text()
+    assert "2 replicas of 2 (ddp inside), link 1gbit,1ms across replicas, intra-link 10gbit,50us inside" in report
+    rows = table(report)
+    for name in ("ddp", "zero1"):
+        s = summary(grouped_bench / name)
+        assert (s["replicas"], s["inside"], s["steps"]) == (2, "ddp", 2048 // (4 * 4 * 32))
+        for level in ("intra", "cross"):
+            counted = s["levels"][level]
+            assert counted["wire_bytes"] == counted["planned_wire_bytes"] > 0, (name, level)
+        headers = [h for _, h, _ in COLUMNS]
+        assert rows[name][headers.index("wire MB/step/rank")] == f"{s['wire_bytes_per_rank_per_step'] / 1e6:.3f}"
+
+
+def test_plan_of_the_grouped_bench_prices_the_bytes_each_level_counted(grouped_bench, capsys):
+    steps = summary(grouped_bench / "ddp")["steps"]
+    assert main(["plan", "--calibrate", str(grouped_bench), "--strategies", "ddp,zero1", "--steps", str(steps),
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cluster"]["replicas"] == 2 and out["cluster"]["intra_link"]["bandwidth"] == "10gbit"
+    for p in out["ranked"]:
+        s = summary(grouped_bench / p["strategy"])
+        for level in ("intra", "cross"):
+            planned = p["levels"][level]["wire_bytes_per_rank_per_step"] * 4 * steps
+            assert planned == pytest.approx(s["levels"][level]["wire_bytes"], rel=1e-9), (p["strategy"], level)

@@ -157,6 +157,14 @@ def test_model_params_counts_the_model_itself_at_any_depth():
     (["--params", "1000"], "--params 1000: the nearest model has 74,112 parameters"),
     (["--params", "1e9", "--model", "small"], "--params and --model small both set the model's size"),
     (["--params", "1e9", "--n-layer", "2", "--d-model", "64"], "n_layer and d_model are both given"),
+    (["--replicas", "3"], "--replicas 3 does not divide --workers 4"),
+    (["--replicas", "-1"], "replicas must be at least 1"),
+    (["--replicas", "2", "--strategies", "ddp,powersgd"], "strategy 'powersgd' does not run across replica groups"),
+    (["--replicas", "2", "--inside", "fsdp"], "--inside fsdp is not supported yet"),
+    (["--replicas", "4", "--intra-link", "10gbit,50us"], "--intra-link needs replica groups"),
+    (["--replicas", "2", "--intra-link", "fast"], "--intra-link 'fast' must be BANDWIDTH,LATENCY"),
+    (["--workers", "1", "--intra-link", "10gbit,50us"], "--intra-link needs replica groups"),
+    (["--workers", "64", "--replicas", "1", "--strategies", "zero1"], "more ranks than the model has tensors"),
 ])
 def test_bad_input_exits_2_with_one_error_line(capsys, extra, message):
     assert main([*ARGS, *extra]) == 2
@@ -177,3 +185,90 @@ def test_calibrate_refuses_a_dir_that_is_not_a_bench(capsys, tmp_path):
     assert main(["plan", "--calibrate", str(tmp_path), "--workers", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "is not a lowcomm bench" in err[0]
+
+
+# Replica groups: R = 2 replicas of K = 2 on the W = 4 cluster above, 10gbit and 50 us per hop inside.
+GROUPED = ["--replicas", "2", "--intra-link", "10gbit,50us"]
+IN_BW, IN_LAT = 1.25e9, 50e-6
+
+
+def test_each_level_sends_what_level_plans_says_and_a_run_counts(capsys):
+    """Bytes per level at (R, K) = (2, 2): the strategy's level_plans, counted as a run's summary.json
+    counts them (metrics/levels.py, whose counts tests/test_replicas.py checks against real runs)."""
+    from lowcomm.metrics.levels import planned_bytes
+    from lowcomm.planner import model_layout
+    from lowcomm.strategies import get
+    steps = 8
+    got, out = plan(capsys, *GROUPED, "--strategies", "ddp,zero1,diloco,demo", "--sync-every", "4",
+                    "--steps", str(steps))
+    assert out["cluster"]["replicas"] == 2 and out["cluster"]["inside"] == "ddp"
+    layout = model_layout(_sized_config())
+    for name, p in got.items():
+        cls = get(name)
+        options = cls.Options(**p["options"])
+        plans = cls.level_plans(layout, 2, 2, options)
+        intra = planned_bytes([plans.intra], 2, 2, lambda op: op.occurrences(steps))
+        cross = planned_bytes(plans.cross, 2, 2, lambda op: cls.plan_occurrences(op, steps, options))
+        levels = p["levels"]
+        assert (levels["intra"]["ranks_per_group"], levels["cross"]["ranks_per_group"]) == (2, 2)
+        assert levels["intra"]["wire_bytes_per_rank_per_step"] * W * steps == pytest.approx(intra, rel=1e-12), name
+        assert levels["cross"]["wire_bytes_per_rank_per_step"] * W * steps == pytest.approx(cross, rel=1e-12), name
+        assert p["bytes_per_token"] == pytest.approx((intra + cross) / steps / T, rel=1e-12)
+        assert intra > 0 and cross > 0
+    # zero1 hides nothing: its step is compute, the inside reduce-scatter and all-gather of the
+    # owners' parts (K = 2 ranks: one hop, half of S each), and the cross plan of the position that
+    # sends the most, on R = 2 ranks over the 1gbit link
+    zero1 = get("zero1")
+    plans = zero1.level_plans(layout, 2, 2, zero1.Options())
+    inside = sum(IN_LAT + op.nbytes / 2 / IN_BW for op in plans.intra)
+    across = sum(LAT + op.nbytes / 2 / BW for op in plans.slowest_cross(2))
+    assert got["zero1"]["exposed_comm_s"] == pytest.approx(inside + across, rel=1e-12)
+    assert got["zero1"]["step_s"] == pytest.approx(COMPUTE + inside + across, rel=1e-12)
+    assert got["zero1"]["levels"]["intra"]["comm_s"] == pytest.approx(inside, rel=1e-12)
+
+
+def _sized_config():
+    """The config `--params 1e6` plans (the GPT of test_ddp_buckets_overlap_the_backward)."""
+    from lowcomm import config as C
+    return C.RunConfig(model=C.ModelConfig(n_layer=2, n_head=3, d_model=192))
+
+
+def test_table_shows_bytes_at_each_level(capsys):
+    assert main([a for a in ARGS if a != "--json"] + [*GROUPED, "--strategies", "ddp"]) == 0
+    out = capsys.readouterr().out
+    assert "on 4 workers as 2 replicas of 2 (ddp inside)" in out
+    assert "link 1gbit,1ms across replicas, intra-link 10gbit,50us inside" in out
+    head = next(line for line in out.splitlines() if line.startswith("#"))
+    assert "intra MB/step/rank" in head and "cross MB/step/rank" in head and "wire MB/step/rank" not in head
+    assert "\nuse ddp with --replicas 2:" in out
+
+
+def test_a_fast_intra_link_without_replicas_recommends_replica_groups(capsys):
+    """ddp on 4 workers over 100mbit, 20 ms, with 10gbit inside: (2, 2) sends a third of the flat
+    cluster's cross-link bytes (each position all-reduces half the gradients on 2 ranks, against
+    the whole on 4) and is the fastest; R = 1 (no level across) is not tried."""
+    argv = ["plan", "--workers", "4", "--link", "100mbit,20ms", "--intra-link", "10gbit,50us", "--worker-tflops",
+            "4", "--tokens-per-step", "65536", "--params", "1e6", "--strategies", "ddp"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    tried = {c["replicas"]: c["ranked"][0] for c in out["replica_counts"]}
+    assert set(tried) == {4, 2}
+    assert tried[2]["levels"]["cross"]["bytes_per_token"] == pytest.approx(
+        tried[4]["levels"]["cross"]["bytes_per_token"] / 3, rel=1e-12)
+    assert tried[4]["levels"]["cross"]["bytes_per_token"] == pytest.approx(4 * 6 * N / T, rel=1e-12)
+    assert tried[2]["tokens_per_s"] > 2 * tried[4]["tokens_per_s"]
+    assert out["cluster"]["replicas"] == 2 and out["ranked"][0]["replicas"] == 2
+    ratio = tried[2]["tokens_per_s"] / tried[4]["tokens_per_s"]
+    assert out["recommendation"].startswith(f"replica size: --replicas 2 (2 replicas of 2 workers each) is fastest, "
+                                            f"ddp at {tried[2]['tokens_per_s']:,.0f} tokens/s, {ratio:.2f}x")
+    assert "\nuse ddp with --replicas 2:" in out["recommendation"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "replica counts tried (R replicas of K = 4/R workers each; R = 4 is flat)" in table
+
+
+def test_a_slow_intra_link_keeps_the_cluster_flat(capsys):
+    got, out = plan(capsys, "--intra-link", "10mbit,50ms", "--strategies", "ddp")
+    assert out["cluster"]["replicas"] == 4 and out["cluster"]["inside"] is None
+    assert out["recommendation"].startswith("replica size: the flat cluster (--replicas 4: one worker a replica)")
+    assert got["ddp"]["levels"]["intra"]["wire_bytes_per_rank_per_step"] == 0

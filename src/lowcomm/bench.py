@@ -144,12 +144,22 @@ def _run_all(planned: list[Planned], meta: dict, out: Path, quiet: bool) -> None
 
 def describe(meta: dict, planned: list[Planned]) -> str:
     cfg = planned[0].cfg
-    link = C.to_dict(cfg)["link"]
+    spec = link_specs(cfg)
+    R = cfg.replicas or cfg.workers
+    where = (f"{R} replicas of {cfg.workers // R} ({cfg.inside} inside), link {spec['link']} across replicas, "
+             f"intra-link {spec['intra_link']} inside" if R < cfg.workers else f"link {spec['link']}")
     return (f"{len(planned)} strategies on {cfg.workers} workers, model {cfg.model.preset} "
             f"(seq {cfg.model.seq_len}, micro-batch {cfg.micro_batch}, accum {cfg.accum}), seed {cfg.seed}, "
-            f"data {cfg.data.source}, link {link['bandwidth'] + ',' + link['latency'] if link['bandwidth'] else 'none'}"
+            f"data {cfg.data.source}, {where}"
             f", slowdown {','.join(f'{f:g}' for f in cfg.slowdown) or 'none'}"
             + (f", {meta['tokens']:,} tokens planned per strategy" if meta["tokens"] else "") + ".")
+
+
+def link_specs(cfg: C.RunConfig) -> dict[str, str]:
+    """--link and --intra-link as a reader writes them ('100mbit,10ms'), 'none' where unshaped."""
+    links = C.to_dict(cfg)
+    return {k: links[k]["bandwidth"] + "," + links[k]["latency"] if links[k]["bandwidth"] else "none"
+            for k in ("link", "intra_link")}
 
 
 def _one_line(e: Exception) -> str:

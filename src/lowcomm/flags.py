@@ -121,9 +121,10 @@ def add_link_flag(parser: argparse.ArgumentParser, default: str = "none") -> Non
     parser.add_argument("--link", metavar="BW,LAT[,JIT]", help=f"{LINK_HELP} (default: {default})")
 
 
-def add_intra_link_flag(parser: argparse.ArgumentParser) -> None:
+def add_intra_link_flag(parser: argparse.ArgumentParser, more: str = "") -> None:
+    """--intra-link; `more`: what it also means to this subcommand, said before the default."""
     parser.add_argument("--intra-link", metavar="BW,LAT[,JIT]",
-                        help="emulate the link inside a replica, as --link; TOML: [intra_link] (default: none)")
+                        help=f"emulate the link inside a replica, as --link; TOML: [intra_link]{more} (default: none)")
 
 
 def add_strategy_options(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,12 @@ worker (comm/link.py) and per-worker slowdowns f_r:
     bytes/token = W * sum_op wire_bytes(op) * rate(op) / T
     memory      = Strategy.model_state_bytes(N, W, options)
 
+With replica groups (--replicas R of W, K = W/R ranks each; plan_levels.py) the strategy's
+level_plans prices each level on its own link: inside a replica on K ranks (--intra-link),
+across replicas on R ranks (--link), the position of a replica that sends the most setting
+the step; exposed_s adds the inside collectives in full to what the strategy leaves exposed
+across (see predict), and bytes/token counts both levels.
+
 Every collective is priced by LinkModel.duration, the formula the emulator sleeps by,
 and every strategy's traffic comes from its own comm_plan of the model's real layout
 (`model_layout`: the model built on the meta device; `--params N` sizes a GPT by the
@@ -29,6 +35,7 @@ from .comm.link import LinkModel
 from .errors import UsageError
 from .models.layout import ModelLayout, meta_layout
 from .models.size import ASPECT, HEAD_DIM, MAX_LAYERS, MAX_PARAMS, WIDTH_STEP, dims_for
+from .plan_levels import cluster_levels, inside_rate, replica_state_bytes
 from .strategies import get as get_strategy
 from .strategies.options import Options
 from .strategies.plan import StepCost
@@ -46,6 +53,8 @@ class Cluster:
     link: LinkModel | None = None
     slowdown: tuple = ()        # f_r per worker (empty: all 1)
     accum: int = 1              # micro-batches per step (ddp overlaps only the last one's backward)
+    replicas: int = 0           # R replicas of W/R ranks (0: W, the flat cluster); `link` runs across them
+    intra_link: LinkModel | None = None  # the link inside a replica (None: unshaped)
 
     @property
     def params(self) -> int:
@@ -57,6 +66,15 @@ class Cluster:
     @property
     def slowest(self) -> float:
         return max(self.slowdown, default=1.0)
+
+    @property
+    def groups(self) -> int:
+        """R, the number of replicas (W: flat)."""
+        return self.replicas or self.workers
+
+    @property
+    def flat(self) -> bool:
+        return self.groups == self.workers
 
 
 @dataclass
@@ -77,6 +95,11 @@ class Prediction:
     tokens_to_target: float | None = None
     time_to_target_s: float | None = None
     options: dict = field(default_factory=dict)
+    replicas: int = 0           # R the cluster ran as (W: flat)
+    # per level ("intra", "cross"): ranks_per_group, groups, wire_bytes_per_rank_per_step (averaged
+    # over the positions of a replica), bytes_per_token (all ranks), comm_s (the step's: across, the
+    # position that sends the most)
+    levels: dict = field(default_factory=dict)
 
     @property
     def exposed_fraction(self) -> float:
@@ -171,23 +194,38 @@ def predict(name: str, cluster: Cluster, options: Options | None = None, steps: 
     per_token = cluster.seconds_per_token if seconds_per_token is None else seconds_per_token
     unit = T / W * per_token                     # one 1x worker's compute per step
     compute = cluster.slowest * unit
-    plan = cls.comm_plan(cluster.layout, W, options)
-    factors = cluster.slowdown or (1.0,) * W
-    cost = StepCost(cluster.price, compute, cluster.accum, steps, tuple(f * unit for f in factors))
-    exposed = cls.exposed_comm_s(plan, cost, options)
-    rates = [cls.plan_rate(op, options, steps) for op in plan]
-    comm = sum(cluster.price(op.collective, op.nbytes) * r for op, r in zip(plan, rates))
-    wire = sum(op.wire_bytes(W) * r for op, r in zip(plan, rates))
+    inside, across = cluster_levels(cls, cluster.layout, W, cluster.groups, options, cluster.link, cluster.intra_link)
+    rate, in_rate = (lambda op: cls.plan_rate(op, options, steps)), inside_rate(steps)
+    plan = across.slowest(rate)  # flat: the strategy's one plan
+    # Workers all alike (no --slowdown): one stands for all, so a plan of a million workers (and
+    # --intra-link's try of every replica count) does not loop over each of them.
+    factors = cluster.slowdown or (1.0,)
+    cost = StepCost(across.price, compute, cluster.accum, steps, tuple(f * unit for f in factors))
+    # The model of the level inside a replica: its collectives run in series with the step and
+    # hide behind no compute (the reduce-scatter to the owners before the strategy's step, the
+    # all-gather after it; ddp's reduce-scatter runs in its bucket hook, which holds up the
+    # backward), so all of their time is exposed, on top of what the strategy leaves exposed
+    # across replicas. An unshaped --intra-link costs nothing; a flat cluster has no inside.
+    intra_s = inside.comm_s(inside.plans[0], in_rate)
+    exposed = cls.exposed_comm_s(plan, cost, options) + intra_s
+    cross_s = across.comm_s(plan, rate)
+    comm = cross_s + intra_s
+    per_rank = {"intra": inside.wire_bytes_per_rank(in_rate), "cross": across.wire_bytes_per_rank(rate)}
+    wire = per_rank["cross"] + per_rank["intra"]
     step = compute + overhead_s + exposed
     # tokens a step really computes: T, or more where workers keep computing while they wait
     tokens = T * cls.micro_batches_per_step(cost, comm, options) / cluster.accum
+    levels = {level.name: {"ranks_per_group": level.ranks, "groups": level.groups,
+                           "wire_bytes_per_rank_per_step": per_rank[level.name],
+                           "bytes_per_token": W * per_rank[level.name] / tokens, "comm_s": s}
+              for level, s in ((inside, intra_s), (across, cross_s))}
     return Prediction(
         strategy=name, label=cls.plan_label(options), step_s=step, compute_s=compute, overhead_s=overhead_s,
         exposed_comm_s=exposed, comm_s=comm, idle_s=sum(compute - f * unit for f in factors) / len(factors),
         wire_bytes_per_rank_per_step=wire, bytes_per_token=W * wire / tokens,
-        model_state_bytes=cls.model_state_bytes(cluster.params, W, options),
+        model_state_bytes=replica_state_bytes(cls, cluster.layout, W, cluster.groups, options),
         tokens_per_s=tokens / step if step > 0 else math.inf, tokens_per_step=tokens,
-        options=asdict(options) if fields(options) else {})
+        options=asdict(options) if fields(options) else {}, replicas=cluster.groups, levels=levels)
 
 
 def rank(preds: list[Prediction]) -> list[Prediction]:
@@ -196,7 +234,9 @@ def rank(preds: list[Prediction]) -> list[Prediction]:
 
 
 def recommend(ranked: list[Prediction], cluster: Cluster) -> str:
-    """The first of `ranked`, and why, in words."""
+    """The first of `ranked`, and why, in words (with its --replicas where it is not flat)."""
+    from .replica_sizes import named
+
     best = ranked[0]
     ratio = cluster.price("all_reduce", 4 * cluster.params) / best.compute_s if best.compute_s > 0 else math.inf
     comm = f"communication (one fp32 gradient all-reduce, {format_seconds(ratio * best.compute_s)}) is {ratio:.2g}x compute"
@@ -214,11 +254,11 @@ def recommend(ranked: list[Prediction], cluster: Cluster) -> str:
         nxt = next((p for p in ranked[1:] if p.time_to_target_s is not None), None)
         lead = (f", {nxt.time_to_target_s / best.time_to_target_s:.2f}x faster than {nxt.label}"
                 if nxt is not None else "")
-        return (f"use {best.label}: predicted to reach the target loss first ({format_seconds(best.time_to_target_s)}"
+        return (f"use {named(best, cluster.workers)}: predicted to reach the target loss first ({format_seconds(best.time_to_target_s)}"
                 f"{lead}, with the loss per token measured by the bench); {why}.")
     nxt = ranked[1] if len(ranked) > 1 else None
     lead = f", {best.tokens_per_s / nxt.tokens_per_s:.2f}x {nxt.label}'s" if nxt is not None else ""
-    return (f"use {best.label}: the highest throughput ({best.tokens_per_s:,.0f} tokens/s{lead}); {why}. "
+    return (f"use {named(best, cluster.workers)}: the highest throughput ({best.tokens_per_s:,.0f} tokens/s{lead}); {why}. "
             f"Throughput only: how many tokens each strategy needs for a given loss is not modeled "
             f"without --calibrate.")
 

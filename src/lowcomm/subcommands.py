@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from .errors import UsageError
@@ -64,8 +64,8 @@ def add_report_arguments(report: argparse.ArgumentParser) -> None:
 
 
 # train flags the planner reads
-PLAN_FLAGS = ["--workers", "--accum", "--micro-batch", "--steps", "--slowdown", "--model", "--n-layer",
-              "--n-head", "--d-model", "--seq-len"]
+PLAN_FLAGS = ["--workers", "--replicas", "--inside", "--accum", "--micro-batch", "--steps", "--slowdown", "--model",
+              "--n-layer", "--n-head", "--d-model", "--seq-len"]
 
 
 def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
@@ -83,8 +83,13 @@ def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
                       "the bench's with --calibrate)")
     add_run_flags(plan, PLAN_FLAGS, helps={
         "--steps": "average over a run of this many trainer steps (warm-up, first syncs) instead of the steady "
-                   "state (default: the steady state)"})
+                   "state (default: the steady state)",
+        "--replicas": "price R replicas of W/R processes each: the strategy across replicas over --link, --inside "
+                      "within each over --intra-link (default: W, flat; with --intra-link and no --replicas, every "
+                      "R >= 2 dividing W, and the fastest recommended)"})
     add_link_flag(plan)
+    add_intra_link_flag(plan, more="; without --replicas: try every replica count R >= 2 dividing W (R = W: flat) and "
+                        "recommend one, taking the intra link to join any W/R workers")
     add_strategy_options(plan)
     _hidden(plan, TRAIN_ONLY)
 
@@ -162,7 +167,7 @@ MAX_PLAN_WORKERS = 1_000_000
 
 
 def _plan(args) -> int:
-    from . import planner
+    from . import planner, replica_sizes
     from .report.runs import load_bench
     from .report.table import default_target
 
@@ -179,19 +184,38 @@ def _plan(args) -> int:
     target = _target(args)
     if bench is not None:
         target = target if target is not None else bench.meta.get("target_loss") or default_target(bench.entries)
-    ranked = planner.rank(_predict(args, cfg, cluster, names, options, runs, per_token, target))
+    counts = replica_sizes.replica_counts(cfg, names if args.strategies is not None else None)
+    by_count, left_out = {}, {}
+    for R in counts:
+        at = replace(cluster, replicas=R)
+        planned, left_out[R] = replica_sizes.runs_at(names, cluster.layout, cfg.workers, R, cfg.inside,
+                                                     strict=len(counts) == 1, named=args.strategies is not None)
+        if planned:
+            by_count[R] = planner.rank(_predict(args, cfg, at, planned, options, runs, per_token, target))
+    best = [ranked[0] for ranked in by_count.values()]
+    chosen = planner.rank(best)[0].replicas
+    ranked, cluster = by_count[chosen], replace(cluster, replicas=chosen)
     why = planner.recommend(ranked, cluster)
+    if replica_sizes.choosing(cfg):
+        why = replica_sizes.recommend_count(best, cfg.workers) + "\n" + why
     if args.json:
         from . import config as C
+        links = C.to_dict(cfg)
         print(json.dumps({"cluster": {"params": cluster.params, "workers": cfg.workers, "tokens_per_step":
-                                      cluster.tokens_per_step, "link": C.to_dict(cfg)["link"],
+                                      cluster.tokens_per_step, "link": links["link"],
+                                      "replicas": chosen, "inside": cfg.inside if chosen < cfg.workers else None,
+                                      "intra_link": links["intra_link"],
                                       "slowdown": list(cfg.slowdown), "accum": cfg.accum,
                                       "steps": cfg.steps if given(args, "--steps") else None, "model": dims},
                           "target_loss": target, "ranked": [asdict(p) for p in ranked],
+                          **({"replica_counts": [{"replicas": R, "ranked": [asdict(p) for p in r]}
+                                                 for R, r in by_count.items()]} if replica_sizes.choosing(cfg) else {}),
                           "recommendation": why}, indent=2))
     else:
         print(planner.describe_model(dims))
-        print(_plan_table(ranked, cluster, cfg, target))
+        print(_plan_table(ranked, cluster, cfg, target, left_out[chosen]))
+        if replica_sizes.choosing(cfg):
+            print("\n" + _counts_table(best, cfg.workers))
         print("\n" + why)
     return 0
 
@@ -253,7 +277,8 @@ def _plan_cluster(args, cfg, calibrated: bool):
         per_token = planner.flops_seconds_per_token(params, tflops * 1e12)
     elif not calibrated:
         raise UsageError("give --worker-tflops X (one worker's sustained TFLOP/s) or --calibrate BENCHDIR")
-    cluster = planner.Cluster(layout, cfg.workers, tokens, 0.0, C.make_link(cfg), tuple(cfg.slowdown), cfg.accum)
+    cluster = planner.Cluster(layout, cfg.workers, tokens, 0.0, C.make_link(cfg), tuple(cfg.slowdown), cfg.accum,
+                              intra_link=C.make_link(cfg, table="intra_link"))
     return cluster, dims, per_token
 
 
@@ -281,30 +306,63 @@ def _predict(args, cfg, cluster, names, options, runs, per_token, target) -> lis
     return preds
 
 
-def _plan_table(ranked, cluster, cfg, target) -> str:
-    from . import config as C
+def _plan_table(ranked, cluster, cfg, target, left_out: dict) -> str:
     from .planner import format_seconds as _s
-    link = C.to_dict(cfg)["link"]
-    head = (f"{cluster.params / 1e6:,.1f}M params on {cluster.workers} workers, {cluster.tokens_per_step:,} tokens "
-            f"per step, link {link['bandwidth'] + ',' + link['latency'] if link['bandwidth'] else 'none'}"
+    grouped = not cluster.flat
+    head = (f"{cluster.params / 1e6:,.1f}M params on {cluster.workers} workers"
+            + (f" as {cluster.groups} replicas of {cluster.workers // cluster.groups} ({cfg.inside} inside)"
+               if grouped else "")
+            + f", {cluster.tokens_per_step:,} tokens per step, {_links(cfg, grouped)}"
             + (f", slowdown up to {cluster.slowest:g}x" if cluster.slowdown else "") + "\n\n")
-    cols = ["#", "strategy", "step", "compute", "exposed comm", "tokens/s", "bytes/token", "wire MB/step/rank",
+    wire = ["intra MB/step/rank", "cross MB/step/rank"] if grouped else ["wire MB/step/rank"]
+    cols = ["#", "strategy", "step", "compute", "exposed comm", "tokens/s", "bytes/token", *wire,
             "memory/worker"] + (["time to target"] if any(p.time_to_target_s is not None for p in ranked) else [])
     rows = []
     for i, p in enumerate(ranked, 1):
+        per_rank = ([p.levels[level]["wire_bytes_per_rank_per_step"] for level in ("intra", "cross")] if grouped
+                    else [p.wire_bytes_per_rank_per_step])
         row = [str(i), p.label, _s(p.step_s), _s(p.compute_s), f"{_s(p.exposed_comm_s)} ({100 * p.exposed_fraction:.0f}%)",
-               f"{p.tokens_per_s:,.0f}", f"{p.bytes_per_token:,.3g}", f"{p.wire_bytes_per_rank_per_step / 1e6:,.3g}",
+               f"{p.tokens_per_s:,.0f}", f"{p.bytes_per_token:,.3g}", *(f"{b / 1e6:,.3g}" for b in per_rank),
                f"{p.model_state_bytes / 2**30:,.2f} GiB" if p.model_state_bytes >= 2**30
                else f"{p.model_state_bytes / 2**20:,.1f} MiB"]
         if len(cols) > len(row):
             row.append(_s(p.time_to_target_s) if p.time_to_target_s is not None else "-")
         rows.append(row)
+    note = ("\nmemory: parameters, gradients and optimizer state (activations excluded)"
+            + (f"; target loss {target:.4f}" if target is not None and cols[-1] == "time to target" else ""))
+    if grouped:
+        note += ("\nintra/cross MB/step/rank: what a rank sends inside its replica and across replicas (averaged "
+                 "over the positions of a replica); bytes/token: both levels, all ranks; exposed comm: the inside "
+                 "collectives in full, plus what the strategy leaves exposed across")
+    if left_out:
+        note += "\nnot planned here: " + "; ".join(f"{name} ({why})" for name, why in left_out.items())
+    return head + _columns(cols, rows) + note
+
+
+def _counts_table(best, workers: int) -> str:
+    """Each replica count's fastest strategy (lowcomm plan --intra-link without --replicas)."""
+    from .planner import format_seconds as _s
+    cols = ["R", "K", "fastest", "step", "tokens/s", "intra bytes/token", "cross bytes/token"]
+    rows = [[str(p.replicas), str(workers // p.replicas), p.label, _s(p.step_s), f"{p.tokens_per_s:,.0f}",
+             f"{p.levels['intra']['bytes_per_token']:,.3g}", f"{p.levels['cross']['bytes_per_token']:,.3g}"]
+            for p in best]
+    return (f"replica counts tried (R replicas of K = {workers}/R workers each; R = {workers} is flat):\n"
+            + _columns(cols, rows))
+
+
+def _links(cfg, grouped: bool) -> str:
+    from .bench import link_specs
+    spec = link_specs(cfg)
+    return (f"link {spec['link']} across replicas, intra-link {spec['intra_link']} inside" if grouped
+            else f"link {spec['link']}")
+
+
+def _columns(cols: list[str], rows: list[list[str]]) -> str:
+    """`rows` under `cols`, each column as wide as its widest cell."""
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    note = ("\nmemory: parameters, gradients and optimizer state (activations excluded)"
-            + (f"; target loss {target:.4f}" if target is not None and len(cols) > 9 else ""))
-    return head + "\n".join(lines) + note
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # pragma: no cover

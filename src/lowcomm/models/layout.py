@@ -13,6 +13,7 @@ model whose blocks are unknown is cut into F contiguous groups of nearly equal s
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -47,8 +48,10 @@ class ModelLayout:
         numels = self.numels
         return [sum(numels[j] for j in group) for group in self.fragments(F)]
 
+    @functools.lru_cache(maxsize=64)  # the planner asks the same split for every strategy and replica count
     def positions(self, K: int) -> list[list[int]]:
-        """Tensor indices each of K ranks of a replica owns (replica groups, strategies/inside.py)."""
+        """Tensor indices each of K ranks of a replica owns (replica groups, strategies/inside.py);
+        the caller must not change the lists."""
         return owned_tensors(self.numels, K)
 
     def subset(self, indices: list[int]) -> "ModelLayout":

@@ -67,7 +67,8 @@ def owned_tensors_plan(layout, size: int) -> list[PlannedOp]:
     """Inside a replica of `size` ranks that own whole tensors: the fp32 gradients reduce-
     scattered to their owners and the owners' fp32 parameters all-gathered, each position's
     part padded to the largest (one collective each per trainer step)."""
-    part = max(sum(layout.numels[j] for j in owned) for owned in layout.positions(size))
+    numels = layout.numels
+    part = max(sum(numels[j] for j in owned) for owned in layout.positions(size))
     return [PlannedOp("reduce_scatter", 4 * size * part, what="gradients to their owners inside the replica (fp32)"),
             PlannedOp("all_gather", 4 * size * part, what="the owners' parameters inside the replica (fp32)")]
 
@@ -80,7 +81,8 @@ class StepCost:
     compute_s: float                    # one step's compute on the slowest worker
     accum: int = 1                      # micro-batches per step
     steps: int | None = None            # a run of this many trainer steps; None: the steady state
-    worker_compute_s: tuple = ()        # each worker's compute of `accum` micro-batches (slowdowns in)
+    worker_compute_s: tuple = ()        # each worker's compute of `accum` micro-batches (slowdowns in;
+                                        # one entry where every worker is alike)
 
 
 class Planned:
