@@ -25,6 +25,8 @@ from .metrics.progress import ProgressView
 from .metrics.summary import Totals
 from .checkpoint import take_request as take_checkpoint_request
 from .metrics.runlog import StepLog, result_vector, step_record
+from .metrics.flight import CODE as FLIGHT_CODE
+from .metrics.flight import FlightRecorder
 from .metrics.trace import Tracer
 from .data.loader import ShardedBatches
 from .models import GPT, build_hf_causal_lm, lm_loss
@@ -110,6 +112,7 @@ class Trainer:
     val: list
     source: str
     tracer: Tracer | None
+    flight: FlightRecorder
     step: int = 0  # trainer steps done
     wall_before: float = 0.0  # wall seconds of the run's earlier parts (a resumed run)
 
@@ -149,6 +152,7 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
     device = pick_device(cfg, backend, local_rank)
     layout = ReplicaLayout(world, cfg.replicas or world)  # the world: a flat run's one level, else bookkeeping
     comm = Comm(link=C.make_link(cfg, seed=link_seed(cfg.seed, rank)), level="cross" if layout.flat else "world")
+    flight = comm.flight = FlightRecorder.for_rank(rank)  # always on: the last events, for a post-mortem
     levels = None if layout.flat else form_groups(layout, C.make_link(cfg, link_seed(cfg.seed + 1, rank), "intra_link"),
                                                   C.make_link(cfg, seed=link_seed(cfg.seed, rank)))
     model = build_model(cfg, device)
@@ -165,6 +169,10 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
                    accum=cfg.accum, schedule=lr_schedule(cfg.optim, cfg.steps), total_steps=cfg.steps, pacer=pacer,
                    options=cfg.strategy_options(),  # resolved and validated once, at launch
                    replica=levels.intra if levels else None, inside=cfg.inside)
+    for c in run.levels:
+        c.flight = flight
+    for opt in run.optimizers():
+        flight.watch_optimizer(opt)
     tracer = Tracer(rank) if cfg.trace else None
     if tracer is not None:
         for opt in run.optimizers():
@@ -173,7 +181,7 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
         for c in {id(c): c for c in [comm, *run.levels]}.values():
             c.tracer = tracer
     run = faults.inject(run, rank)  # test-only faults, when a test asked for them
-    return Trainer(cfg, rank, world, device, backend, comm, model, run, loader, val, source, tracer)
+    return Trainer(cfg, rank, world, device, backend, comm, model, run, loader, val, source, tracer, flight)
 
 
 @dataclass
@@ -219,8 +227,10 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
             records, asked, stop_asked = gather_records(t, pending)
             bad_in_row = check_steps(records, bad_in_row, cfg.max_bad_steps, lead, log)
             if evaluate_now:
+                eid = t.flight.open(FLIGHT_CODE["evaluate"], time.perf_counter())
                 with run.evaluating() as eval_model:
                     val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
+                t.flight.close(eid, time.perf_counter())
             for record in records:
                 totals.add(record)
                 if lead:
@@ -228,7 +238,9 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
             loss = records[-1]["loss"]
             if checkpoint_now or asked:
                 from .checkpoint import save
+                eid = t.flight.open(FLIGHT_CODE["checkpoint"], time.perf_counter())
                 save(t, Path(cfg.out), cfg.keep, wall_s=time.perf_counter() - t_start)
+                t.flight.close(eid, time.perf_counter())
             if lead:
                 elapsed = time.perf_counter() - t_start
                 view.update(step, loss, totals.tokens / elapsed, totals.wire / 1e6,
@@ -314,6 +326,12 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
         result = loop(t, out_dir, quiet)
     except BaseException:
         t.run.release()  # no communication thread left behind; no collective, a peer may be gone
+        if not t.flight.shared and cfg.out:  # no launcher to read the ring (torchrun): write it now
+            from .metrics.postmortem import write_own
+            try:
+                write_own(t.flight, Path(cfg.out))
+            except OSError:  # the run's own error is the one to report
+                pass
         raise
     if result.stopped:  # a part of a run: summary.json is written by the part that reaches cfg.steps
         t.run.release()
