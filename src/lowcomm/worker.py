@@ -201,6 +201,10 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
     lead = t.rank == 0 and out_dir is not None
     log = StepLog(out_dir, resume_after=t.step if cfg.resume_from else None) if lead else None
     view = ProgressView(cfg.steps, f"{cfg.strategy} W={t.world}", enabled=lead and not quiet)
+    board = None
+    if t.rank == 0 and cfg.tensorboard:
+        from .metrics.tensorboard import TensorBoardLog
+        board = TensorBoardLog(cfg.tensorboard)
     if lead and not quiet:
         announce(t)
     totals, loss, val_loss = kept_totals(log, t.world)
@@ -235,6 +239,10 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
                 totals.add(record)
                 if lead:
                     log.write(record)
+                if board is not None:
+                    board.write(record)
+            if board is not None:
+                board.levels({c.level: c.snapshot().wire_bytes for c in run.levels}, step)
             loss = records[-1]["loss"]
             if checkpoint_now or asked:
                 from .checkpoint import save
@@ -252,6 +260,8 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
         view.close()
         if log is not None:
             log.close()
+        if board is not None:
+            board.close()
     stopped = stopped or t.step < cfg.steps
     if lead and stopped and not quiet:
         print(f"lowcomm: stopped after step {t.step} of {cfg.steps} with a checkpoint; continue with: "
