@@ -112,3 +112,13 @@ def test_a_killed_worker_leaves_a_trace_of_every_ranks_last_steps(tmp_path, data
         computed = sum(1 for e in spans if e["pid"] == rank and e["cat"] == "compute")
         assert computed >= 3  # steps 1 to 3, one micro-batch each
     assert all(e["dur"] >= 0 for e in spans)
+
+
+def test_a_run_stopped_early_writes_its_trace(tmp_path, data_file):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "10", "--stop-at", "2", "--trace", "--data", str(data_file),
+                 "--out", str(out)]) == 0
+    doc = json.loads((out / "trace.json").read_text())
+    assert doc["otherData"]["stopped_after_step"] == 2 and not nesting_errors(doc)
+    assert {e["pid"] for e in doc["traceEvents"] if e.get("cat") == "comm"} == {0, 1}
+    assert not (out / "flight").exists()  # nothing failed: the rings stay in memory

@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -112,7 +113,7 @@ class Trainer:
     val: list
     source: str
     tracer: Tracer | None
-    flight: FlightRecorder
+    flight: FlightRecorder | None  # None only when bench/always_on.py measures a run without it
     step: int = 0  # trainer steps done
     wall_before: float = 0.0  # wall seconds of the run's earlier parts (a resumed run)
 
@@ -171,7 +172,7 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
                    replica=levels.intra if levels else None, inside=cfg.inside)
     for c in run.levels:
         c.flight = flight
-    for opt in run.optimizers():
+    for opt in run.optimizers() if flight is not None else ():
         flight.watch_optimizer(opt)
     tracer = Tracer(rank) if cfg.trace else None
     if tracer is not None:
@@ -231,10 +232,8 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
             records, asked, stop_asked = gather_records(t, pending)
             bad_in_row = check_steps(records, bad_in_row, cfg.max_bad_steps, lead, log)
             if evaluate_now:
-                eid = t.flight.open(FLIGHT_CODE["evaluate"], time.perf_counter())
-                with run.evaluating() as eval_model:
+                with recorded(t.flight, "evaluate"), run.evaluating() as eval_model:
                     val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
-                t.flight.close(eid, time.perf_counter())
             for record in records:
                 totals.add(record)
                 if lead:
@@ -246,9 +245,8 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
             loss = records[-1]["loss"]
             if checkpoint_now or asked:
                 from .checkpoint import save
-                eid = t.flight.open(FLIGHT_CODE["checkpoint"], time.perf_counter())
-                save(t, Path(cfg.out), cfg.keep, wall_s=time.perf_counter() - t_start)
-                t.flight.close(eid, time.perf_counter())
+                with recorded(t.flight, "checkpoint"):
+                    save(t, Path(cfg.out), cfg.keep, wall_s=time.perf_counter() - t_start)
             if lead:
                 elapsed = time.perf_counter() - t_start
                 view.update(step, loss, totals.tokens / elapsed, totals.wire / 1e6,
@@ -267,6 +265,16 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
         print(f"lowcomm: stopped after step {t.step} of {cfg.steps} with a checkpoint; continue with: "
               f"lowcomm train --resume {cfg.out}", flush=True)
     return LoopResult(totals, loss, val_loss, time.perf_counter() - t_start, stopped)
+
+
+@contextmanager
+def recorded(flight: FlightRecorder | None, name: str):
+    """An evaluation or checkpoint as one flight-recorder event: open while it runs, so a rank
+    stuck in it shows there."""
+    eid = 0 if flight is None else flight.open(FLIGHT_CODE[name], time.perf_counter())
+    yield
+    if eid:
+        flight.close(eid, time.perf_counter())
 
 
 def announce(t: Trainer) -> None:
@@ -336,7 +344,7 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
         result = loop(t, out_dir, quiet)
     except BaseException:
         t.run.release()  # no communication thread left behind; no collective, a peer may be gone
-        if not t.flight.shared and cfg.out:  # no launcher to read the ring (torchrun): write it now
+        if t.flight is not None and not t.flight.shared and cfg.out:  # no launcher to read it (torchrun)
             from .metrics.postmortem import write_own
             try:
                 write_own(t.flight, Path(cfg.out))
@@ -345,6 +353,7 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
         raise
     if result.stopped:  # a part of a run: summary.json is written by the part that reaches cfg.steps
         t.run.release()
+        run_end.gather_trace(t, out_dir, stopped_after_step=t.step)
         return None
     t.run.close()  # collective: every rank ends on the same final parameters
     return run_end.summarize(t, result, out_dir, quiet)

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 CAPACITY = 4096  # events per rank: at ~10 events a step (ddp, tiny model), the last ~400 steps
 ENV_DIR = "LOWCOMM_FLIGHT_DIR"  # set by the launcher: map the ring from a file in this directory
+ENV_OFF = "LOWCOMM_FLIGHT"  # "off": no recorder, for bench/always_on.py's comparison only (not a user setting)
 
 MAGIC = b"LCFLIGHT"
 HEADER = struct.Struct("<8sqqq32x")  # magic, capacity, rank, pid; 64 bytes
@@ -100,8 +101,11 @@ class FlightRecorder:
         self.step = 0  # the trainer step in progress (the run driver sets it)
 
     @classmethod
-    def for_rank(cls, rank: int) -> "FlightRecorder":
-        """In the launcher's shared directory when there is one, else in private memory."""
+    def for_rank(cls, rank: int) -> "FlightRecorder | None":
+        """In the launcher's shared directory when there is one, else in private memory
+        (None when the benchmark switched recording off)."""
+        if os.environ.get(ENV_OFF) == "off":
+            return None
         where = os.environ.get(ENV_DIR)
         return cls(rank, path=Path(where) / ring_name(rank) if where and os.path.isdir(where) else None)
 
