@@ -122,3 +122,16 @@ def test_a_run_stopped_early_writes_its_trace(tmp_path, data_file):
     assert doc["otherData"]["stopped_after_step"] == 2 and not nesting_errors(doc)
     assert {e["pid"] for e in doc["traceEvents"] if e.get("cat") == "comm"} == {0, 1}
     assert not (out / "flight").exists()  # nothing failed: the rings stay in memory
+
+
+def test_a_slowed_rank_is_flagged_as_a_straggler_during_the_run(tmp_path, data_file):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "8", "--slowdown", "1,3", "--data", str(data_file),
+                 "--out", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    flagged = [r for r in records if r.get("flags")]
+    assert flagged and records[-1] in flagged  # from the window's first full step on
+    for r in flagged:
+        (flag,) = r["flags"]
+        ratio = float(re.fullmatch(r"straggler rank 1 x(\d+\.\d)", flag)[1])
+        assert ratio >= 2.0, flag  # 3 emulated; a tiny model's few ms of compute make it noisy upward

@@ -28,6 +28,7 @@ from .checkpoint import take_request as take_checkpoint_request
 from .metrics.runlog import StepLog, result_vector, step_record
 from .metrics.flight import CODE as FLIGHT_CODE
 from .metrics.flight import FlightRecorder
+from .metrics.stragglers import StragglerFlags
 from .metrics.trace import Tracer
 from .data.loader import ShardedBatches
 from .models import GPT, build_hf_causal_lm, lm_loss
@@ -202,6 +203,7 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
     lead = t.rank == 0 and out_dir is not None
     log = StepLog(out_dir, resume_after=t.step if cfg.resume_from else None) if lead else None
     view = ProgressView(cfg.steps, f"{cfg.strategy} W={t.world}", enabled=lead and not quiet)
+    stragglers = StragglerFlags() if lead else None
     board = None
     if t.rank == 0 and cfg.tensorboard:
         from .metrics.tensorboard import TensorBoardLog
@@ -237,6 +239,7 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
             for record in records:
                 totals.add(record)
                 if lead:
+                    stragglers.flags(record)
                     log.write(record)
                 if board is not None:
                     board.write(record)
@@ -250,7 +253,7 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
             if lead:
                 elapsed = time.perf_counter() - t_start
                 view.update(step, loss, totals.tokens / elapsed, totals.wire / 1e6,
-                            totals.exposed / elapsed, records[-1].get("val_loss"))
+                            totals.exposed / elapsed, records[-1].get("val_loss"), records[-1].get("flags"))
             if stop_asked and step < cfg.steps:
                 stopped = True
                 break

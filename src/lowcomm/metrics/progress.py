@@ -14,6 +14,7 @@ class ProgressView:
         self.interactive = enabled and sys.stderr.isatty()
         self.every = max(1, total_steps // 10)
         self._bar = None
+        self._flags: list[str] = []
         if self.interactive:
             self._bar = Progress(
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -24,19 +25,27 @@ class ProgressView:
             self._bar.start()
 
     def update(self, step: int, loss: float, tokens_per_s: float, mb_sent: float, exposed_frac: float,
-               val_loss: float | None = None) -> None:
+               val_loss: float | None = None, flags: list[str] | None = None) -> None:
+        """`flags`: what the run's analysis found at this step (metrics/stragglers.py); shown when
+        they change, so a straggler is seen while the run goes, once, not on every line."""
         if not self.enabled:
             return
+        flags_changed = (flags or []) != self._flags
+        self._flags = flags or []
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=f"{loss:.3f}", tps=f"{tokens_per_s:,.0f}",
                              mb=f"{mb_sent:,.1f}", exp=f"{100 * exposed_frac:.0f}%")
             if val_loss is not None:
                 self._bar.console.print(f"step {step}: val_loss {val_loss:.4f}")
-        elif step % self.every == 0 or step == self.total or val_loss is not None:
+            if flags_changed and flags:
+                self._bar.console.print(f"step {step}: {', '.join(flags)}")
+        elif step % self.every == 0 or step == self.total or val_loss is not None or (flags_changed and flags):
             line = (f"step {step}/{self.total}  loss {loss:.3f}  {tokens_per_s:,.0f} tok/s  "
                     f"{mb_sent:,.1f} MB sent  comm exposed {100 * exposed_frac:.0f}%")
             if val_loss is not None:
                 line += f"  val_loss {val_loss:.4f}"
+            if flags:
+                line += f"  {', '.join(flags)}"
             print(line, flush=True)
 
     def close(self) -> None:

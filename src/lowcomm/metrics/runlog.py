@@ -11,6 +11,8 @@ every rank's StepResult gathered each step). Field meanings:
   skipped_ranks   present on steps not applied on some rank: the ranks that found a loss or
                   gradient not finite and skipped the step (all of them, for strategies that
                   reduce gradients every step)
+  flags           present on steps where the run's analysis found something, e.g.
+                  "straggler rank 1 x3.0" (metrics/stragglers.py)
 """
 from __future__ import annotations
 
