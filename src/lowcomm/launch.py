@@ -84,8 +84,9 @@ def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> None:
             explain_failure(e, rings, cfg, out)
             raise
         except RunError as e:
-            explain_failure(e, rings, cfg, out)
-            if attempt == cfg.max_restarts or out is None:
+            final = attempt == cfg.max_restarts or out is None
+            explain_failure(e, rings, cfg, out, annotate=final)  # a restarted run's line stays as it was
+            if final:
                 raise
             from .checkpoint import restart_from
             restart_from(cfg, out, e, attempt + 1)
@@ -107,7 +108,8 @@ def ring_dir() -> str:
                             dir=shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None)
 
 
-def explain_failure(error: RunError | Interrupted, rings: str, cfg: C.RunConfig, out: Path | None) -> None:
+def explain_failure(error: RunError | Interrupted, rings: str, cfg: C.RunConfig, out: Path | None,
+                    annotate: bool = True) -> None:
     """Write every rank's flight record (and with --trace the trace of their last events) to the
     run directory, and put the stuck rank and its collective at the head of the error's one line
     when a rank alive but stuck caused it (a dead rank's own failure says more: it stays first)."""
@@ -120,7 +122,7 @@ def explain_failure(error: RunError | Interrupted, rings: str, cfg: C.RunConfig,
                                       {"strategy": cfg.strategy, "workers": cfg.workers})
     except OSError:  # the run's own error is the one to report
         return
-    if where is None:
+    if where is None or not annotate:
         return
     message, note = str(error), f"flight records in {where}"
     if stall is not None and isinstance(error, RunError) and not set(stall.culprits) & set(getattr(error, "exit_codes", {})):
