@@ -3,6 +3,8 @@ run unchanged unless a LOWCOMM_TEST_* variable asks for a fault, and then a stan
 step() misbehaves at the asked step (the tests of supervision and recovery use it):
 
     LOWCOMM_TEST_HANG_AT=RANK:STEP    that rank blocks forever before that step (alive but stuck)
+    LOWCOMM_TEST_STOP_AT=RANK:STEP    that rank SIGSTOPs itself before that step (frozen, as by a debugger
+                                      or a scheduler: not even its threads run)
     LOWCOMM_TEST_NAN_AT=RANK:STEP     that rank's loss is NaN in that step
     LOWCOMM_TEST_KILL_AT=RANK:STEP    that rank is SIGKILLed after that step; the i-th entry fires in
                                       launch attempt i (LOWCOMM_ATTEMPT, or torchrun's restart count)
@@ -17,7 +19,7 @@ import time
 
 def inject(run, rank: int):
     """`run`, or a stand-in for it that injects the faults the environment asks for."""
-    if not any(_fault_spec(name) for name in ("HANG_AT", "NAN_AT", "KILL_AT")):
+    if not any(_fault_spec(name) for name in ("HANG_AT", "STOP_AT", "NAN_AT", "KILL_AT")):
         return run
     return _FaultyRun(run, rank)
 
@@ -34,6 +36,7 @@ class _FaultyRun:
     def step(self, next_batch, loss_fn):
         step = self._run.steps_done + 1
         hang_if_asked(self._rank, step)
+        stop_if_asked(self._rank, step)
         result = self._run.step(next_batch, nan_loss_if_asked(self._rank, step, loss_fn))
         kill_if_asked(self._rank, step)
         return result
@@ -45,6 +48,12 @@ def hang_if_asked(rank: int, step: int) -> None:
     if (rank, step) in _fault_spec("HANG_AT"):
         while True:
             time.sleep(3600)
+
+
+def stop_if_asked(rank: int, step: int) -> None:
+    """Test-only fault: LOWCOMM_TEST_STOP_AT=RANK:STEP SIGSTOPs that rank before that step."""
+    if (rank, step) in _fault_spec("STOP_AT"):
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _fault_spec(name: str) -> list[tuple[int, int]]:

@@ -6,6 +6,8 @@ checked, so bad input never leaves a half-written run behind.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -14,7 +16,8 @@ import torch.distributed as dist
 from . import config as C
 from . import rundir
 from .data import check_sizes, load_bytes
-from .errors import RunError, UsageError
+from .errors import Interrupted, RunError, UsageError
+from .metrics.flight import ENV_DIR as FLIGHT_ENV_DIR
 from .nodes import default_replicas, under_torchrun
 from .resources import check_fits
 from .strategies import available
@@ -38,6 +41,9 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resu
         raise UsageError(f"backend '{backend}' on device '{cfg.device}' needs CUDA, and no GPU is visible")
     check_fits(cfg, "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and backend == "nccl") else "cpu")
     check_model(cfg)
+    if cfg.tensorboard:  # an optional package: missing, the run is refused before it starts
+        from .metrics.tensorboard import require
+        require(cfg.tensorboard)
     tokens, label = load_bytes(cfg.data.source, quiet=True)
     check_sizes(tokens, cfg.data.val_fraction, cfg.model.seq_len, cfg.workers, label)
     if resume:
@@ -70,15 +76,60 @@ def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> None:
         os.environ["LOWCOMM_ATTEMPT"] = str(attempt)
         # The parent hosts the rendezvous store on a free port the OS picks: no port races.
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        rings = os.environ[FLIGHT_ENV_DIR] = ring_dir()  # the workers' flight recorders (metrics/flight.py)
         try:
             run_workers(spawned_entry, (cfg.workers, cfg, store.port, str(out) if out else None, quiet),
                         cfg.workers, ask_first=cfg.checkpoint_on_signal)
             return
+        except Interrupted as e:
+            explain_failure(e, rings, cfg, out)
+            raise
         except RunError as e:
-            if attempt == cfg.max_restarts or out is None:
+            final = attempt == cfg.max_restarts or out is None
+            explain_failure(e, rings, cfg, out, annotate=final)  # a restarted run's line stays as it was
+            if final:
                 raise
             from .checkpoint import restart_from
             restart_from(cfg, out, e, attempt + 1)
         finally:
             del store
             os.environ.pop("LOWCOMM_ATTEMPT", None)
+            os.environ.pop(FLIGHT_ENV_DIR, None)
+            shutil.rmtree(rings, ignore_errors=True)
+
+
+STUCK_S = 10.0  # an interrupted run whose collective had waited this long was hung, not just busy
+
+
+def ring_dir() -> str:
+    """A fresh directory for the workers' rings: in shared memory where the host has it, as the
+    rings are written on every collective and only read after a failure."""
+    shm = "/dev/shm"
+    return tempfile.mkdtemp(prefix="lowcomm-flight-",
+                            dir=shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None)
+
+
+def explain_failure(error: RunError | Interrupted, rings: str, cfg: C.RunConfig, out: Path | None,
+                    annotate: bool = True) -> None:
+    """Write every rank's flight record (and with --trace the trace of their last events) to the
+    run directory, and put the stuck rank and its collective at the head of the error's one line
+    when a rank alive but stuck caused it (a dead rank's own failure says more: it stays first)."""
+    from .metrics.postmortem import record_failure
+
+    if out is None:
+        return
+    try:
+        where, stall = record_failure(rings, out, cfg.workers, cfg.trace, getattr(error, "at", None),
+                                      {"strategy": cfg.strategy, "workers": cfg.workers})
+    except OSError:  # the run's own error is the one to report
+        return
+    if where is None or not annotate:
+        return
+    message, note = str(error), f"flight records in {where}"
+    if stall is not None and isinstance(error, RunError) and not set(stall.culprits) & set(getattr(error, "exit_codes", {})):
+        message = f"{stall.line()} ({message}; {note})"
+    elif stall is not None and isinstance(error, Interrupted) and stall.waited_s >= STUCK_S:
+        message = f"{message}; {stall.line()} ({note})"
+    else:
+        message = f"{message} ({note})"
+    error.args = (message,)

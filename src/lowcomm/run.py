@@ -30,6 +30,7 @@ from .comm.control import agree_max, control_group
 from .comm.groups import by_level, total
 from .comm.pacer import Pacer
 from .errors import UsageError
+from .metrics.flight import CODE as FLIGHT_CODE
 from .strategies.base import MakeOptimizer, Strategy
 from .strategies.context import Schedule, StepContext, StepResult, batch_tokens
 from .strategies.inside import make_inside
@@ -183,6 +184,8 @@ class RunDriver:
 
     def _begin(self, pull: bool = False) -> StepContext:
         if self.ctx is None:
+            if self.comm.flight is not None:  # the step the recorder's events belong to
+                self.comm.flight.step = self.strategy.steps_done + 1
             before = by_level(self.levels)
             self.ctx = StepContext(self.strategy.steps_done, time.perf_counter(), total(before.values()),
                                    levels_before=before, pull=pull)
@@ -195,6 +198,8 @@ class RunDriver:
         ctx.last_compute_s, ctx.last_compute_end = t1 - t0, t1
         if self.comm.tracer is not None:
             self.comm.tracer.span("micro-batch", "compute", t0, t1)
+        if self.comm.flight is not None:
+            self.comm.flight.span(FLIGHT_CODE["micro-batch"], t0, t1)
         ctx.loss_sum += loss
         ctx.nonfinite_loss |= not math.isfinite(loss)
         ctx.micro_batches += 1
@@ -296,6 +301,7 @@ class RunDriver:
         place where a run's group changes; the strategy re-targets its engines."""
         self._check_safe_point("use_comm()")
         comm.tracer = comm.tracer or self.comm.tracer
+        comm.flight = comm.flight or self.comm.flight
         self.strategy.use_comm(comm)
 
     # -- the end ----------------------------------------------------------------------------

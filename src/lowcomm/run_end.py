@@ -21,6 +21,17 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def gather_trace(t, out_dir: Path | None, **metadata) -> None:
+    """Collective with --trace: every rank's spans to rank 0, which writes trace.json (at the end,
+    or when a run stops early to be resumed: what ran so far)."""
+    if t.tracer is None:
+        return
+    events = t.tracer.gather(t.comm, t.device)
+    if t.rank == 0 and out_dir is not None:
+        write_trace(out_dir / "trace.json", events, {"strategy": t.cfg.strategy, "workers": t.world,
+                                                     "link": C.to_dict(t.cfg)["link"], **metadata})
+
+
 def summarize(t, run, out_dir: Path | None, quiet: bool) -> dict | None:
     """Gather every rank's measurements; rank 0 writes summary.json (and trace.json)."""
     comm, strategy = t.comm, t.run.strategy
@@ -30,11 +41,8 @@ def summarize(t, run, out_dir: Path | None, quiet: bool) -> dict | None:
     link_times = comm.meta_all_gather(torch.tensor(
         [mine.busy_s, mine.emulated_s, slept], dtype=torch.float64, device=t.device)).cpu()
     every_level = gather_levels(comm, t.run.levels, t.device)
-    events = t.tracer.gather(comm, t.device) if t.tracer is not None else None
+    gather_trace(t, out_dir)
     lead = t.rank == 0 and out_dir is not None
-    if lead and events is not None:
-        write_trace(out_dir / "trace.json", events, {"strategy": t.cfg.strategy, "workers": t.world,
-                                                     "link": C.to_dict(t.cfg)["link"]})
     if not lead:
         return None
     replicas, layout = t.cfg.replicas or t.world, layout_of(t.model)

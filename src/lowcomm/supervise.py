@@ -108,6 +108,7 @@ def _watch(ctx, received: list[int], ask_first: bool) -> None:
 
 def _interrupt(ctx, received: list[int], ask_first: bool) -> None:
     signum = received[0]
+    at = time.perf_counter()  # when the run was interrupted, for a post-mortem of a hung run
     note = ""
     if ask_first:
         for p in ctx.processes:
@@ -119,7 +120,9 @@ def _interrupt(ctx, received: list[int], ask_first: bool) -> None:
         note = ("; the workers wrote a checkpoint first" if clean else
                 "; the workers were stopped before they could write a checkpoint")
     stop(ctx.processes)
-    raise Interrupted(signum, f"interrupted by {signal.Signals(signum).name}: every worker stopped{note}")
+    error = Interrupted(signum, f"interrupted by {signal.Signals(signum).name}: every worker stopped{note}")
+    error.at = at
+    raise error
 
 
 def stop(processes, grace: float = STOP_GRACE_S) -> None:
@@ -161,7 +164,9 @@ def _failure(ctx, failed: list[int]) -> RunError:
         what = f"killed by signal {_signal_name(-code)}"
     else:
         what = f"exited with code {code}"
-    return RunError(f"worker rank {rank} failed: {what}", details="\n".join(details))
+    error = RunError(f"worker rank {rank} failed: {what}", details="\n".join(details))
+    error.exit_codes = codes  # the ranks that failed (a post-mortem tells them from the stuck ones)
+    return error
 
 
 def _traceback(path: str) -> str:

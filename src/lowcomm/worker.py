@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +26,9 @@ from .metrics.progress import ProgressView
 from .metrics.summary import Totals
 from .checkpoint import take_request as take_checkpoint_request
 from .metrics.runlog import StepLog, result_vector, step_record
+from .metrics.flight import CODE as FLIGHT_CODE
+from .metrics.flight import FlightRecorder
+from .metrics.stragglers import StragglerFlags
 from .metrics.trace import Tracer
 from .data.loader import ShardedBatches
 from .models import GPT, build_hf_causal_lm, lm_loss
@@ -111,6 +115,7 @@ class Trainer:
     val: list
     source: str
     tracer: Tracer | None
+    flight: FlightRecorder | None  # None only when bench/always_on.py measures a run without it
     step: int = 0  # trainer steps done
     wall_before: float = 0.0  # wall seconds of the run's earlier parts (a resumed run)
 
@@ -150,6 +155,7 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
     device = pick_device(cfg, backend, local_rank)
     layout = ReplicaLayout(world, cfg.replicas or world)  # the world: a flat run's one level, else bookkeeping
     comm = Comm(link=C.make_link(cfg, seed=link_seed(cfg.seed, rank)), level="cross" if layout.flat else "world")
+    flight = comm.flight = FlightRecorder.for_rank(rank)  # always on: the last events, for a post-mortem
     if under_torchrun():  # every rank's replica count agreed, and a node per replica where the nodes chose it
         check_numbering(comm, layout, cfg.replicas_by_node, device)
     levels = None if layout.flat else form_groups(layout, C.make_link(cfg, link_seed(cfg.seed + 1, rank), "intra_link"),
@@ -168,6 +174,10 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
                    accum=cfg.accum, schedule=lr_schedule(cfg.optim, cfg.steps), total_steps=cfg.steps, pacer=pacer,
                    options=cfg.strategy_options(),  # resolved and validated once, at launch
                    replica=levels.intra if levels else None, inside=cfg.inside)
+    for c in run.levels:
+        c.flight = flight
+    for opt in run.optimizers() if flight is not None else ():
+        flight.watch_optimizer(opt)
     tracer = Tracer(rank) if cfg.trace else None
     if tracer is not None:
         for opt in run.optimizers():
@@ -176,7 +186,7 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
         for c in {id(c): c for c in [comm, *run.levels]}.values():
             c.tracer = tracer
     run = faults.inject(run, rank)  # test-only faults, when a test asked for them
-    return Trainer(cfg, rank, world, device, backend, comm, model, run, loader, val, source, tracer)
+    return Trainer(cfg, rank, world, device, backend, comm, model, run, loader, val, source, tracer, flight)
 
 
 @dataclass
@@ -197,6 +207,11 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
     log = StepLog(out_dir, resume_after=t.step if cfg.resume_from else None) if lead else None
     leveled = len(run.levels) > 1  # replica groups: bytes and waits shown per level
     view = ProgressView(cfg.steps, f"{cfg.strategy} W={t.world}", enabled=lead and not quiet, levels=leveled)
+    stragglers = StragglerFlags() if lead else None
+    board = None
+    if t.rank == 0 and cfg.tensorboard:
+        from .metrics.tensorboard import TensorBoardLog
+        board = TensorBoardLog(cfg.tensorboard)
     if lead and not quiet:
         announce(t)
     totals, loss, val_loss = kept_totals(log, t.world)
@@ -223,20 +238,27 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
             records, asked, stop_asked = gather_records(t, pending)
             bad_in_row = check_steps(records, bad_in_row, cfg.max_bad_steps, lead, log)
             if evaluate_now:
-                with run.evaluating() as eval_model:
+                with recorded(t.flight, "evaluate"), run.evaluating() as eval_model:
                     val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
             for record in records:
                 totals.add(record)
                 if lead:
+                    stragglers.flags(record)
                     log.write(record)
+                if board is not None:
+                    board.write(record)
+            if board is not None:
+                board.levels({c.level: c.snapshot().wire_bytes for c in run.levels}, step)
             loss = records[-1]["loss"]
             if checkpoint_now or asked:
                 from .checkpoint import save
-                save(t, Path(cfg.out), cfg.keep, wall_s=time.perf_counter() - t_start)
+                with recorded(t.flight, "checkpoint"):
+                    save(t, Path(cfg.out), cfg.keep, wall_s=time.perf_counter() - t_start)
             if lead:
                 elapsed = time.perf_counter() - t_start
                 view.update(step, loss, totals.tokens / elapsed, totals.wire / 1e6,
-                            totals.exposed / elapsed, records[-1].get("val_loss"), totals.per_level(step, elapsed))
+                            totals.exposed / elapsed, records[-1].get("val_loss"), totals.per_level(step, elapsed),
+                            records[-1].get("flags"))
             if stop_asked and step < cfg.steps:
                 stopped = True
                 break
@@ -244,11 +266,23 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
         view.close()
         if log is not None:
             log.close()
+        if board is not None:
+            board.close()
     stopped = stopped or t.step < cfg.steps
     if lead and stopped and not quiet:
         print(f"lowcomm: stopped after step {t.step} of {cfg.steps} with a checkpoint; continue with: "
               f"lowcomm train --resume {cfg.out}", flush=True)
     return LoopResult(totals, loss, val_loss, time.perf_counter() - t_start, stopped)
+
+
+@contextmanager
+def recorded(flight: FlightRecorder | None, name: str):
+    """An evaluation or checkpoint as one flight-recorder event: open while it runs, so a rank
+    stuck in it shows there."""
+    eid = 0 if flight is None else flight.open(FLIGHT_CODE[name], time.perf_counter())
+    yield
+    if eid:
+        flight.close(eid, time.perf_counter())
 
 
 def announce(t: Trainer) -> None:
@@ -319,9 +353,16 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
         result = loop(t, out_dir, quiet)
     except BaseException:
         t.run.release()  # no communication thread left behind; no collective, a peer may be gone
+        if t.flight is not None and not t.flight.shared and cfg.out:  # no launcher to read it (torchrun)
+            from .metrics.postmortem import write_own
+            try:
+                write_own(t.flight, Path(cfg.out))
+            except OSError:  # the run's own error is the one to report
+                pass
         raise
     if result.stopped:  # a part of a run: summary.json is written by the part that reaches cfg.steps
         t.run.release()
+        run_end.gather_trace(t, out_dir, stopped_after_step=t.step)
         return None
     t.run.close()  # collective: every rank ends on the same final parameters
     return run_end.summarize(t, result, out_dir, quiet)

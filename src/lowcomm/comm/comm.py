@@ -15,6 +15,7 @@ apart from the strategy's own bytes.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from contextlib import contextmanager
@@ -24,6 +25,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..metrics.flight import CODE as _FLIGHT_CODE
+from ..metrics.flight import level_code
 from .wire import wire_bytes
 
 # torch 2.13 renamed the flat collectives; the package supports older torch too.
@@ -112,6 +115,7 @@ class _Issued(NamedTuple):
     t0: float
     modeled_end: float | None  # with an emulated link
     span: object  # the tracer's span, or None
+    eid: int  # its event in the flight recorder (0: none)
 
 
 class Comm:
@@ -124,6 +128,12 @@ class Comm:
         # only its timing and counters (see _run).
         self.link = link
         self.tracer = None
+        # The flight recorder (metrics/flight.py): the worker attaches one to every run.
+        # Each op gets a sequence number on this group, equal on every rank for the same
+        # collective, so a post-mortem can tell which rank never reached the one others wait in.
+        self.flight = None
+        self._seqs = itertools.count(1)
+        self._level_code = level_code(level)
         self._deadlines = None
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -213,19 +223,29 @@ class Comm:
         modeled_end = None if modeled is None else modeled[1]
         span = None if self.tracer is None else \
             self.tracer.open_comm(op, t0, wire, nbytes, meta, *(modeled or (t0, t0)), level=self.level)
-        return _Issued(op, wire, meta, t0, modeled_end, span)
+        seq = next(self._seqs)
+        eid = 0 if self.flight is None else \
+            self.flight.open(_FLIGHT_CODE[op], t0, seq, nbytes, wire, self._level_code, meta)
+        return _Issued(op, wire, meta, t0, modeled_end, span, eid)
 
     def _run_sync(self, issued: _Issued, launch, result) -> None:
         """Launch, block until max(real end, modeled end), count it all as exposed."""
         op, t0, meta, span = issued.op, issued.t0, issued.meta, issued.span
-        launch(False)
-        self._sync_device(result)
+        try:
+            launch(False)
+            self._sync_device(result)
+        except BaseException:  # a timeout, a lost peer: the recorder keeps where this rank stopped
+            if issued.eid:
+                self.flight.close(issued.eid, time.perf_counter(), failed=True)
+            raise
         real_end = end = time.perf_counter()
         if issued.modeled_end is not None:  # the emulated link is slower than the real one
             _sleep_until(issued.modeled_end)
             end = time.perf_counter()
         self._add(op, issued.wire, 1, busy_s=end - t0, exposed_s=end - t0, meta=meta,
                   emulated_s=end - real_end)
+        if issued.eid:
+            self.flight.close(issued.eid, end)
         if span is not None:
             self.tracer.close_comm(span, real_end, end)
             self._trace_wait(t0, end)
@@ -255,11 +275,14 @@ class Comm:
         can end up collected on gloo's own thread, whose process group then dies inside
         itself (SIGABRT at exit)."""
         op, t0, meta, span, modeled_end = issued.op, issued.t0, issued.meta, issued.span, issued.modeled_end
+        eid, flight = issued.eid, self.flight
 
         def done(fut=None):
             real_end = time.perf_counter()
             end = real_end if modeled_end is None or modeled_end < real_end else modeled_end
             self._add(op, busy_s=end - t0, emulated_s=end - real_end, meta=meta)
+            if eid:
+                flight.close(eid, end, failed=_failed(fut))
             if span is not None:
                 self.tracer.close_comm(span, real_end, end)
             if out_future is not None:
@@ -298,8 +321,12 @@ class Comm:
 
     def _trace_wait(self, t0: float, t1: float) -> None:
         """A span for time this thread was blocked on the network (exposed time only)."""
-        if self.tracer is not None and not getattr(self._local, "overlapped", False):
+        if (self.tracer is None and self.flight is None) or getattr(self._local, "overlapped", False):
+            return
+        if self.tracer is not None:
             self.tracer.span("wait", "wait", t0, t1, {"level": self.level})
+        if self.flight is not None:
+            self.flight.span(_FLIGHT_CODE["wait"], t0, t1)
 
     # -- collectives --------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
@@ -371,8 +398,19 @@ class Comm:
         return out.view(self.world, *tensor.shape)
 
     def barrier(self) -> None:
-        if self.world > 1:
+        if self.world <= 1:
+            return
+        seq = next(self._seqs)
+        eid = 0 if self.flight is None else \
+            self.flight.open(_FLIGHT_CODE["barrier"], time.perf_counter(), seq, level=self._level_code, meta=True)
+        try:
             dist.barrier(group=self.group)
+        except BaseException:
+            if eid:
+                self.flight.close(eid, time.perf_counter(), failed=True)
+            raise
+        if eid:
+            self.flight.close(eid, time.perf_counter())
 
 
 def _work_future(work) -> torch.futures.Future | None:
@@ -383,6 +421,17 @@ def _work_future(work) -> torch.futures.Future | None:
         return work.get_future()
     except RuntimeError:
         return None
+
+
+def _failed(fut) -> bool:
+    """Whether a completed c10d future holds an error (a timed-out or broken collective)."""
+    if fut is None:
+        return False
+    try:
+        fut.value()
+    except Exception:
+        return True
+    return False
 
 
 def _sleep_until(deadline: float) -> None:

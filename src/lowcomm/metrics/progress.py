@@ -19,6 +19,7 @@ class ProgressView:
         self.interactive = enabled and sys.stderr.isatty()
         self.every = max(1, total_steps // 10)
         self._bar = None
+        self._flags: list[str] = []
         if self.interactive:
             # A flat run's bar has no level column at all (not an empty one).
             by_level = [TextColumn("{task.fields[levels]}")] if levels else []
@@ -32,24 +33,33 @@ class ProgressView:
             self._bar.start()
 
     def update(self, step: int, loss: float, tokens_per_s: float, mb_sent: float, exposed_frac: float,
-               val_loss: float | None = None, levels: dict[str, tuple[float, float]] | None = None) -> None:
-        """`levels`: level -> (MB per step, exposed share), for a run with replica groups."""
+               val_loss: float | None = None, levels: dict[str, tuple[float, float]] | None = None,
+               flags: list[str] | None = None) -> None:
+        """`levels`: level -> (MB per step, exposed share), for a run with replica groups.
+        `flags`: what the run's analysis found at this step (metrics/stragglers.py); shown when
+        they change, so a straggler is seen while the run goes, once, not on every line."""
         if not self.enabled:
             return
         by_level = level_text(levels or {})
+        flags_changed = (flags or []) != self._flags
+        self._flags = flags or []
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=f"{loss:.3f}", tps=f"{tokens_per_s:,.0f}",
                              mb=f"{mb_sent:,.1f}", exp=f"{100 * exposed_frac:.0f}%",
                              levels=level_text(levels or {}, short=True))
             if val_loss is not None:
                 self._bar.console.print(f"step {step}: val_loss {val_loss:.4f}")
-        elif step % self.every == 0 or step == self.total or val_loss is not None:
+            if flags_changed and flags:
+                self._bar.console.print(f"step {step}: {', '.join(flags)}")
+        elif step % self.every == 0 or step == self.total or val_loss is not None or (flags_changed and flags):
             line = (f"step {step}/{self.total}  loss {loss:.3f}  {tokens_per_s:,.0f} tok/s  "
                     f"{mb_sent:,.1f} MB sent  comm exposed {100 * exposed_frac:.0f}%")
             if by_level:
                 line += f"  {by_level}"
             if val_loss is not None:
                 line += f"  val_loss {val_loss:.4f}"
+            if flags:
+                line += f"  {', '.join(flags)}"
             print(line, flush=True)
 
     def close(self) -> None:

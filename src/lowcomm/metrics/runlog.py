@@ -11,6 +11,8 @@ every rank's StepResult gathered each step). Field meanings:
   skipped_ranks   present on steps not applied on some rank: the ranks that found a loss or
                   gradient not finite and skipped the step (all of them, for strategies that
                   reduce gradients every step)
+  flags           present on steps where the run's analysis found something, e.g.
+                  "straggler rank 1 x3.0" (metrics/stragglers.py)
 With replica groups (--replicas R < W) each level's share of the above, L = cross or intra:
   wire_bytes_L         summed over ranks (wire_bytes_cross + wire_bytes_intra = wire_bytes)
   exposed_comm_s_L     max over ranks

@@ -90,9 +90,10 @@ class Tracer:
         optimizer.register_step_post_hook(post)
 
     # -- export ------------------------------------------------------------------
-    def events(self) -> list[dict]:
-        """This rank's spans as Chrome trace events (pid = rank)."""
-        now = time.perf_counter()
+    def events(self, now: float | None = None) -> list[dict]:
+        """This rank's spans as Chrome trace events (pid = rank); what is unfinished ends at `now`
+        (default: now; a post-mortem passes the moment the run failed)."""
+        now = time.perf_counter() if now is None else now
         with self._lock:
             spans = list(self._spans)
             comm = [dict(r) for r in self._comm]
@@ -131,6 +132,8 @@ class Tracer:
                 args["modeled_start_us"], args["modeled_end_us"] = us(ms), us(me)
             if unfinished:
                 args["unfinished"] = True
+            if rec.get("failed"):  # a post-mortem's collective that raised (metrics/postmortem.py)
+                args["failed"] = True
             base = {"ph": "X", "pid": pid, "tid": tid}
             out.append({**base, "name": rec["op"], "cat": "meta" if rec["meta"] else "comm",
                         "ts": us(rec["t0"]), "dur": round((end - rec["t0"]) * 1e6, 3), "args": args})
