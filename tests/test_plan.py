@@ -159,7 +159,6 @@ def test_model_params_counts_the_model_itself_at_any_depth():
     (["--params", "1e9", "--n-layer", "2", "--d-model", "64"], "n_layer and d_model are both given"),
     (["--replicas", "3"], "--replicas 3 does not divide --workers 4"),
     (["--replicas", "-1"], "replicas must be at least 1"),
-    (["--replicas", "2", "--strategies", "ddp,powersgd"], "strategy 'powersgd' does not run across replica groups"),
     (["--replicas", "2", "--inside", "fsdp"], "--inside fsdp is not supported yet"),
     (["--replicas", "4", "--intra-link", "10gbit,50us"], "--intra-link needs replica groups"),
     (["--replicas", "2", "--intra-link", "fast"], "--intra-link 'fast' must be BANDWIDTH,LATENCY"),
