@@ -196,6 +196,8 @@ class RunDriver:
     def _tally(self, ctx: StepContext, t0: float, loss: float, tokens: int) -> None:
         t1 = time.perf_counter()
         ctx.compute_s += t1 - t0  # the emulated slowdown counts as compute: a slower device's time
+        if self.strategy.inside is not None:  # minus waits inside it (fsdp's gathers): exposed comm already
+            ctx.compute_s -= self.strategy.inside.take_waited()
         ctx.last_compute_s, ctx.last_compute_end = t1 - t0, t1
         if self.comm.tracer is not None:
             self.comm.tracer.span("micro-batch", "compute", t0, t1)

@@ -56,6 +56,10 @@ class InsideDDP:
         """What one rank of strategy `cls` sends inside its replica and across (Strategy.level_plans)."""
         return cls.level_plans(layout, replicas, self.comm.world, options)
 
+    def take_waited(self) -> float:
+        """Seconds waited on this engine's collectives inside the compute: none, they run in update."""
+        return 0.0
+
     def scatter(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's piece (its position's 1/K, `flat` zero-padded to a multiple of K) of
         the mean of `flat` over the replica's ranks (one reduce-scatter)."""

@@ -23,6 +23,9 @@ collectives carry every shard padded to c rows.
 """
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -44,30 +47,32 @@ class _Buffers:
 
 
 class CountedAllGather(_Buffers, AllGather):
-    """FSDP's all-gather of a unit's shards through Comm: counted in training, bookkeeping
-    (not the run's traffic, no emulated link) while `model` is in eval mode."""
+    """FSDP's all-gather of a unit's shards through the engine's Comm: counted in training,
+    bookkeeping (not the run's traffic, no emulated link) while `model` is in eval mode."""
 
-    def __init__(self, comm: Comm, model: nn.Module):
-        self.comm, self.model = comm, model
+    def __init__(self, engine: "InsideFSDP", model: nn.Module):
+        self.engine, self.model = engine, model
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         if self.model.training:
-            self.comm.all_gather(output_tensor, input_tensor)
+            with self.engine.waiting():
+                self.engine.comm.all_gather(output_tensor, input_tensor)
         else:
-            output_tensor.copy_(self.comm.meta_all_gather(input_tensor).reshape(-1))
+            output_tensor.copy_(self.engine.comm.meta_all_gather(input_tensor).reshape(-1))
         return None  # done: FSDP waits only on a Work it is handed
 
 
 class CountedReduceScatter(_Buffers, ReduceScatter):
-    """FSDP's reduce-scatter of a unit's gradients through Comm."""
+    """FSDP's reduce-scatter of a unit's gradients through the engine's Comm."""
 
-    def __init__(self, comm: Comm):
-        self.comm = comm
+    def __init__(self, engine: "InsideFSDP"):
+        self.engine = engine
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         if op not in _OPS:  # FSDP picks pre/post-scaled sums only for fp16 or a divide factor we never set
             raise RunError(f"--inside fsdp: FSDP asked for reduce-scatter op {op}, which lowcomm does not route")
-        self.comm.reduce_scatter(output_tensor, input_tensor, op=_OPS[op])
+        with self.engine.waiting():
+            self.engine.comm.reduce_scatter(output_tensor, input_tensor, op=_OPS[op])
         return None
 
 
@@ -81,6 +86,7 @@ class InsideFSDP:
         self.units: list[nn.Module] = []
         self.sharded: list[nn.Parameter] = []  # FSDP's parameters (DTensors), in model order
         self.local: list[torch.Tensor] = []    # this rank's shard of each: what the strategy runs on
+        self._waited = 0.0                     # seconds in collectives inside the forward/backward
 
     def strategy_class(self, cls: type) -> type:
         """ddp with FSDP inside is HSDP (strategies/hsdp.py); the rest run as they are."""
@@ -100,8 +106,8 @@ class InsideFSDP:
         for unit in self.units:
             fully_shard(unit, mesh=mesh)
         for unit in self.units:
-            unit.set_custom_all_gather(CountedAllGather(self.comm, model))
-            unit.set_custom_reduce_scatter(CountedReduceScatter(self.comm))
+            unit.set_custom_all_gather(CountedAllGather(self, model))
+            unit.set_custom_reduce_scatter(CountedReduceScatter(self))
         self.sharded = trainable(model)
         with torch.no_grad():  # the local tensor itself (a leaf, FSDP's storage), not an autograd view
             self.local = [p.to_local() for p in self.sharded]
@@ -130,6 +136,21 @@ class InsideFSDP:
 
     def level_plans(self, cls, layout: ModelLayout, replicas: int, options, accum: int) -> LevelPlans:
         return fsdp_level_plans(cls, layout, replicas, self.comm.world, options, accum)
+
+    @contextmanager
+    def waiting(self):
+        """Time a collective FSDP runs inside the forward or backward (see take_waited)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._waited += time.perf_counter() - t0
+
+    def take_waited(self) -> float:
+        """Seconds this rank waited on FSDP's collectives since the last call: they run inside the
+        micro-batch the driver times as compute, and Comm counts them as exposed already."""
+        waited, self._waited = self._waited, 0.0
+        return waited
 
 
 def shard_rows(rows: int, K: int, rank: int) -> int:
