@@ -186,7 +186,7 @@ def test_bytes_per_level_equal_the_plan(runs, strategy, layout):
 
 
 REFUSED = {
-    "fsdp": (["--strategy", "ddp", "--replicas", "2", "--inside", "fsdp"], ("ddp", "--inside fsdp")),
+    "fsdp": (["--strategy", "demo", "--replicas", "2", "--inside", "fsdp"], ("demo", "--inside fsdp")),
     "bf16_flat": (["--strategy", "zero1", "--replicas", "2", "--param-dtype", "bf16"], ("--param-dtype bf16",)),
     "inside_unknown": (["--replicas", "2", "--inside", "tp"], ("--inside", "tp")),
     "not_dividing": (["--replicas", "3"], ("--replicas 3", "--workers 4")),

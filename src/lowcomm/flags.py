@@ -31,8 +31,9 @@ RUN_FLAGS = {
     "--replicas": Flag("replicas", "R", "R replicas of W/R processes each: the strategy runs across replicas, "
                                         "--inside within each",
                      zero="one per node under torchrun across nodes, else W: one process a replica"),
-    "--inside": Flag("inside", "ENGINE", "what runs inside a replica: ddp (gradients averaged every step); "
-                                         "fsdp is not supported yet"),
+    "--inside": Flag("inside", "ENGINE", "what runs inside a replica: ddp (gradients averaged every step) or "
+                                         "fsdp (FSDP2: parameters, gradients and optimizer state sharded; "
+                                         "ddp and the diloco family)"),
     "--steps": Flag("steps", "N", "trainer steps: optimizer steps, or what the strategy counts as one "
                                   "(acco: rounds; diloco family: inner steps)"),
     "--micro-batch": Flag("micro_batch", "N", "sequences per micro-batch per worker"),

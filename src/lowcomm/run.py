@@ -53,9 +53,10 @@ def make_run(strategy: str, model: nn.Module, comm: Comm, make_optimizer: MakeOp
     elif option_values:
         raise UsageError(f"give strategy options either as options= or as keywords, not both ({sorted(option_values)})")
     strategy, options = resolve(strategy, options)  # an older spelling runs the strategy now named for it
-    cls = get(strategy)
+    engine = make_inside(inside, replica)
+    cls = get(strategy) if engine is None else engine.strategy_class(get(strategy))  # fsdp's ddp is HSDP
     return RunDriver(cls(model, comm, make_optimizer, accum=accum, schedule=schedule, options=options,
-                         total_steps=total_steps, inside=make_inside(inside, replica)), pacer)
+                         total_steps=total_steps, inside=engine), pacer)
 
 
 def link_seed(seed: int, rank: int) -> int:
@@ -195,6 +196,8 @@ class RunDriver:
     def _tally(self, ctx: StepContext, t0: float, loss: float, tokens: int) -> None:
         t1 = time.perf_counter()
         ctx.compute_s += t1 - t0  # the emulated slowdown counts as compute: a slower device's time
+        if self.strategy.inside is not None:  # minus waits inside it (fsdp's gathers): exposed comm already
+            ctx.compute_s -= self.strategy.inside.take_waited()
         ctx.last_compute_s, ctx.last_compute_end = t1 - t0, t1
         if self.comm.tracer is not None:
             self.comm.tracer.span("micro-batch", "compute", t0, t1)

@@ -4,7 +4,8 @@ A flat run has one level, "cross" (every worker is a replica of one process); a 
 --replicas R < W has "intra" (inside each replica of K = W/R ranks, --intra-link) and
 "cross" (the K groups of R ranks at the same position of every replica, --link). Each
 level's bytes are set beside its plan (Strategy.level_plans): the strategy's own plan on R
-ranks across (one per position of a replica), the inside engine's on K ranks inside.
+ranks across (one per position of a replica), the inside engine's on K ranks inside (the
+engine asks the strategy: fsdp's all-gathers run once per micro-batch, so its plan needs accum).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def level_plans(strategy, layout: ModelLayout, replicas: int) -> LevelPlans:
     cls = type(strategy)
     if strategy.inside is None:
         return LevelPlans([], [cls.comm_plan(layout, replicas, strategy.options)])
-    return cls.level_plans(layout, replicas, strategy.inside.comm.world, strategy.options)
+    return strategy.inside.level_plans(cls, layout, replicas, strategy.options, strategy.accum)
 
 
 def level_summary(every: torch.Tensor, strategy, layout: ModelLayout, world: int, replicas: int,

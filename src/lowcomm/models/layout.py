@@ -92,7 +92,7 @@ def layout_of(model: nn.Module) -> ModelLayout:
     ModuleList (lowcomm's GPT) or the usual transformers names (`model.layers`, `h`, ...)."""
     params = trainable(model)
     where = {}
-    for b, block in enumerate(_block_list(model) or []):
+    for b, block in enumerate(block_list(model) or []):
         for p in block.parameters():
             where[id(p)] = b
     blocks = tuple(where.get(id(p), OUTSIDE) for p in params) if where else None
@@ -129,7 +129,7 @@ class _SkipMetaFills(TorchFunctionMode):
 _BLOCK_PATHS = ("blocks", "model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers", "layers", "h")
 
 
-def _block_list(model: nn.Module) -> nn.ModuleList | None:
+def block_list(model: nn.Module) -> nn.ModuleList | None:
     for path in _BLOCK_PATHS:
         node = model
         for part in path.split("."):

@@ -35,9 +35,11 @@ R ranks at this rank's position) and `self.inside` the engine inside this rank's
 (strategies/inside.py; None in a flat run). A strategy that runs there lists the engines
 it works with in `inside_replica` (on its own class: a subclass is a new algorithm and
 declares its own); every other strategy is refused at start-up. Such a strategy runs on the
-tensors its position owns: `self.params` holds only those (`self.replica_params`: all of
-them), and it calls `self.reduce_inside()` where its algorithm reads the step's gradients;
-the driver shares the owners' parameters inside the replica after every step.
+part of the model the engine gives this rank (`inside.part`): with `ddp` inside the tensors
+its position owns, with `fsdp` its shard of every tensor; `self.params` holds only those
+(`self.replica_params`: all of them), and it calls `self.reduce_inside()` where its
+algorithm reads the step's gradients; the driver shares the owners' parameters inside the
+replica after every step (fsdp: nothing to share, FSDP gathers them where they are used).
 """
 from __future__ import annotations
 
@@ -89,16 +91,16 @@ class Strategy(Planned):
         self.replica_params = trainable(model)  # every trainable tensor
         if not self.replica_params:
             raise UsageError("the model has no trainable parameters")
-        owned = (list(range(len(self.replica_params))) if not self.owns_part
-                 else inside.positions(self.replica_params)[inside.comm.rank])
-        if not owned:
-            raise UsageError(f"a replica of {inside.comm.world} ranks has more ranks than the model has tensors "
-                             f"({len(self.replica_params)}): each rank must own one; use fewer ranks per replica")
-        self.params = [self.replica_params[j] for j in owned]  # what this rank runs the strategy on
-        self.layout = layout_of(model).subset(owned)
         self.steps_done = 0  # optimizer steps finished (the driver counts them)
         self.pace: Callable[[], None] = lambda: None  # the driver's: pay the emulated slowdown so far
         self._start_from_rank0()
+        # What this rank runs the strategy on, and its layout: every tensor (flat), or the part
+        # the engine inside the replica gives this rank (whole tensors; fsdp: its shard of each).
+        if self.owns_part:
+            self.params, self.layout = inside.part(model)
+            self.replica_params = trainable(model)  # fsdp swaps in its sharded parameters
+        else:
+            self.params, self.layout = list(self.replica_params), layout_of(model)
 
     def _start_from_rank0(self) -> None:
         """Every rank starts from rank 0's values (a bookkeeping broadcast, as DDP does at

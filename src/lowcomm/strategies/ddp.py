@@ -55,7 +55,7 @@ def paced_hook(strategy: "DDP", bucket: dist.GradBucket) -> torch.futures.Future
 class DDP(Strategy):
     Options = DDPOptions
     checkpoint_replicated = True  # parameters and optimizer state are the same on every rank
-    inside_replica = ("ddp",)  # across replica groups: HSDP's split by position (comm = cross)
+    inside_replica = ("ddp", "fsdp")  # across replica groups: HSDP's split by position (comm = cross); fsdp: hsdp.py
     owns_tensors = False  # splits each bucket by position instead (replica_hook)
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):

@@ -65,7 +65,7 @@ class DiLoCoOptions(Options):
 class DiLoCo(Strategy):
     Options = DiLoCoOptions
     reproducible_options = {"sync_by": "steps"}
-    inside_replica = ("ddp",)  # the inner phase inside a replica, pseudo-gradients synced across (comm = cross)
+    inside_replica = ("ddp", "fsdp")  # the inner phase inside a replica, pseudo-gradients synced across (comm = cross)
 
     @classmethod
     def model_state_bytes(cls, num_params, world, options):  # θ, ∇θ, moments, θ_global, momentum (+ residual)

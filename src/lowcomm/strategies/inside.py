@@ -16,7 +16,8 @@ Whole tensors, not HSDP's flat slices, because DeMo's DCT, PowerSGD's matrices a
 DiLoCo's blocks need a tensor's shape. ddp splits its buckets by position instead (`scatter` /
 `gather`): a bucket of gradients has no shape to keep.
 A strategy declares what it runs under (Strategy.inside_replica); the rest are refused at
-start-up in one line. `fsdp` (parameters sharded inside a replica) is named but not built yet.
+start-up in one line. `fsdp` (parameters, gradients and optimizer state sharded inside a
+replica by torch's FSDP2) is strategies/inside_fsdp.py.
 """
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ import torch
 
 from ..comm import Comm
 from ..errors import UsageError
-from ..models.layout import owned_tensors
+from ..models.layout import ModelLayout, layout_of, owned_tensors, trainable
 
 INSIDE = ("ddp", "fsdp")   # what --inside may name
-BUILT = ("ddp",)           # what runs today
+BUILT = ("ddp", "fsdp")    # what runs today
 
 
 class InsideDDP:
@@ -37,6 +38,27 @@ class InsideDDP:
 
     def __init__(self, comm: Comm):
         self.comm = comm
+
+    def strategy_class(self, cls: type) -> type:
+        """The class that runs strategy `cls` with this engine inside (here: `cls` itself)."""
+        return cls
+
+    def part(self, model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], ModelLayout]:
+        """The tensors this rank's position owns and their layout (what the strategy runs on)."""
+        params = trainable(model)
+        owned = self.positions(params)[self.comm.rank]
+        if not owned:
+            raise UsageError(f"a replica of {self.comm.world} ranks has more ranks than the model has tensors "
+                             f"({len(params)}): each rank must own one; use fewer ranks per replica")
+        return [params[j] for j in owned], layout_of(model).subset(owned)
+
+    def level_plans(self, cls, layout: ModelLayout, replicas: int, options, accum: int):
+        """What one rank of strategy `cls` sends inside its replica and across (Strategy.level_plans)."""
+        return cls.level_plans(layout, replicas, self.comm.world, options)
+
+    def take_waited(self) -> float:
+        """Seconds waited on this engine's collectives inside the compute: none, they run in update."""
+        return 0.0
 
     def scatter(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's piece (its position's 1/K, `flat` zero-padded to a multiple of K) of
@@ -123,12 +145,15 @@ class InsideDDP:
         return int(n.item())
 
 
-def make_inside(kind: str, comm: Comm | None) -> InsideDDP | None:
+def make_inside(kind: str, comm: Comm | None):
     """The engine inside this rank's replica (None: a flat run, no replica group)."""
     if comm is None:
         return None
     if kind not in BUILT:
         raise UsageError(f"--inside {kind} is not supported yet (choose from: {', '.join(BUILT)})")
+    if kind == "fsdp":
+        from .inside_fsdp import InsideFSDP  # torch's FSDP2 is imported only by runs that use it
+        return InsideFSDP(comm)
     return InsideDDP(comm)
 
 

@@ -55,4 +55,4 @@ SparseLoCoOptions = with_defaults(DiLoCoOptions, "SparseLoCoOptions", __name__, 
 @register("sparseloco")
 class SparseLoCo(DiLoCo):
     Options = SparseLoCoOptions
-    inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
+    inside_replica = ("ddp", "fsdp")  # across replica groups: on the tensors each position owns (fsdp: its shards)

@@ -66,7 +66,7 @@ class StreamingOptions(DiLoCoOptions):
 @register("streaming_diloco")
 class StreamingDiLoCo(DiLoCo):
     Options = StreamingOptions
-    inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
+    inside_replica = ("ddp", "fsdp")  # across replica groups: on the tensors each position owns (fsdp: its shards)
 
     @classmethod
     def exposed_comm_s(cls, plan, cost, options):
