@@ -9,8 +9,10 @@ Parts (same model, data, seed and tokens per step for every run of a part):
    against (R, K) = (2, 2) with `--intra-link` (default 10gbit,50us) inside each replica
    and `--link` across. Printed per run: cross-replica bytes per token (a flat run's only
    level is its cross level), tokens/s, final training loss.
-2. memory: peak memory per process (summary.json's peak_mem_bytes, the largest rank's) of
-   the `small` preset with ddp at (R, K) = (1, 2), `--inside fsdp` against `--inside ddp`.
+2. memory: the memory training added per process (summary.json's peak_mem_added_bytes: the
+   peak minus what the process held before the model was built, i.e. torch and the process
+   groups; the largest rank's) of the `small` preset with ddp at (R, K) = (1, 2), `--inside
+   fsdp` against `--inside ddp`; the whole peak (peak_mem_bytes) beside it.
 
 Targets: cross-replica bytes per token <= 1/2 of flat's for ddp and diloco; ddp's tokens/s
 >= 1.5x flat's; fsdp's memory per process <= 0.6x of ddp inside's. Each is printed with
@@ -68,14 +70,16 @@ def memory(args, root: Path) -> list[bool]:
     common = ["--strategy", "ddp", "--workers", "2", "--replicas", "1", "--model", "small", "--steps", "3",
               "--micro-batch", "1", "--seq-len", "128", "--eval-every", "0", "--eval-batches", "1"]
     print("\n== memory: the small preset, ddp at (R, K) = (1, 2): --inside fsdp vs --inside ddp ==")
-    peaks = {}
+    added, peak = {}, {}
     for inside in ("ddp", "fsdp"):
         s = train(root / f"memory-{inside}", *common, "--inside", inside, echo=True).summary
-        peaks[inside] = s["peak_mem_bytes"]
-        print(f"  inside {inside}: peak {s['peak_mem_bytes'] / 2**20:.0f} MiB per process, optimizer state "
-              f"{max(s['optimizer_state_bytes_per_rank']) / 2**20:.1f} MiB per rank")
-    ratio = peaks["fsdp"] / peaks["ddp"]
-    print(f"  fsdp / ddp inside = {ratio:.2f} (target <= 0.6) {verdict(ratio <= 0.6)}")
+        added[inside], peak[inside] = s["peak_mem_added_bytes"], s["peak_mem_bytes"]
+        print(f"  inside {inside}: training added {added[inside] / 2**20:.0f} MiB per process (peak "
+              f"{peak[inside] / 2**20:.0f} MiB with the runtime), optimizer state "
+              f"{s['optimizer_state_bytes_per_rank'] / 2**20:.1f} MiB per rank")
+    ratio = added["fsdp"] / added["ddp"]
+    print(f"  fsdp / ddp inside, memory training added = {ratio:.2f} (target <= 0.6) {verdict(ratio <= 0.6)}; "
+          f"peak with the runtime (torch, gloo: the same in both) = {peak['fsdp'] / peak['ddp']:.2f}")
     return [ratio <= 0.6]
 
 
@@ -86,7 +90,7 @@ def main() -> None:
     ap.add_argument("--link", default="100mbit,20ms", help="across replicas (and between all workers of the flat run)")
     ap.add_argument("--intra-link", default="10gbit,50us", help="inside a replica")
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=12, help="ddp's trainer steps")
     ap.add_argument("--sync-every", type=int, default=8, help="diloco's H (it runs 2H steps)")

@@ -54,15 +54,20 @@ class Level:
         return sum(self.price(op.collective, op.nbytes) * rate(op) for op in plan)
 
 
-def cluster_levels(cls, layout, workers: int, replicas: int, options: Options,
-                   link: LinkModel | None, intra_link: LinkModel | None) -> tuple[Level, Level]:
-    """(inside, across) for strategy class `cls` on `workers` ranks as `replicas` replicas."""
+def cluster_levels(cls, layout, workers: int, replicas: int, options: Options, link: LinkModel | None,
+                   intra_link: LinkModel | None, inside: str = "ddp", accum: int = 1) -> tuple[Level, Level]:
+    """(inside, across) for strategy class `cls` on `workers` ranks as `replicas` replicas,
+    engine `inside` in each (fsdp's traffic grows with the `accum` micro-batches of a step)."""
     size = workers // replicas
     if size == 1:  # flat: the strategy's own plan on the world, nothing inside
         return (Level("intra", [[]], 1, workers, None),
                 Level("cross", [cls.comm_plan(layout, workers, options)], workers, 1, link))
     check_fits(cls, layout, size)
-    plans: LevelPlans = cls.level_plans(layout, replicas, size, options)
+    if inside == "fsdp":  # the shards of every tensor, unit by unit (imports torch's FSDP: only when asked)
+        from .strategies.inside_fsdp import fsdp_level_plans
+        plans: LevelPlans = fsdp_level_plans(cls, layout, replicas, size, options, accum)
+    else:
+        plans = cls.level_plans(layout, replicas, size, options)
     return (Level("intra", [plans.intra], size, replicas, intra_link),
             Level("cross", plans.cross, replicas, size, link))
 
@@ -85,13 +90,16 @@ def inside_rate(steps: int | None):
     return lambda op: op.occurrences(steps) / steps if steps is not None else 1 / op.every
 
 
-def replica_state_bytes(cls, layout, workers: int, replicas: int, options: Options) -> int:
+def replica_state_bytes(cls, layout, workers: int, replicas: int, options: Options, inside: str = "ddp") -> int:
     """Bytes per rank of parameters, gradients and optimizer state. Flat: the strategy's own
     count. With replica groups, a strategy that owns whole tensors holds its state for the
     largest position's part only (on R ranks), plus fp32 θ and ∇θ of the rest of the replica's
     tensors (every rank holds the whole model and computes every gradient); ddp splits no
-    state: its own count."""
+    state: its own count. fsdp inside: every rank holds 1/K of every tensor and of its state
+    (the units gathered for a forward or backward are transient, not counted)."""
     size = workers // replicas
+    if size > 1 and inside == "fsdp":
+        return -(-cls.model_state_bytes(layout.numel, replicas, options) // size)
     if size == 1 or not cls.owns_tensors:
         return cls.model_state_bytes(layout.numel, workers if size == 1 else replicas, options)
     numels = layout.numels

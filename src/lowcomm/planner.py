@@ -55,6 +55,7 @@ class Cluster:
     accum: int = 1              # micro-batches per step (ddp overlaps only the last one's backward)
     replicas: int = 0           # R replicas of W/R ranks (0: W, the flat cluster); `link` runs across them
     intra_link: LinkModel | None = None  # the link inside a replica (None: unshaped)
+    inside: str = "ddp"         # what runs inside a replica (strategies/inside.py)
 
     @property
     def params(self) -> int:
@@ -194,7 +195,8 @@ def predict(name: str, cluster: Cluster, options: Options | None = None, steps: 
     per_token = cluster.seconds_per_token if seconds_per_token is None else seconds_per_token
     unit = T / W * per_token                     # one 1x worker's compute per step
     compute = cluster.slowest * unit
-    inside, across = cluster_levels(cls, cluster.layout, W, cluster.groups, options, cluster.link, cluster.intra_link)
+    inside, across = cluster_levels(cls, cluster.layout, W, cluster.groups, options, cluster.link, cluster.intra_link,
+                                    cluster.inside, cluster.accum)
     rate, in_rate = (lambda op: cls.plan_rate(op, options, steps)), inside_rate(steps)
     plan = across.slowest(rate)  # flat: the strategy's one plan
     # Workers all alike (no --slowdown): one stands for all, so a plan of a million workers (and
@@ -223,7 +225,7 @@ def predict(name: str, cluster: Cluster, options: Options | None = None, steps: 
         strategy=name, label=cls.plan_label(options), step_s=step, compute_s=compute, overhead_s=overhead_s,
         exposed_comm_s=exposed, comm_s=comm, idle_s=sum(compute - f * unit for f in factors) / len(factors),
         wire_bytes_per_rank_per_step=wire, bytes_per_token=W * wire / tokens,
-        model_state_bytes=replica_state_bytes(cls, cluster.layout, W, cluster.groups, options),
+        model_state_bytes=replica_state_bytes(cls, cluster.layout, W, cluster.groups, options, cluster.inside),
         tokens_per_s=tokens / step if step > 0 else math.inf, tokens_per_step=tokens,
         options=asdict(options) if fields(options) else {}, replicas=cluster.groups, levels=levels)
 

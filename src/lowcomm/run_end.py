@@ -35,7 +35,9 @@ def gather_trace(t, out_dir: Path | None, **metadata) -> None:
 def summarize(t, run, out_dir: Path | None, quiet: bool) -> dict | None:
     """Gather every rank's measurements; rank 0 writes summary.json (and trace.json)."""
     comm, strategy = t.comm, t.run.strategy
-    peak = comm.meta_all_gather(torch.tensor([float(peak_memory_bytes(t.device))], device=t.device)).max()
+    now = peak_memory_bytes(t.device)
+    peaks = comm.meta_all_gather(torch.tensor([float(now), float(now - t.mem_before)], device=t.device)).cpu()
+    peak, added = peaks[:, 0].max(), peaks[:, 1].max()
     mine = combined(t.run.levels)  # every level's (a flat run: the world's)
     slept = t.run.pacer.slept_s if t.run.pacer is not None else 0.0
     link_times = comm.meta_all_gather(torch.tensor(
@@ -56,7 +58,8 @@ def summarize(t, run, out_dir: Path | None, quiet: bool) -> dict | None:
         optimizer_state_bytes=strategy.optimizer_state_bytes(), peak_mem_bytes=int(peak),
         link=comm.link.describe() if comm.link is not None else None, link_times=link_times,
         traced=t.tracer is not None, strategy_report=strategy.report(), plan=plan, planned_wire_bytes=planned)
-    summary.update(replicas=replicas, inside=t.cfg.inside if replicas < t.world else None, levels=levels)
+    summary.update(replicas=replicas, inside=t.cfg.inside if replicas < t.world else None, levels=levels,
+                   peak_mem_added_bytes=int(added))
     write_json_atomic(out_dir / "summary.json", summary)
     if not quiet:
         print(describe(summary), flush=True)

@@ -278,7 +278,7 @@ def _plan_cluster(args, cfg, calibrated: bool):
     elif not calibrated:
         raise UsageError("give --worker-tflops X (one worker's sustained TFLOP/s) or --calibrate BENCHDIR")
     cluster = planner.Cluster(layout, cfg.workers, tokens, 0.0, C.make_link(cfg), tuple(cfg.slowdown), cfg.accum,
-                              intra_link=C.make_link(cfg, table="intra_link"))
+                              intra_link=C.make_link(cfg, table="intra_link"), inside=cfg.inside)
     return cluster, dims, per_token
 
 

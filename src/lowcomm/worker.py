@@ -58,9 +58,14 @@ def pick_device(cfg: C.RunConfig, backend: str, local_rank: int) -> torch.device
 
 def verify_identical_params(model: torch.nn.Module, comm: Comm) -> None:
     """Every rank must start from the same θ0: compare two checksums across ranks."""
-    flat = torch.cat([p.detach().reshape(-1).double().cpu() for p in model.parameters()])
-    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64).remainder_(1009)
-    mine = torch.stack([flat.sum(), (flat * weights).sum()])
+    # Tensor by tensor: a float64 copy of the whole model (and its weights) would be the run's
+    # memory high-water mark at start-up, above what training itself holds.
+    mine, offset = torch.zeros(2, dtype=torch.float64), 0
+    for p in model.parameters():
+        x = p.detach().reshape(-1).double().cpu()
+        weights = torch.arange(offset + 1, offset + x.numel() + 1, dtype=torch.float64).remainder_(1009)
+        mine += torch.stack([x.sum(), (x * weights).sum()])
+        offset += x.numel()
     device = next(model.parameters()).device
     every = comm.meta_all_gather(mine.to(device)).cpu()
     if not torch.equal(every, mine.expand_as(every)):
@@ -116,6 +121,7 @@ class Trainer:
     source: str
     tracer: Tracer | None
     flight: FlightRecorder | None  # None only when bench/always_on.py measures a run without it
+    mem_before: int = 0  # peak memory before the model was built (the runtime's own: torch, the groups)
     step: int = 0  # trainer steps done
     wall_before: float = 0.0  # wall seconds of the run's earlier parts (a resumed run)
 
@@ -153,6 +159,7 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
     """Model, data, strategy, emulation and tracing of one rank (group already initialised)."""
     backend = dist.get_backend()
     device = pick_device(cfg, backend, local_rank)
+    mem_before = run_end.peak_memory_bytes(device)
     layout = ReplicaLayout(world, cfg.replicas or world)  # the world: a flat run's one level, else bookkeeping
     comm = Comm(link=C.make_link(cfg, seed=link_seed(cfg.seed, rank)), level="cross" if layout.flat else "world")
     flight = comm.flight = FlightRecorder.for_rank(rank)  # always on: the last events, for a post-mortem
@@ -186,7 +193,8 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
         for c in {id(c): c for c in [comm, *run.levels]}.values():
             c.tracer = tracer
     run = faults.inject(run, rank)  # test-only faults, when a test asked for them
-    return Trainer(cfg, rank, world, device, backend, comm, model, run, loader, val, source, tracer, flight)
+    return Trainer(cfg, rank, world, device, backend, comm, model, run, loader, val, source, tracer, flight,
+                   mem_before=mem_before)
 
 
 @dataclass

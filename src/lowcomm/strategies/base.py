@@ -52,7 +52,7 @@ import torch.nn as nn
 from ..comm import Comm
 from ..errors import UsageError
 from ..models.layout import ModelLayout, layout_of, trainable
-from .context import Schedule, StepContext, apply_schedule, flat_of, tensor_bytes, write_flat
+from .context import Schedule, StepContext, apply_schedule, tensor_bytes
 from .options import Options
 from .plan import Planned, PlannedOp
 
@@ -109,10 +109,14 @@ class Strategy(Planned):
         comms = [c for c in (self.comm, getattr(self.inside, "comm", None)) if c is not None and c.world > 1]
         if not comms:
             return
-        flat = flat_of(self.replica_params)
-        for comm in comms:
-            comm.meta_broadcast(flat, src=0)
-        write_flat(flat, self.replica_params)
+        # Tensor by tensor: a flat copy of the whole model would be a start-up memory peak.
+        with torch.no_grad():
+            for p in self.replica_params:
+                buffer = p.data if p.data.is_contiguous() else p.data.contiguous()
+                for comm in comms:
+                    comm.meta_broadcast(buffer, src=0)
+                if buffer is not p.data:
+                    p.data.copy_(buffer)
 
     @property
     def owns_part(self) -> bool:
