@@ -138,7 +138,8 @@ def test_report_compares_each_variant_at_its_best_lr_against_the_baseline(recipe
     assert len(report["grid"]) == 4 and sum(c["best"] for c in report["grid"]) == 2
     assert len(report["rows"]) == 4
     text = (out / "report.md").read_text()
-    assert text.split("\n\n")[1].startswith("**Answer.**")
+    answer = text.split("\n\n")[1]
+    assert answer.startswith("**Answer.**") and "First to reach it:" in answer and "Fewest tokens to it:" in answer
     assert "| int8+ef | lr=" in text and "fewer)" in text and "**missed** tokens/s ×" in text
     assert "## Every setting tried" in text and "## Every run" in text
     for plot in ("loss_vs_lr.png", "loss_vs_time.png"):
@@ -224,3 +225,13 @@ def test_a_tie_in_loss_goes_to_the_shorter_time_and_failed_cells_are_not_chosen(
     assert (tuned["b"]["seeds"], tuned["b"]["seeds_failed"]) == (1, 1)
     text = (root / "report" / "report.md").read_text()
     assert "| a | 3.0000 ± 0.0000 | **3.0000 ± 0.0000** | failed |" in text
+
+
+@pytest.mark.parametrize("recipe", sorted((Path(__file__).parents[1] / "bench" / "recipes").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_the_shipped_recipes_read_and_plan(recipe, tmp_path):
+    """Every recipe under bench/recipes/ still reads and validates, run by run, as the code changes."""
+    from lowcomm.recipe import load_recipe
+    from lowcomm.recipe.grid import plan_grid
+    planned = plan_grid(load_recipe(recipe), tmp_path / "out", overwrite=False)
+    assert planned and not (tmp_path / "out").exists()

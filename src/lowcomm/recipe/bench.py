@@ -52,7 +52,7 @@ def run_recipe(recipe: Recipe, out: str, target_loss: float | None, overwrite: b
     finally:  # also when interrupted: the runs that finished are reported
         if meta["runs"]:
             tuned = write_recipe_report(load_bench(out_dir), out_dir, target_loss)
-    print((out_dir / "report.md").read_text().split("\n## Every setting")[0], flush=True)
+    print((out_dir / "report.md").read_text().split("\n## Every setting")[0].rstrip(), flush=True)
     print(f"\nbench: report, plots and runs in {out_dir}/", flush=True)
     failed = [r["label"] for r in meta["runs"] if r["status"] != "ok"]
     if failed:

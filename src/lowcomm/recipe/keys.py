@@ -28,8 +28,16 @@ def flatten(table: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def canonical(key: str) -> str:
-    """The config key a recipe key sets ('lr' and 'optim.lr' are one setting)."""
-    return ALIASES.get(key, key)
+    """The config key a recipe key sets ('lr' and 'optim.lr' are one setting; 'powersgd_rank',
+    as its flag --powersgd-rank is spelt, and 'rank' are one option)."""
+    return ALIASES.get(key) or option_aliases().get(key, key)
+
+
+def option_aliases() -> dict[str, str]:
+    """A strategy option's flag name, dashes as underscores, -> its field, where the two differ."""
+    from ..strategies import option_table
+    return {flag[2:].replace("-", "_"): opt.field for flag, opt in option_table().items()
+            if flag[2:].replace("-", "_") != opt.field}
 
 
 def apply(cfg: C.RunConfig, key: str, value: Any) -> None:
@@ -52,6 +60,7 @@ def applies_to(key: str, strategy: str) -> bool:
     owner = strategy_of(key)
     if owner is not None:
         return owner == strategy
+    key = canonical(key)
     if key in option_fields() and canonical(key) not in {f.name for f in fields(C.RunConfig)}:
         return key in {f.name for f in fields(get_strategy(strategy).Options)}
     return True
@@ -64,5 +73,5 @@ def option_fields() -> set[str]:
 
 def owners(key: str) -> list[str]:
     """The strategies that have option `key` (bare, or '<strategy>.<option>')."""
-    name = key.partition(".")[2] if strategy_of(key) else key
+    name = key.partition(".")[2] if strategy_of(key) else canonical(key)
     return [s for s in available() if name in {f.name for f in fields(get_strategy(s).Options)}]

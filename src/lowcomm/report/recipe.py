@@ -53,7 +53,8 @@ def write_recipe_report(bench: Bench, out: Path, target_loss: float | None = Non
         from .sweep_plot import write_sweep_plot
         return write_plots(shown, out, target, setting) + write_sweep_plot(grid, best, out, setting)
 
-    text = (f"# lowcomm bench: {Path(recipe['path']).name}\n\n" + answer(tuned, target, setting) + "\n\n"
+    text = (f"# lowcomm bench: {Path(recipe['path']).name}\n\n" + answer(tuned, target, setting) + _by_tokens(tuned)
+            + "\n\n"
             + _preamble(recipe, trials, grid) + "\n\n" + tuned_table(tuned, baseline) + "\n"
             + _missed(tuned) + "\n## Every setting tried\n\n" + grid_table(grid, best, variants)
             + "\n## Every run\n\n" + markdown([t.row for t in trials], target) + plot_section(draw))
@@ -68,6 +69,15 @@ def write_recipe_report(bench: Bench, out: Path, target_loss: float | None = Non
 def _row(entry, target, apart, levels) -> dict:
     r = row(entry, target, apart.get(entry.label), levels)
     return add_tokens_to_target(r, entry, target) if isinstance(entry, RecordedRun) else r
+
+
+def _by_tokens(rows: list[dict]) -> str:
+    """The answer's sentence on tokens: which variant, at its best setting, needs the fewest to the target."""
+    reached = [r for r in rows if r["status"] == "ok" and r.get("comparable") and r["tokens_to_target"] is not None]
+    if not reached:
+        return ""
+    fewest = min(reached, key=lambda r: r["tokens_to_target"])
+    return f" Fewest tokens to it: **{fewest['label']}** ({fewest['tokens_to_target']:,.0f})."
 
 
 def _preamble(recipe: dict, trials: list[Trial], grid: dict) -> str:
@@ -86,6 +96,8 @@ def tuned_table(rows: list[dict], baseline: str) -> str:
     head = ["variant", "best setting", "val loss: mean ± sd (min–max)", f"loss vs {baseline}", "bytes/token",
             f"bytes ÷ {baseline}", "tokens/s", f"tokens/s × {baseline}", "time to target (s)",
             "tokens to target", "MB to target", "targets"]
+    compress = any(r.get("compress_pct") for r in rows)  # a column only where a variant compresses
+    head[-1:-1] = ["compression % of step"] if compress else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r["status"] != "ok":
@@ -101,6 +113,7 @@ def tuned_table(rows: list[dict], baseline: str) -> str:
                  _opt(r["time_to_target_s"], "{:.1f}", "not reached"),
                  _opt(r["tokens_to_target"], "{:,.0f}", "not reached"),
                  _opt(r["mb_to_target"], "{:.2f}", "not reached"),
+                 *([f"{r['compress_pct']:.1f}"] if compress else []),
                  ", ".join(("" if t["met"] else "**missed** ") + _target(t) for t in r["targets"]) or "–"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -16,7 +16,7 @@ from .runs import RecordedRun, reach
 LOSS_DECIMALS = 4  # losses equal to this many decimals are a tie, decided by time
 # Figures of a tuned row that are the mean of its seeds' (table.row keys, and two of ours).
 MEANS = ("tokens", "tokens_planned", "wall_s", "tokens_per_s", "wire_mb_per_rank_per_step", "exposed_comm_pct",
-         "optimizer_state_mb_per_rank", "peak_mem_mib", "bytes_per_token")
+         "optimizer_state_mb_per_rank", "peak_mem_mib", "bytes_per_token", "compress_pct")
 TO_TARGET = ("time_to_target_s", "mb_to_target", "tokens_to_target")
 
 
@@ -110,9 +110,11 @@ def tuned_row(variant: str, strategy: str, cell: Cell | None, tried: int, target
 
 
 def add_tokens_to_target(row: dict, entry: RecordedRun, target: float | None) -> dict:
-    """table.row's figures, and the two a tuned comparison needs beside them."""
+    """table.row's figures, and those a tuned comparison needs beside them."""
     s = entry.summary
     row["bytes_per_token"] = s.get("wire_bytes_total", 0) / max(s["tokens"], 1)
+    # CPU time compressing and decompressing, as a share of a step (strategies that compress report it)
+    row["compress_pct"] = 100 * s.get("compress_s_per_step", 0.0) * s["steps"] / s["wall_s"] if s["wall_s"] else 0.0
     row["tokens_to_target"] = reach(entry.curve, target, "tokens") if target is not None else None
     return row
 
