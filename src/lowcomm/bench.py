@@ -12,12 +12,13 @@ import copy
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import config as C
 from .errors import RunError, UsageError
 from .metrics.runlog import write_json_atomic
+from .preflight import preflight
 from .report import load_bench, write_report
 from .report.runs import BENCH_FILE, is_run
 from .strategies import available
@@ -35,6 +36,8 @@ EVAL_POINTS = 8                # validation points per run when --eval-every is 
 class Planned:
     label: str
     cfg: C.RunConfig
+    dir: str = ""        # its directory in the bench (default: the label)
+    extra: dict = field(default_factory=dict)  # more to record in bench.json (a recipe's variant, point, seed)
 
 
 def for_strategy(cfg: C.RunConfig, strategy: str) -> tuple[C.RunConfig, set[str]]:
@@ -81,7 +84,7 @@ def plan_runs(base: C.RunConfig, strategies: list[str], out: Path, tokens: int |
     for name in strategies:
         cfg, fields = for_strategy(base, name)
         used |= fields
-        if tokens is not None:
+        if tokens is not None and cfg.tokens_per_step > 0:  # (not: prepare names the bad count)
             # Every registered strategy consumes W·accum micro-batches per trainer step (acco:
             # at least that), so equal tokens means these steps, whatever a step means to it.
             cfg.steps = max(1, math.ceil(tokens / cfg.tokens_per_step))
@@ -98,12 +101,9 @@ def plan_runs(base: C.RunConfig, strategies: list[str], out: Path, tokens: int |
 
 def run_bench(base: C.RunConfig, strategies: list[str], tokens: int | None, target_loss: float | None,
               eval_every_given: bool, overwrite: bool, quiet: bool) -> int:
-    out = Path(base.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"output path '{out}' exists and is not a directory")
-    if (out / BENCH_FILE).exists() and not overwrite:
-        raise UsageError(f"output dir '{out}' already holds a bench; choose another --out or pass --overwrite")
+    out = bench_dir(base.out, overwrite)
     planned = plan_runs(base, strategies, out, tokens, eval_every_given, overwrite)
+    preflight([p.cfg for p in planned], out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"lowcomm_bench": 1, "strategies": strategies, "tokens": tokens, "target_loss": target_loss,
             "workers": base.workers, "runs": []}
@@ -121,16 +121,26 @@ def run_bench(base: C.RunConfig, strategies: list[str], tokens: int | None, targ
     return 1 if failed or not rows else 0
 
 
+def bench_dir(given: str, overwrite: bool, name: str = "bench") -> Path:
+    """--out, or runs/<name>-<time>; refused when it is a file or holds a bench (unless overwrite)."""
+    out = Path(given or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output path '{out}' exists and is not a directory")
+    if (out / BENCH_FILE).exists() and not overwrite:
+        raise UsageError(f"output dir '{out}' already holds a bench; choose another --out or pass --overwrite")
+    return out
+
+
 def _run_all(planned: list[Planned], meta: dict, out: Path, quiet: bool) -> None:
     """Train each planned run in turn; a failure is recorded (bench.json) and the next one runs."""
     from .launch import launch, prepare
 
     n = len(planned)
     for i, p in enumerate(planned, 1):
-        print(f"\nbench: strategy {i} of {n}: {p.label} ({p.cfg.steps} steps, {p.cfg.steps * p.cfg.tokens_per_step:,} "
+        print(f"\nbench: {'run' if p.extra else 'strategy'} {i} of {n}: {p.label} ({p.cfg.steps} steps, {p.cfg.steps * p.cfg.tokens_per_step:,} "
               f"tokens, W={p.cfg.workers})", flush=True)
-        entry = {"strategy": p.cfg.strategy, "label": p.label, "dir": p.label, "steps": p.cfg.steps,
-                 "status": "ok", "error": None}
+        entry = {"strategy": p.cfg.strategy, "label": p.label, "dir": p.dir or p.label, "steps": p.cfg.steps,
+                 "status": "ok", "error": None, **p.extra}
         try:
             launch(p.cfg, prepare(p.cfg, create=True, overwrite=True), quiet=quiet)
             if not is_run(Path(p.cfg.out)):

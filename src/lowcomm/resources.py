@@ -93,9 +93,17 @@ def check_fits(cfg, device_type: str) -> None:
                              f"is available; use a smaller model, --micro-batch or --seq-len, or fewer --workers")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if device_type != "cuda" and workers * cfg.threads > cores:
-        print(f"warning: {workers} worker(s) x {cfg.threads} thread(s) on {cores} CPU core(s): "
-              f"oversubscribed, each worker will run about {workers * cfg.threads / cores:.1f}x slower",
-              file=sys.stderr)
+        _warn_once(f"warning: {workers} worker(s) x {cfg.threads} thread(s) on {cores} CPU core(s): "
+                   f"oversubscribed, each worker will run about {workers * cfg.threads / cores:.1f}x slower")
+
+
+_WARNED: set[str] = set()  # a bench checks each of its runs: one line says it for all of them
+
+
+def _warn_once(text: str) -> None:
+    if text not in _WARNED:
+        _WARNED.add(text)
+        print(text, file=sys.stderr)
 
 
 def _gib(n: float) -> str:

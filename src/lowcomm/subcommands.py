@@ -36,6 +36,11 @@ def _target_loss_flag(parser: argparse.ArgumentParser, default: str) -> None:
 def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     from .bench import DEFAULT_LINK, DEFAULT_STRATEGIES, DEFAULT_TOKENS
 
+    bench.add_argument("recipe", nargs="?", metavar="RECIPE.toml", help="a bench recipe: labelled variants, a "
+                       "baseline, seeds, a sweep (docs/comparing.md#recipes); the flags below then apply only "
+                       "--out, --overwrite, --quiet, --target-loss (default: none: the strategies by the flags)")
+    bench.add_argument("--check-targets", action="store_true", help="with a recipe: exit 3 when a variant misses "
+                       "one of its targets (default: off; the report marks a miss either way)")
     bench.add_argument("--strategies", metavar="A,B,...", help=f"strategies to compare (default: "
                        f"{','.join(DEFAULT_STRATEGIES)}, those registered)")
     bench.add_argument("--tokens", metavar="N", help=f"training tokens per strategy, e.g. 2M (k, M, B; steps "
@@ -131,6 +136,11 @@ def _bench(args) -> int:
     from . import config as C
     from .bench import DEFAULT_LINK, DEFAULT_TOKENS, parse_strategies, run_bench
 
+    if args.recipe is not None:
+        from .recipe.bench import bench_from_args
+        return bench_from_args(args)
+    if args.check_targets:
+        raise UsageError("--check-targets applies to a recipe (lowcomm bench RECIPE.toml), whose runs have targets")
     cfg = config_from_args(args)
     if args.link is None and cfg.link.bandwidth is None and not args.config:
         C.set_link(cfg, DEFAULT_LINK)
@@ -145,7 +155,7 @@ def _bench(args) -> int:
 
 def _report(args) -> int:
     from .report import write_report
-    from .report.runs import is_bench, load_entries
+    from .report.runs import is_bench, load_bench, load_entries
 
     target = _target(args)
     entries = load_entries(args.dirs)
@@ -153,7 +163,12 @@ def _report(args) -> int:
         Path(args.dirs[0])) else Path("report")
     if out.exists() and not out.is_dir():
         raise UsageError(f"output path '{out}' exists and is not a directory")
-    write_report(entries, out, target)
+    recipe = load_bench(args.dirs[0]) if len(args.dirs) == 1 and is_bench(Path(args.dirs[0])) else None
+    if recipe is not None and "recipe" in recipe.meta:  # its variants at their best settings, as the bench wrote
+        from .report.recipe import write_recipe_report
+        write_recipe_report(recipe, out, target)
+    else:
+        write_report(entries, out, target)
     print((out / "report.md").read_text().split("\n\n![")[0])
     print(f"\nreport: {out / 'report.md'} and plots in {out}/")
     return 0

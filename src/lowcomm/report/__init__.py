@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..metrics.runlog import write_json_atomic
+from ..preflight import PLOTS_HINT, plots_available
 from .answer import answer
 from .levels import leveled
 from .plots import PLOTS, write_plots
@@ -26,9 +27,18 @@ def write_report(entries: list, out: Path, target_loss: float | None = None, tit
     levels = any(leveled(r) for r in runs)  # a flat report keeps its columns
     rows = [row(e, target, apart.get(e.label), levels) for e in entries]
     setting = describe(comparable[0]) if comparable else ""
-    plots = write_plots(runs, out, target, setting if not apart else "runs of different setups") if runs else []
+    plots = plot_section(lambda: write_plots(runs, out, target, setting if not apart else "runs of different setups")
+                         if runs else [])
     text = (f"# {title}\n\n" + answer(rows, target, setting) + "\n\n" + (preamble + "\n\n" if preamble else "")
-            + markdown(rows, target) + "".join(f"\n![{p.stem}]({p.name})\n" for p in plots))
+            + markdown(rows, target) + plots)
     (out / "report.md").write_text(text)
     write_json_atomic(out / "report.json", {"target_loss": target, "setting": setting, "rows": rows})
     return rows
+
+
+def plot_section(draw) -> str:
+    """report.md's plots: `draw()` writes them and returns their paths. Without the plots extra
+    the report is still written, with one line saying what to install instead of the figures."""
+    if not plots_available():
+        return f"\nNo plots: matplotlib is not installed ({PLOTS_HINT}), then `lowcomm report` this directory.\n"
+    return "".join(f"\n![{p.stem}]({p.name})\n" for p in draw())
