@@ -126,7 +126,7 @@ def test_a_run_stopped_early_writes_its_trace(tmp_path, data_file):
 
 def test_a_slowed_rank_is_flagged_as_a_straggler_during_the_run(tmp_path, data_file):
     out = tmp_path / "run"
-    assert main(["train", *TINY, "--steps", "8", "--slowdown", "1,3", "--data", str(data_file),
+    assert main(["train", *TINY, "--steps", "8", "--slowdown", "1,4", "--data", str(data_file),
                  "--out", str(out)]) == 0
     records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     flagged = [r for r in records if r.get("flags")]
@@ -134,4 +134,5 @@ def test_a_slowed_rank_is_flagged_as_a_straggler_during_the_run(tmp_path, data_f
     for r in flagged:
         (flag,) = r["flags"]
         ratio = float(re.fullmatch(r"straggler rank 1 x(\d+\.\d)", flag)[1])
-        assert ratio >= 2.0, flag  # 3 emulated; a tiny model's few ms of compute make it noisy upward
+        # 4 emulated; a tiny model's few ms of compute make it noisy (both ways on a busy machine)
+        assert ratio >= 2.0, flag

@@ -7,7 +7,6 @@ import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -22,13 +21,11 @@ from .comm.groups import ReplicaLayout
 from .comm.groups import form as form_groups
 from .data import VOCAB_SIZE, load_bytes, split, val_batches
 from .errors import RunError
-from .metrics.progress import ProgressView
 from .metrics.summary import Totals
 from .checkpoint import take_request as take_checkpoint_request
-from .metrics.runlog import StepLog, result_vector, step_record
-from .metrics.flight import CODE as FLIGHT_CODE
-from .metrics.flight import FlightRecorder
-from .metrics.stragglers import StragglerFlags
+from .metrics.outputs import StepOutputs
+from .metrics.runlog import result_vector, step_record
+from .metrics.flight import FlightRecorder, recorded
 from .metrics.trace import Tracer
 from .data.loader import ShardedBatches
 from .models import GPT, build_hf_causal_lm, lm_loss
@@ -211,18 +208,10 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
     Checkpoints (every --checkpoint-every steps, at the end, at --stop-at, or when asked
     through checkpoint.request()) are written at log gathers, after the steps' records."""
     cfg, run = t.cfg, t.run
-    lead = t.rank == 0 and out_dir is not None
-    log = StepLog(out_dir, resume_after=t.step if cfg.resume_from else None) if lead else None
-    leveled = len(run.levels) > 1  # replica groups: bytes and waits shown per level
-    view = ProgressView(cfg.steps, f"{cfg.strategy} W={t.world}", enabled=lead and not quiet, levels=leveled)
-    stragglers = StragglerFlags() if lead else None
-    board = None
-    if t.rank == 0 and cfg.tensorboard:
-        from .metrics.tensorboard import TensorBoardLog
-        board = TensorBoardLog(cfg.tensorboard)
-    if lead and not quiet:
+    outputs = StepOutputs(t, out_dir, quiet)
+    if outputs.lead and not quiet:
         announce(t)
-    totals, loss, val_loss = kept_totals(log, t.world)
+    totals, loss, val_loss = outputs.kept_totals(t.world)
     end = min(cfg.stop_at, cfg.steps) if cfg.stop_at else cfg.steps
     every = cfg.checkpoint_every
     if (every or cfg.stop_at or cfg.checkpoint_on_signal) and not cfg.out:
@@ -244,53 +233,27 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
             if not (evaluate_now or checkpoint_now or step == end or step % cfg.log_every == 0):
                 continue
             records, asked, stop_asked = gather_records(t, pending)
-            bad_in_row = check_steps(records, bad_in_row, cfg.max_bad_steps, lead, log)
+            bad_in_row = check_steps(records, bad_in_row, cfg.max_bad_steps, outputs.lead, outputs.log)
             if evaluate_now:
                 with recorded(t.flight, "evaluate"), run.evaluating() as eval_model:
                     val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
-            for record in records:
-                totals.add(record)
-                if lead:
-                    stragglers.flags(record)
-                    log.write(record)
-                if board is not None:
-                    board.write(record)
-            if board is not None:
-                board.levels({c.level: c.snapshot().wire_bytes for c in run.levels}, step)
+            outputs.write(records, totals, step)
             loss = records[-1]["loss"]
             if checkpoint_now or asked:
                 from .checkpoint import save
                 with recorded(t.flight, "checkpoint"):
                     save(t, Path(cfg.out), cfg.keep, wall_s=time.perf_counter() - t_start)
-            if lead:
-                elapsed = time.perf_counter() - t_start
-                view.update(step, loss, totals.tokens / elapsed, totals.wire / 1e6,
-                            totals.exposed / elapsed, records[-1].get("val_loss"), totals.per_level(step, elapsed),
-                            records[-1].get("flags"))
+            outputs.show(step, totals, records[-1], time.perf_counter() - t_start)
             if stop_asked and step < cfg.steps:
                 stopped = True
                 break
     finally:
-        view.close()
-        if log is not None:
-            log.close()
-        if board is not None:
-            board.close()
+        outputs.close()
     stopped = stopped or t.step < cfg.steps
-    if lead and stopped and not quiet:
+    if outputs.lead and stopped and not quiet:
         print(f"lowcomm: stopped after step {t.step} of {cfg.steps} with a checkpoint; continue with: "
               f"lowcomm train --resume {cfg.out}", flush=True)
     return LoopResult(totals, loss, val_loss, time.perf_counter() - t_start, stopped)
-
-
-@contextmanager
-def recorded(flight: FlightRecorder | None, name: str):
-    """An evaluation or checkpoint as one flight-recorder event: open while it runs, so a rank
-    stuck in it shows there."""
-    eid = 0 if flight is None else flight.open(FLIGHT_CODE[name], time.perf_counter())
-    yield
-    if eid:
-        flight.close(eid, time.perf_counter())
 
 
 def announce(t: Trainer) -> None:
@@ -298,17 +261,6 @@ def announce(t: Trainer) -> None:
     print(f"lowcomm: {cfg.strategy} on {t.world} worker(s) ({t.backend}), "
           f"{model_name(cfg)} {num_params(t.model) / 1e6:.2f}M params, data {t.source}"
           + (f", resumed after step {t.step}" if cfg.resume_from else ""), flush=True)
-
-
-def kept_totals(log: StepLog | None, world: int) -> tuple[Totals, float, float]:
-    """The totals, last loss and last validation loss of the steps before a resumed checkpoint."""
-    totals, loss, val_loss = Totals(world), float("nan"), float("nan")
-    for record in (log.kept if log is not None else []):
-        if len(record["per_rank"]["micro_batches"]) != world:  # resumed on another world size
-            record = {**record, "per_rank": {k: [0] * world for k in record["per_rank"]}}
-        totals.add(record)
-        loss, val_loss = record["loss"], record.get("val_loss", val_loss)
-    return totals, loss, val_loss
 
 
 def gather_records(t: Trainer, pending: list[torch.Tensor]) -> tuple[list[dict], bool, bool]:

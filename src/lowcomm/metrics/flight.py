@@ -25,6 +25,8 @@ import mmap
 import os
 import struct
 import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -191,3 +193,12 @@ def read_dir(where: Path | str) -> dict[int, list[Event]]:
             continue
         rings[header["rank"]] = events
     return rings
+
+
+@contextmanager
+def recorded(flight: FlightRecorder | None, name: str):
+    """An evaluation or checkpoint as one event: open while it runs, so a rank stuck in it shows there."""
+    eid = 0 if flight is None else flight.open(CODE[name], time.perf_counter())
+    yield
+    if eid:
+        flight.close(eid, time.perf_counter())

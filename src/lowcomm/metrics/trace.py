@@ -116,32 +116,15 @@ class Tracer:
         lane_free: dict[str, list[float]] = {lv: [] for lv in levels}
         first_tid = {lv: COMM_TID * (i + 1) for i, lv in enumerate(levels)}
         for rec in sorted(comm, key=lambda r: r["t0"]):
-            unfinished = rec["end"] is None
-            end = now if unfinished else rec["end"]
+            end = now if rec["end"] is None else rec["end"]
             real_end = now if rec["real_end"] is None else rec["real_end"]
             free_at = lane_free[rec["level"]]
             slot = next((i for i, free in enumerate(free_at) if free <= rec["t0"]), len(free_at))
             if slot == len(free_at):
                 free_at.append(end)
             free_at[slot] = end
-            tid = first_tid[rec["level"]] + slot
-            args = {"meta_bytes" if rec["meta"] else "wire_bytes": rec["wire"], "bytes": rec["bytes"],
-                    "level": rec["level"]}
-            ms, me = rec["modeled"]
-            if me > ms:
-                args["modeled_start_us"], args["modeled_end_us"] = us(ms), us(me)
-            if unfinished:
-                args["unfinished"] = True
-            if rec.get("failed"):  # a post-mortem's collective that raised (metrics/postmortem.py)
-                args["failed"] = True
-            base = {"ph": "X", "pid": pid, "tid": tid}
-            out.append({**base, "name": rec["op"], "cat": "meta" if rec["meta"] else "comm",
-                        "ts": us(rec["t0"]), "dur": round((end - rec["t0"]) * 1e6, 3), "args": args})
-            out.append({**base, "name": "real", "cat": "comm.real", "ts": us(rec["t0"]),
-                        "dur": round((real_end - rec["t0"]) * 1e6, 3)})
-            if end - real_end > 1e-6:
-                out.append({**base, "name": "emulated", "cat": "comm.emulated", "ts": us(real_end),
-                            "dur": round((end - real_end) * 1e6, 3)})
+            out += _collective_events(rec, {"ph": "X", "pid": pid, "tid": first_tid[rec["level"]] + slot},
+                                      end, real_end, us)
         names = {tid: name for name, tid in lanes.items()}
         prefix = "" if len(levels) == 1 else "{} "  # one level (a flat run): plain "comm N" lanes
         names.update({first_tid[lv] + i: prefix.format(lv) + f"comm {i}"
@@ -210,3 +193,24 @@ def nesting_errors(doc: dict, slack_us: float = 0.01) -> list[str]:
                               f"'{outer['name']}' [{outer['ts']}, +{outer['dur']}] and ends after it")
             open_spans.append(e)
     return errors
+
+
+def _collective_events(rec: dict, base: dict, end: float, real_end: float, us) -> list[dict]:
+    """One collective's spans on its lane: the op (its bytes and level in args), the real
+    transfer inside it, and the emulated link's extra time after that."""
+    args = {"meta_bytes" if rec["meta"] else "wire_bytes": rec["wire"], "bytes": rec["bytes"], "level": rec["level"]}
+    ms, me = rec["modeled"]
+    if me > ms:
+        args["modeled_start_us"], args["modeled_end_us"] = us(ms), us(me)
+    if rec["end"] is None:
+        args["unfinished"] = True
+    if rec.get("failed"):  # a post-mortem's collective that raised (metrics/postmortem.py)
+        args["failed"] = True
+    out = [{**base, "name": rec["op"], "cat": "meta" if rec["meta"] else "comm",
+            "ts": us(rec["t0"]), "dur": round((end - rec["t0"]) * 1e6, 3), "args": args},
+           {**base, "name": "real", "cat": "comm.real", "ts": us(rec["t0"]),
+            "dur": round((real_end - rec["t0"]) * 1e6, 3)}]
+    if end - real_end > 1e-6:
+        out.append({**base, "name": "emulated", "cat": "comm.emulated", "ts": us(real_end),
+                    "dur": round((end - real_end) * 1e6, 3)})
+    return out
