@@ -73,7 +73,7 @@ RUN_FLAGS = {
                            zero="0: none"),
     "--max-bad-steps": Flag("max_bad_steps", "N", "stop after this many consecutive non-finite (skipped) steps"),
     "--trace": Flag("trace", "", "write trace.json (Chrome/Perfetto) with every rank's spans", switch=True),
-    "--tensorboard": Flag("tensorboard", "DIR", "log each step's scalars (loss, tokens/s, bytes, exposed %, "
+    "--tensorboard": Flag("tensorboard", "DIR", "log each step's scalars (loss, tokens/s, bytes, exposed share, "
                                                 "per-rank compute) to DIR for TensorBoard; needs lowcomm[tensorboard]",
                           zero="off"),
     "--checkpoint-on-signal": Flag("checkpoint_on_signal", "", "on SIGINT/SIGTERM write a checkpoint before "
