@@ -6,6 +6,7 @@ checked, so bad input never leaves a half-written run behind.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -14,9 +15,10 @@ import torch.distributed as dist
 from . import config as C
 from . import rundir
 from .data import check_sizes, load_bytes
-from .errors import RunError, UsageError
+from .errors import DiskFull, RunError, UsageError
 from .nodes import default_replicas, under_torchrun
 from .resources import check_fits
+from .storage import remove_partial, write_text_atomic
 from .strategies import available
 from .supervise import run_workers
 from .worker import check_model, pick_backend, run_rank, spawned_entry
@@ -50,9 +52,15 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resu
     out = Path(cfg.out or rundir.default_name(cfg.strategy, cfg.workers))
     rundir.check(out, overwrite, default)
     if create:
+        fresh = default or not out.exists()
         out = rundir.create(out, overwrite, default)
         cfg.out = str(out)
-        (out / "config.toml").write_text(C.to_toml(cfg))
+        try:  # atomic: an empty or half config.toml would make the directory look like a run
+            write_text_atomic(out / "config.toml", C.to_toml(cfg))
+        except BaseException:
+            if fresh:  # the directory is this run's alone: leave nothing behind
+                shutil.rmtree(out, ignore_errors=True)
+            raise
     return out
 
 
@@ -75,8 +83,10 @@ def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> None:
                         cfg.workers, ask_first=cfg.checkpoint_on_signal)
             return
         except RunError as e:
-            if attempt == cfg.max_restarts or out is None:
-                raise
+            if out is not None:  # a checkpoint half-written, a temporary file: they may fill the disk
+                remove_partial(out)
+            if attempt == cfg.max_restarts or out is None or isinstance(e, DiskFull):
+                raise  # a relaunch onto a full disk would fill it again
             from .checkpoint import restart_from
             restart_from(cfg, out, e, attempt + 1)
         finally:

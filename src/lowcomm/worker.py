@@ -21,6 +21,7 @@ from .comm.groups import ReplicaLayout
 from .comm.groups import form as form_groups
 from .data import VOCAB_SIZE, load_bytes, split, val_batches
 from .errors import RunError
+from .storage import disk_full
 from .metrics.progress import ProgressView
 from .metrics.summary import Totals
 from .checkpoint import take_request as take_checkpoint_request
@@ -368,9 +369,22 @@ def run_rank(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: 
         if "timed out" in str(e).lower() or "timeout" in str(e).lower():
             raise RunError(f"a collective timed out after {cfg.timeout:g} s (--timeout): "
                            f"a peer stopped responding") from e
+        raise disk_full(e) or e
+    except (KeyboardInterrupt, SystemExit):
         raise
+    except BaseException as e:  # DCP's CheckpointException is a BaseException: one line, not a raw dump
+        raise disk_full(e) or RunError(f"writing a checkpoint failed: {_first_failure(e)}") from e
     finally:
         leave_group()
+
+
+def _first_failure(e: BaseException) -> str:
+    """The first rank's error inside DCP's CheckpointException (else the exception), in one line."""
+    failures = getattr(e, "failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {type(inner).__name__}: {' '.join(str(inner).split())}"
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def start_timeout(cfg: C.RunConfig) -> timedelta:
