@@ -73,6 +73,10 @@ def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> None:
         return
 
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))
+    if cfg.elastic:  # survivors go on; dead workers rejoin (lowcomm/elastic)
+        from .elastic.launch import launch_elastic
+        launch_elastic(cfg, out, quiet)
+        return
     # --max-restarts: a failed attempt is relaunched, all workers, from the last good checkpoint.
     for attempt in range(cfg.max_restarts + 1):
         os.environ["LOWCOMM_ATTEMPT"] = str(attempt)
