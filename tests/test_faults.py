@@ -234,3 +234,32 @@ def test_overwrite_leaves_no_file_of_the_old_run(tmp_path, data_file, monkeypatc
     assert main(["train", "--data", str(data_file), "--out", str(out), "--overwrite", "--quiet"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["config.toml"]
     assert 'strategy = "ddp"' in (out / "config.toml").read_text()
+
+
+def test_a_sigkilled_launcher_takes_its_workers_and_fork_server_with_it(tmp_path, data_file):
+    """A scheduler's `kill -9` or the OOM killer taking the launcher: every worker and the
+    fork server they were forked from are gone within seconds, and the run writes no summary."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lowcomm", "train", *TINY, "--steps", "100000", "--data", str(data_file),
+         "--out", str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    left: set[int] = set()
+    try:
+        wait_for_steps(out, 2, proc)
+        left = workers_of(proc.pid) | children(proc.pid)  # the workers, the fork server, its helpers
+        assert len(workers_of(proc.pid)) == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and [p for p in left if running(p)]:
+            time.sleep(0.05)
+        assert not [p for p in left if running(p)], "processes of the killed launcher are still running"
+        time.sleep(0.5)
+        assert not (out / "summary.json").exists()
+    finally:
+        for pid in [proc.pid, *left]:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()

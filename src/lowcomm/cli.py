@@ -138,8 +138,8 @@ def _failed(message: str, details: str, out) -> int:
         try:
             log.write_text(details if details.endswith("\n") else details + "\n")
             message += f" (traceback in {log})"
-        except OSError:
-            pass
+        except OSError:  # a full disk: no half-written log either
+            log.unlink(missing_ok=True)
     print(f"error: {message}", file=sys.stderr)
     return 1
 

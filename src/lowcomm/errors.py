@@ -27,3 +27,9 @@ class Interrupted(Exception):
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+class DiskFull(RunError):
+    """A write failed for lack of space (ENOSPC, or a quota: EDQUOT). Exit 1, one line naming
+    the path; the partial files are removed (lowcomm/storage.py) and the run is not restarted
+    (--max-restarts): a relaunch would fill the same disk again."""

@@ -16,10 +16,11 @@ import torch.distributed as dist
 from . import config as C
 from . import rundir
 from .data import check_sizes, load_bytes
-from .errors import Interrupted, RunError, UsageError
+from .errors import DiskFull, Interrupted, RunError, UsageError
 from .metrics.flight import ENV_DIR as FLIGHT_ENV_DIR
 from .nodes import default_replicas, under_torchrun
 from .resources import check_fits
+from .storage import remove_partial, write_text_atomic
 from .strategies import available
 from .supervise import run_workers
 from .worker import check_model, pick_backend, run_rank, spawned_entry
@@ -56,9 +57,15 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resu
     out = Path(cfg.out or rundir.default_name(cfg.strategy, cfg.workers))
     rundir.check(out, overwrite, default)
     if create:
+        fresh = default or not out.exists()
         out = rundir.create(out, overwrite, default)
         cfg.out = str(out)
-        (out / "config.toml").write_text(C.to_toml(cfg))
+        try:  # atomic: an empty or half config.toml would make the directory look like a run
+            write_text_atomic(out / "config.toml", C.to_toml(cfg))
+        except BaseException:
+            if fresh:  # the directory is this run's alone: leave nothing behind
+                shutil.rmtree(out, ignore_errors=True)
+            raise
     return out
 
 
@@ -71,6 +78,10 @@ def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> None:
         return
 
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))
+    if cfg.elastic:  # survivors go on; dead workers rejoin (lowcomm/elastic)
+        from .elastic.launch import launch_elastic
+        launch_elastic(cfg, out, quiet)
+        return
     # --max-restarts: a failed attempt is relaunched, all workers, from the last good checkpoint.
     for attempt in range(cfg.max_restarts + 1):
         os.environ["LOWCOMM_ATTEMPT"] = str(attempt)
@@ -85,7 +96,9 @@ def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> None:
             explain_failure(e, rings, cfg, out)
             raise
         except RunError as e:
-            final = attempt == cfg.max_restarts or out is None
+            if out is not None:  # a checkpoint half-written, a temporary file: they may fill the disk
+                remove_partial(out)
+            final = attempt == cfg.max_restarts or out is None or isinstance(e, DiskFull)  # a relaunch onto a full disk would fill it again
             explain_failure(e, rings, cfg, out, annotate=final)  # a restarted run's line stays as it was
             if final:
                 raise

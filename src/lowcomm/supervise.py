@@ -18,7 +18,7 @@ the watching is done here:
 
 Workers ignore SIGINT, so a Ctrl-C that reaches the whole process group is
 handled once, here, and they die with the launcher even if it is SIGKILLed
-(PR_SET_PDEATHSIG): no orphan is left either way.
+(a pidfd watchdog and PR_SET_PDEATHSIG, `die_with`): no orphan is left either way.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import gc
 import multiprocessing.connection
 import os
 import pickle
+import select
 import signal
 import threading
 import time
@@ -34,7 +35,7 @@ from typing import Callable
 
 import torch.multiprocessing as mp
 
-from .errors import Interrupted, RunError
+from .errors import DiskFull, Interrupted, RunError
 
 STOP_GRACE_S = 3.0          # SIGTERM -> SIGKILL: a worker stuck in C++ may not die on SIGTERM
 CHECKPOINT_GRACE_S = 60.0   # a signalled run may take this long to write its checkpoint
@@ -79,7 +80,8 @@ def start_method() -> str:
     if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
     # torch._dynamo: DDP's constructor imports it (seconds), so every worker would.
-    mp.set_forkserver_preload(["lowcomm.worker", "torch._dynamo"])
+    # forkserver_guard first: the server dies with the launcher (see die_with).
+    mp.set_forkserver_preload(["lowcomm.forkserver_guard", "lowcomm.worker", "torch._dynamo"])
     return "forkserver"
 
 
@@ -158,13 +160,16 @@ def _failure(ctx, failed: list[int]) -> RunError:
             details.append(f"--- rank {r} ---\n{tb}")
     code = codes[rank]
     tb = _traceback(ctx.error_files[rank])
+    kind = RunError
     if tb:
         what = _last_line(tb)
+        if _exception_line(tb).startswith("lowcomm.errors.DiskFull: "):
+            kind = DiskFull  # the launcher does not relaunch onto a full disk
     elif code < 0:
         what = f"killed by signal {_signal_name(-code)}"
     else:
         what = f"exited with code {code}"
-    error = RunError(f"worker rank {rank} failed: {what}", details="\n".join(details))
+    error = kind(f"worker rank {rank} failed: {what}", details="\n".join(details))
     error.exit_codes = codes  # the ranks that failed (a post-mortem tells them from the stuck ones)
     return error
 
@@ -177,11 +182,15 @@ def _traceback(path: str) -> str:
         return ""
 
 
+def _exception_line(tb: str) -> str:
+    lines = [line.strip() for line in tb.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "unknown error"
+
+
 def _last_line(tb: str) -> str:
     """The exception line of a traceback; lowcomm's own errors without their class path."""
-    lines = [line.strip() for line in tb.strip().splitlines() if line.strip()]
-    last = lines[-1] if lines else "unknown error"
-    for prefix in ("lowcomm.errors.RunError: ", "lowcomm.errors.UsageError: "):
+    last = _exception_line(tb)
+    for prefix in ("lowcomm.errors.RunError: ", "lowcomm.errors.UsageError: ", "lowcomm.errors.DiskFull: "):
         if last.startswith(prefix):
             return last[len(prefix):]
     return last
@@ -231,15 +240,61 @@ def _child(rank: int, launcher: int, environ: dict, cwd: str, fn: Callable, args
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
-    # Linux: SIGKILL when the parent dies, however it dies (no orphans). The parent is the
-    # launcher under spawn, or the fork server, which exits as soon as the launcher is gone.
-    try:
+    die_with(launcher)
+    fn(rank, *args)
+
+
+def die_with(launcher: int) -> None:
+    """This process dies (SIGKILL) within moments of `launcher`, however the launcher dies.
+
+    PR_SET_PDEATHSIG alone is not enough: under the fork server the parent is the server,
+    and every forked child inherits the write end of the pipe whose EOF tells the server its
+    launcher is gone, so the server -- and with it the children -- outlived a SIGKILLed
+    launcher. So the child closes that pipe end (the server then exits with the launcher)
+    and a watchdog thread waits on a pidfd of the launcher itself (no polling, no pid reuse)."""
+    _release_fork_server()
+    try:  # Linux: SIGKILL when the parent dies (the launcher under spawn)
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
-    if not _alive(launcher) or os.getppid() == 1:  # it died before prctl took effect
+    watched = _watch_launcher(launcher)
+    if not _alive(launcher) or (not watched and os.getppid() == 1):  # it died before we watched it
         os._exit(1)
-    fn(rank, *args)
+
+
+def _release_fork_server() -> None:
+    """Close this child's copy of the fork server's liveness pipe (see die_with); a later
+    fork-server start in this process would start a server of its own."""
+    try:
+        from multiprocessing import forkserver
+        server = forkserver._forkserver
+        fd = getattr(server, "_forkserver_alive_fd", None)
+    except (ImportError, AttributeError):
+        return
+    if fd is None:
+        return
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    server._forkserver_alive_fd = None
+    server._forkserver_pid = None
+    server._forkserver_address = None
+
+
+def _watch_launcher(launcher: int) -> bool:
+    """A daemon thread that SIGKILLs this process when `launcher` exits. False where the
+    platform has no pidfd (then PR_SET_PDEATHSIG is the only guard)."""
+    try:
+        fd = os.pidfd_open(launcher)
+    except (AttributeError, OSError):
+        return False
+
+    def wait() -> None:
+        select.select([fd], [], [])  # readable once the launcher has exited
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=wait, name="lowcomm-die-with-launcher", daemon=True).start()
+    return True
 
 
 def _alive(pid: int) -> bool:

@@ -21,6 +21,7 @@ from .comm.groups import ReplicaLayout
 from .comm.groups import form as form_groups
 from .data import VOCAB_SIZE, load_bytes, split, val_batches
 from .errors import RunError
+from .storage import disk_full, first_failure
 from .metrics.summary import Totals
 from .checkpoint import take_request as take_checkpoint_request
 from .metrics.outputs import StepOutputs
@@ -369,7 +370,11 @@ def run_rank(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: 
         if "timed out" in str(e).lower() or "timeout" in str(e).lower():
             raise RunError(f"a collective timed out after {cfg.timeout:g} s (--timeout): "
                            f"a peer stopped responding") from e
+        raise disk_full(e) or e
+    except (KeyboardInterrupt, SystemExit):
         raise
+    except BaseException as e:  # DCP's CheckpointException is a BaseException: one line, not a raw dump
+        raise disk_full(e) or RunError(f"writing a checkpoint failed: {first_failure(e)}") from e
     finally:
         leave_group()
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .. import config as C
 from ..errors import UsageError
+from ..storage import write_text_atomic
 from .choose import latest
 from .layout import SAFE_KEYS
 
@@ -70,7 +71,7 @@ def prepare_resume(cfg: C.RunConfig, create: bool) -> Path | None:
               f"replicated state is loaded, each worker's data order starts anew", file=sys.stderr, flush=True)
     cfg.resume_from = str(found.path)
     if create:
-        (out / "config.toml").write_text(C.to_toml(cfg))
+        write_text_atomic(out / "config.toml", C.to_toml(cfg))
     return out
 
 

@@ -20,6 +20,7 @@ import torch
 
 from .. import config as C
 from ..errors import RunError
+from ..storage import disk_full, write_text_atomic
 from .layout import FORMAT, MANIFEST, checksums, config_hash, name_of, prune
 from .state import to_dcp
 
@@ -47,23 +48,52 @@ def take_request() -> tuple[bool, bool]:
 def save(trainer, out_dir: Path, keep: int, wall_s: float = 0.0) -> Path | None:
     """Write the trainer's state (worker.Trainer.state_dict(): the strategy's whole state, data
     position, RNG, step) and the run's wall time so far as checkpoint `ckpt-<step>`. Collective:
-    every rank calls it at the same step. Returns the final path on rank 0, None elsewhere."""
+    every rank calls it at the same step. Returns the final path on rank 0, None elsewhere.
+    A full disk: DiskFull on every rank, and no partial checkpoint left."""
+    step, rank = trainer.step, trainer.rank
+    _refuse_nonfinite(trainer)
+    tmp = out_dir / f".{name_of(step)}.tmp"
+    replicated = getattr(trainer.run, "checkpoint_replicated", False)
+    state = to_dcp(trainer, wall_s, replicated)
+    try:
+        return _save(trainer, state, out_dir, tmp, keep, replicated)
+    except BaseException as e:
+        # Checked before the partial checkpoint is removed: its bytes are part of what filled the disk.
+        full = disk_full(e, tmp, need=_nbytes(state))
+        # DCP raises on every rank once every rank's write is over (it gathers the errors), so
+        # rank 0 may remove the partial checkpoint: left there, it would keep a full disk full.
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from e
+        raise
+
+
+def _nbytes(obj) -> int:
+    """Bytes of the tensors in a nested state (what this rank's checkpoint file needs)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return len(obj) if isinstance(obj, bytes) else 0
+
+
+def _save(trainer, state: dict, out_dir: Path, tmp: Path, keep: int, replicated: bool) -> Path | None:
     import torch.distributed.checkpoint as dcp
 
     step, rank, comm = trainer.step, trainer.rank, trainer.comm
     t0 = time.perf_counter()
-    _refuse_nonfinite(trainer)
-    tmp = out_dir / f".{name_of(step)}.tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint a dead run left half-written
         tmp.mkdir(parents=True)
     comm.barrier()
-    replicated = getattr(trainer.run, "checkpoint_replicated", False)
-    dcp.save(to_dcp(trainer, wall_s, replicated), checkpoint_id=str(tmp))
+    dcp.save(state, checkpoint_id=str(tmp))
     comm.barrier()
     if rank != 0:
         return None
-    (tmp / "config.toml").write_text(C.to_toml(trainer.cfg))
+    write_text_atomic(tmp / "config.toml", C.to_toml(trainer.cfg))
     _write_manifest(tmp, trainer, replicated, t0)
     final = _publish(tmp, out_dir / name_of(step))
     prune(out_dir, keep)

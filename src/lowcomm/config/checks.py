@@ -26,6 +26,8 @@ def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
     _check_model(cfg.model)
     _check_data(cfg.data)
     _check_optim(cfg.optim)
+    from ..elastic.support import check as check_elastic
+    check_elastic(cfg)
 
 
 def _positive(name: str, value: float) -> None:

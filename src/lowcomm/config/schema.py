@@ -116,6 +116,10 @@ class RunConfig:
     stop_at: int = 0
     max_restarts: int = 0   # relaunch every worker from the last good checkpoint after a failure
     max_bad_steps: int = 5  # consecutive skipped (non-finite) steps before the run stops
+    # Elastic membership (lowcomm/elastic): a dead worker is dropped, the survivors go on, a
+    # restarted one rejoins at a commit point; at least `min_workers` (0: all of them) train each step.
+    elastic: bool = False
+    min_workers: int = 0
     # Strategy options by strategy name ([<strategy>] <option> = value), filled from the registry's
     # Options classes; `pending_options` holds values given before the strategy was known
     # (CLI flags, top-level TOML keys) until validate() applies them to the chosen one.

@@ -21,12 +21,12 @@ With replica groups (--replicas R < W) each level's share of the above, L = cros
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from ..comm import CommStats
+from ..storage import disk_full, write_text_atomic
 from ..strategies.context import StepResult
 from .levels import LEVELS
 
@@ -81,9 +81,7 @@ def step_record(step: int, per_rank: torch.Tensor, levels: bool = False) -> dict
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
 class StepLog:
@@ -102,14 +100,20 @@ class StepLog:
                     continue
                 if record.get("step", 0) <= resume_after:
                     self.kept.append(record)
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
-            os.replace(tmp, self.path)
+            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.kept))
         self._f = open(self.path, "a" if resume_after is not None else "w")
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
+        end = self._f.tell()
+        try:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+        except OSError as e:  # a full disk: no record left cut short
+            try:
+                self._f.truncate(end)
+            except OSError:
+                pass
+            raise disk_full(e, self.path) or e
 
     def close(self) -> None:
         self._f.close()

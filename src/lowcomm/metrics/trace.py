@@ -35,6 +35,7 @@ import zlib
 from pathlib import Path
 
 import torch
+from ..storage import write_text_atomic
 
 COMM_TID = 1000  # a level's comm lanes are tids COMM_TID·(i+1) + slot, i its place in LANE_ORDER
 LANE_ORDER = {"cross": 0, "intra": 1, "world": 2}  # the slow link's lanes first, bookkeeping last
@@ -155,9 +156,7 @@ class Tracer:
 
 def write_trace(path: Path, events: list[dict], metadata: dict | None = None) -> None:
     doc = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata or {}}
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, separators=(",", ":")))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(doc, separators=(",", ":")))
 
 
 def comm_wire_bytes(doc: dict, level: str | None = None) -> int:

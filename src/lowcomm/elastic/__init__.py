@@ -1,0 +1,12 @@
+"""Elastic membership: a worker that dies is dropped, the survivors go on, a restarted one rejoins.
+
+    lowcomm train --strategy diloco --workers 3 --elastic --min-workers 2 --max-restarts 2
+
+Built from torchft's lighthouse (membership by heartbeat and quorum) and plain c10d groups:
+
+- support.py   which strategies run elastically, and the one line that refuses the others;
+- lighthouse.py the launcher's lighthouse (torchft's LighthouseServer) and the workers' client;
+- membership.py a quorum at a commit point, and the c10d group of its members;
+- transfer.py  the live state sent from a peer to a worker that joins or fell behind;
+- loop.py      the training loop of an elastic worker: commit points, rollback, rejoin.
+"""

@@ -1,0 +1,118 @@
+"""The launcher of an elastic run: the lighthouse, the store, one process per worker slot.
+
+Unlike a plain run (supervise.run_workers), a worker that dies does not stop the others: the
+survivors re-form without it (loop.py), and the launcher restarts the dead slot while
+--max-restarts allows, as a joiner. The run ends when the workers finish; a worker still waiting
+to join then is stopped. Fewer live workers than --min-workers with no restart left: every
+worker is stopped and the run fails in one line.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing.connection
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..errors import Interrupted, RunError
+from .. import supervise
+from . import lighthouse, support
+
+FINISH_GRACE_S = 10.0  # after the first worker finishes, the rest may take this long
+
+
+def launch_elastic(cfg, out: Path | None, quiet: bool) -> None:
+    server = lighthouse.start(support.min_workers(cfg))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        if out is not None:  # where a joiner finds the run (lowcomm join)
+            (out / "elastic.json").write_text(json.dumps({"lighthouse": server.address(),
+                                                          "store": f"127.0.0.1:{store.port}"}) + "\n")
+        Slots(cfg, store.port, server.address(), out, quiet).run()
+    finally:
+        server.shutdown()
+        del store
+
+
+class Slots:
+    """The worker processes, one a slot, restarted as joiners when they die."""
+
+    def __init__(self, cfg, store_port: int, address: str, out: Path | None, quiet: bool):
+        self.cfg, self.store_port, self.address, self.out, self.quiet = cfg, store_port, address, out, quiet
+        self.live: dict[int, object] = {}      # slot -> its process context
+        self.attempts = [0] * cfg.workers      # launches of each slot so far
+        self.restarts = 0
+        self.finished = 0
+        self.last_failure = ""
+
+    def start(self, slot: int, joining: bool) -> None:
+        from .loop import elastic_entry
+        os.environ["LOWCOMM_ATTEMPT"] = str(self.attempts[slot])  # test faults fire once per slot launch
+        try:
+            self.live[slot] = supervise.start_workers(
+                elastic_entry, (slot, self.cfg, self.store_port, self.address,
+                                str(self.out) if self.out else None, self.quiet, joining), 1)
+        finally:
+            os.environ.pop("LOWCOMM_ATTEMPT", None)
+        self.attempts[slot] += 1
+
+    def run(self) -> None:
+        received: list[int] = []
+        previous = supervise._catch_signals(received)
+        try:
+            for slot in range(self.cfg.workers):
+                self.start(slot, joining=False)
+            self._watch(received)
+        finally:
+            for ctx in self.live.values():
+                supervise.stop(ctx.processes)
+                for path in ctx.error_files:
+                    supervise._unlink(path)
+            supervise._restore_signals(previous)
+
+    def _watch(self, received: list[int]) -> None:
+        done_at = None
+        while self.live:
+            if received:
+                raise Interrupted(received[0], f"interrupted by {signal.Signals(received[0]).name}: every worker stopped")
+            sentinels = {ctx.processes[0].sentinel: slot for slot, ctx in self.live.items()}
+            for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=supervise.POLL_S):
+                self._ended(sentinels[sentinel])
+            if self.finished and done_at is None:
+                done_at = time.monotonic()
+            if done_at is not None and time.monotonic() - done_at > FINISH_GRACE_S:
+                return  # the run is over; a worker still waiting to join is stopped (run's finally)
+            if not self.finished and len(self.live) < support.min_workers(self.cfg):
+                raise RunError(f"{len(self.live)} live worker(s), fewer than --min-workers "
+                               f"{support.min_workers(self.cfg)}, and no restart left: {self.last_failure}")
+        if not self.finished:
+            raise RunError(self.last_failure or "every worker ended without finishing the run")
+
+    def _ended(self, slot: int) -> None:
+        ctx = self.live.pop(slot)
+        p = ctx.processes[0]
+        p.join()
+        if p.exitcode == 0:
+            self.finished += 1
+            return
+        tb = supervise._traceback(ctx.error_files[0])
+        what = (supervise._last_line(tb) if tb else f"killed by signal {supervise._signal_name(-p.exitcode)}"
+                if p.exitcode < 0 else f"exited with code {p.exitcode}")
+        supervise._unlink(ctx.error_files[0])
+        self.last_failure = f"worker {slot} failed: {what}"
+        if tb and self.out is not None:
+            with open(self.out / "error.log", "a") as f:
+                f.write(f"--- worker {slot} ---\n{tb}\n")
+        if self.finished:
+            return
+        if self.restarts < self.cfg.max_restarts:
+            self.restarts += 1
+            print(f"lowcomm: {self.last_failure}; the others go on; restarting it "
+                  f"({self.restarts} of {self.cfg.max_restarts})", file=sys.stderr, flush=True)
+            self.start(slot, joining=True)
+        else:
+            print(f"lowcomm: {self.last_failure}; the others go on without it", file=sys.stderr, flush=True)

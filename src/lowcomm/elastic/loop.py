@@ -1,0 +1,258 @@
+"""An elastic worker: train between commit points; on a lost peer roll back and re-form.
+
+A commit point is where every member holds the same state: after every step for ddp, after
+every outer sync (every H steps) for diloco. There the members gather the steps' records (the
+gather is the commit: a member that got them knows every member finished those steps), rank 0
+writes them to steps.jsonl, and each member keeps a copy of its state (the snapshot).
+
+When a collective fails (a peer died: gloo reports the closed connection at once), the member
+drops the run built on the broken group, goes back to its snapshot -- the steps since are
+discarded, never half-applied -- and asks the lighthouse for a quorum with its committed step.
+In the new quorum the members behind the newest take its state from a peer (transfer.py), so a
+step that some member committed is kept and none is applied twice; the members then train on
+from that step, each on the data its new rank and the new world size give (see `loader_for`).
+A joiner (a restarted worker) asks for a quorum as soon as it has built its model; the members
+notice its announcement at their next commit point and re-form with it.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import config as C
+from .. import faults, run_end
+from ..comm import Comm
+from ..data import load_bytes, split, val_batches
+from ..data.loader import ShardedBatches
+from ..errors import RunError
+from ..metrics.runlog import StepLog, result_vector, step_record
+from ..metrics.summary import Totals
+from ..models import lm_loss
+from ..optim import adamw_factory, lr_schedule
+from ..run import link_seed, make_run
+from ..worker import LoopResult, Trainer, build_model, evaluate, pick_device
+from . import support, transfer
+from .membership import Membership, View, leave
+
+MAX_REFORMS_WITHOUT_PROGRESS = 20  # re-forming again and again without a commit: give up, one line
+
+
+def commit_every(cfg: C.RunConfig) -> int:
+    """Steps between commit points: ddp every step, diloco every outer sync (H)."""
+    return cfg.strategy_options().sync_every if cfg.strategy == "diloco" else 1
+
+
+def is_commit(cfg: C.RunConfig, step: int) -> bool:
+    return step % commit_every(cfg) == 0 or step == cfg.steps
+
+
+def loader_for(cfg: C.RunConfig, train, view: View, step: int) -> ShardedBatches:
+    """The data of rank `view.rank` of `view.world` from `step` on: the training split is cut in
+    world shards, each read in an order drawn from (seed, step the membership began, rank). So
+    what a worker trains on is a function of the step and the live membership (membership.jsonl
+    records both); the steps a failure discarded are trained again by the new membership on its
+    own data (re-assigned, not skipped)."""
+    return ShardedBatches(train, view.rank, view.world, cfg.model.seq_len, cfg.micro_batch,
+                          cfg.seed * 1_000_003 + step)
+
+
+class ElasticWorker:
+    def __init__(self, cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Path | None, quiet: bool):
+        self.cfg, self.slot, self.m, self.out_dir, self.quiet = cfg, slot, membership, out_dir, quiet
+        self.device = pick_device(cfg, "gloo", 0)
+        self.model = build_model(cfg, self.device)  # θ0 from the seed: alike on every worker, no collective
+        tokens, self.source = load_bytes(cfg.data.source, quiet=True)
+        self.train_tokens, self.val_tokens = split(tokens, cfg.data.val_fraction)
+        self.t: Trainer | None = None
+        self.snapshot: dict | None = None  # the state at the last commit point: {"step", "strategy"}
+        self.step = 0
+        self.totals = Totals(cfg.workers)  # per slot
+        self.loss = self.val_loss = float("nan")
+        self.joins_seen = 0
+        self.view: View | None = None
+        self.log: StepLog | None = None  # rank 0's steps.jsonl
+
+    # -- membership ---------------------------------------------------------------------
+    def form(self, joining: bool) -> View:
+        """A quorum, its group, a run on it, and every member on the newest committed state."""
+        committed = self.snapshot["step"] if self.snapshot is not None else (-1 if joining else 0)
+        view = self.m.agree(committed, joining=joining)
+        self.joins_seen = self.m.joins()  # what this quorum answered (a later announcement is news)
+        self._build(view)
+        if self.snapshot is not None:
+            self._load(self.snapshot)
+        healed = transfer.heal(view, lambda: self.snapshot, self._load)
+        self.snapshot = self._take_snapshot()
+        self._record(view, healed)
+        return view
+
+    def _build(self, view: View) -> None:
+        cfg = self.cfg
+        if self.t is not None:
+            self.t.run.release()
+        comm = Comm(link=C.make_link(cfg, seed=link_seed(cfg.seed, view.slots[view.rank])), level="cross")
+        run = make_run(cfg.strategy, self.model, comm, adamw_factory(cfg.optim), accum=cfg.accum,
+                       schedule=lr_schedule(cfg.optim, cfg.steps), total_steps=cfg.steps,
+                       options=cfg.strategy_options())
+        run = faults.inject(run, view.slots[view.rank])  # test-only faults, by slot
+        val = val_batches(self.val_tokens, view.rank, view.world, cfg.model.seq_len, cfg.micro_batch,
+                          cfg.eval_batches)
+        self.t = Trainer(cfg, view.rank, view.world, self.device, "gloo", comm, self.model, run,
+                         loader_for(cfg, self.train_tokens, view, self.step), val, self.source, None)
+        self.view = view
+
+    def _take_snapshot(self) -> dict:
+        return {"step": self.step, "strategy": copy.deepcopy(self.t.run.state_dict())}
+
+    def _load(self, snapshot: dict) -> None:
+        self.t.run.load_state_dict(copy.deepcopy(snapshot["strategy"]))
+        self.step = self.t.step = snapshot["step"]
+        self.t.loader = loader_for(self.cfg, self.train_tokens, self.view, self.step)
+
+    def _record(self, view: View, healed: list[int]) -> None:
+        """membership.jsonl (rank 0): the quorum, from which step, who received the state, and
+        each member's hash of the state all must hold alike (equal after a join)."""
+        mine = transfer.state_hash(support.replicated(self.cfg.strategy, self.snapshot["strategy"]))
+        every = [None] * view.world
+        dist.all_gather_object(every, mine)
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+        if view.rank == 0 and self.out_dir is not None:
+            with open(self.out_dir / "membership.jsonl", "a") as f:
+                f.write(json.dumps({"step": self.step, "quorum": view.quorum, "slots": list(view.slots),
+                                    "committed": list(view.steps), "healed": [view.slots[r] for r in healed],
+                                    "state_sha256": every, "time": time.time()}) + "\n")
+            self.log = StepLog(self.out_dir, resume_after=self.step)  # a new lead continues the log
+            self.totals = Totals(self.cfg.workers)
+            for record in self.log.kept:
+                self._add(record)
+
+    # -- training -----------------------------------------------------------------------
+    def train_until_commit_or_change(self) -> bool:
+        """Train to the end or to a commit point where a joiner waits. True at the end."""
+        cfg, t = self.cfg, self.t
+        pending = []
+        while self.step < cfg.steps:
+            pending.append(result_vector(t.run.step(t.next_batch, lm_loss)))
+            self.step = t.step = self.step + 1
+            if not is_commit(cfg, self.step):
+                continue
+            joins = self._commit(pending)
+            pending = []
+            if joins > self.joins_seen:
+                return False
+        return True
+
+    def _commit(self, pending: list) -> int:
+        """Gather the records since the last commit (every member finished those steps), write
+        them, evaluate when due, keep the snapshot. Returns the most joins any member has seen."""
+        t, cfg = self.t, self.cfg
+        flags = torch.zeros(len(pending[0]), dtype=torch.float64)
+        flags[0] = self.m.joins()
+        every = t.comm.meta_all_gather(torch.stack(pending + [flags])).cpu()
+        first = self.step - len(pending) + 1
+        records = [step_record(first + i, every[:, i]) for i in range(len(pending))]
+        for r in records:
+            r["members"] = list(self.view.slots)
+        if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
+            with t.run.evaluating() as eval_model:
+                self.val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
+        self.snapshot = self._take_snapshot()
+        for r in records:
+            self._add(r)
+            if self.log is not None:
+                self.log.write(r)
+        self.loss = records[-1]["loss"]
+        if self.log is not None and not self.quiet:
+            print(f"step {self.step}/{cfg.steps} loss {self.loss:.4f} on {self.view.world} worker(s)", flush=True)
+        return int(every[:, -1, 0].max())
+
+    def _add(self, record: dict) -> None:
+        """Totals per slot: a record's per-rank values go to the slots of its members."""
+        slots = record.get("members") or list(range(len(record["per_rank"]["micro_batches"])))
+        padded = {k: [0] * self.cfg.workers for k in record["per_rank"]}
+        for rank, slot in enumerate(slots):
+            for k, values in record["per_rank"].items():
+                padded[k][slot] = values[rank]
+        self.totals.add({**record, "per_rank": padded})
+
+    def rollback(self) -> None:
+        """A collective failed: forget the run on the broken group and the steps since the snapshot."""
+        if self.t is not None:
+            self.t.run.release()
+            self.t = None  # DDP's reducer holds the group: let it go with the run
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+        # Destroy the broken group now, not after the next quorum: its sockets close, so a survivor
+        # still blocked in the failed collective (waiting on this member, not on the dead one)
+        # fails at once instead of after --timeout, and joins the quorum too.
+        leave()
+        self.step = self.snapshot["step"] if self.snapshot is not None else 0
+
+    def finish(self, t_start: float) -> None:
+        t = self.t
+        t.run.close()  # collective: every member ends on the same final parameters
+        if self.log is not None:
+            self.log.close()
+        final = transfer.state_hash({f"model.{k}": v for k, v in self.model.state_dict().items()})
+        every = [None] * self.view.world
+        dist.all_gather_object(every, final)
+        result = LoopResult(self.totals, self.loss, self.val_loss, time.perf_counter() - t_start)
+        summary = run_end.summarize(t, result, self.out_dir if t.rank == 0 else None, self.quiet)
+        if summary is not None and self.out_dir is not None:
+            from ..metrics.runlog import write_json_atomic
+            summary["elastic"] = {"members": list(self.view.slots), "final_params_sha256": every,
+                                  "min_workers": support.min_workers(self.cfg)}
+            write_json_atomic(self.out_dir / "summary.json", summary)
+
+
+def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Path | None, quiet: bool,
+                joining: bool) -> None:
+    """One elastic worker's life, from its first quorum to the end of the run."""
+    torch.set_num_threads(cfg.threads)
+    w = ElasticWorker(cfg, slot, membership, out_dir, quiet)
+    if not joining:
+        membership.wait_for_first(cfg.workers)
+    t_start = time.perf_counter()
+    reforms = 0
+    while True:
+        try:
+            w.form(joining)
+            joining = False
+            committed = w.step
+            if w.train_until_commit_or_change():
+                break
+            reforms = 0 if w.step > committed else reforms + 1
+        except RuntimeError as e:  # gloo: a peer closed the connection (died), or a collective timed out
+            if not lost_peer(e):
+                raise
+            w.rollback()
+            reforms += 1
+        if reforms > MAX_REFORMS_WITHOUT_PROGRESS:
+            raise RunError(f"the group changed {reforms} times without committing a step; giving up")
+    w.finish(t_start)
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Is this how gloo (or a timeout) reports a member that went away?"""
+    text = str(e).lower()
+    return isinstance(e, dist.DistBackendError) or any(m in text for m in (
+        "connection closed by peer", "connection reset by peer", "timed out", "timeout", "broken pipe",
+        "connection refused", "read error", "write error", "gloo"))
+
+
+def elastic_entry(_i: int, slot: int, cfg: C.RunConfig, store_port: int, lighthouse_address: str,
+                  out_dir: str | None, quiet: bool, joining: bool) -> None:
+    """Entry of an elastic worker the launcher started (or restarted, `joining`)."""
+    m = Membership(lighthouse_address, "127.0.0.1", store_port, slot, cfg.timeout)
+    try:
+        run_elastic(cfg, slot, m, Path(out_dir) if out_dir else None, quiet, joining)
+    finally:
+        m.close()

@@ -1,0 +1,125 @@
+"""A worker's membership: heartbeats, a quorum at a commit point, the c10d group of its members.
+
+Each worker has an id that sorts by its slot (the launcher's worker number), so the members of
+a quorum take ranks in slot order and the lowest live slot is rank 0 (it writes steps.jsonl).
+A quorum's group is a plain gloo default group made on the launcher's TCP store under a prefix
+unique to that quorum: the previous group is destroyed first, so everything lowcomm builds on
+the default group (Comm, DDP, the control groups) works unchanged on each membership.
+"""
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..comm import control
+from ..errors import RunError
+from . import lighthouse
+
+JOINS = "lowcomm/elastic/joins"        # a joiner adds 1: the members ask for a quorum at their next commit
+STARTED = "lowcomm/elastic/started"    # each first worker adds 1: the first quorum holds all of them
+QUORUM_RPC_S = 5.0                     # one quorum request; repeated until the lighthouse answers
+REANNOUNCE_S = 2.0                     # a waiting joiner announces itself again (it may have missed a quorum)
+
+
+@dataclass(frozen=True)
+class View:
+    """One quorum, as this worker sees it."""
+    quorum: str
+    rank: int
+    world: int
+    slots: tuple[int, ...]   # each rank's slot
+    steps: tuple[int, ...]   # each rank's committed step when it asked
+
+
+class Membership:
+    def __init__(self, address: str, store_host: str, store_port: int, slot: int, timeout_s: float):
+        self.slot, self.timeout_s = slot, timeout_s
+        self.id = f"{slot:05d}:{uuid.uuid4().hex[:8]}"  # a restarted worker is a new member
+        self.store_address = f"{store_host}:{store_port}"
+        self.store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=300))
+        self._client = lighthouse.client(address)
+        self._beats = lighthouse.client(address)  # one client a thread
+        self._stop = threading.Event()
+        self._beats.heartbeat(self.id)  # healthy before the first quorum is asked for (see wait_for_first)
+        threading.Thread(target=self._heartbeat, name="lowcomm-heartbeat", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(lighthouse.HEARTBEAT_S):
+            try:
+                self._beats.heartbeat(self.id)
+            except Exception:  # the lighthouse is briefly unreachable: the next beat retries
+                pass
+
+    def wait_for_first(self, workers: int) -> None:
+        """The run's first workers wait for each other, so that the first quorum holds them all."""
+        self.store.add(STARTED, 1)
+        deadline = time.monotonic() + 300
+        while int(self.store.add(STARTED, 0)) < workers:
+            if time.monotonic() > deadline:
+                raise RunError(f"only {int(self.store.add(STARTED, 0))} of {workers} workers started within 300 s")
+            time.sleep(0.02)
+
+    def joins(self) -> int:
+        """How many times a joiner announced itself (compared at commit points)."""
+        return int(self.store.add(JOINS, 0))
+
+    def agree(self, step: int, joining: bool = False) -> View:
+        """Ask for a quorum (this worker's committed step with it), then form its group."""
+        done = threading.Event()
+        if joining:  # say so until a quorum takes us: the members ask only when told
+            threading.Thread(target=self._announce, args=(done,), daemon=True).start()
+        try:
+            q = self._quorum(step)
+        finally:
+            done.set()
+        members = sorted(q.participants, key=lambda m: m.replica_id)
+        ids = [m.replica_id for m in members]
+        if self.id not in ids:
+            raise RunError(f"the lighthouse's quorum {q.quorum_id} left this worker out")
+        view = View(f"{q.quorum_id}-{q.created.seconds}.{q.created.nanos}", ids.index(self.id), len(ids),
+                    tuple(int(i.split(":")[0]) for i in ids), tuple(int(m.step) for m in members))
+        self._form_group(view)
+        return view
+
+    def _announce(self, done: threading.Event) -> None:
+        while not done.wait(0.2):
+            self.store.add(JOINS, 1)
+            if done.wait(REANNOUNCE_S):
+                return
+
+    def _quorum(self, step: int):
+        while True:
+            try:
+                return self._client.quorum(replica_id=self.id, timeout=timedelta(seconds=QUORUM_RPC_S),
+                                           address="", store_address=self.store_address, step=step,
+                                           world_size=1, shrink_only=False)
+            except Exception as e:  # no quorum yet (too few workers) or the lighthouse is away: ask again
+                text = str(e).lower()
+                if not isinstance(e, TimeoutError) and not any(m in text for m in ("timeout", "timed out",
+                                                                                    "deadline", "connect")):
+                    raise
+
+    def _form_group(self, view: View) -> None:
+        leave()
+        prefix = dist.PrefixStore(f"lowcomm/elastic/q{view.quorum}/", self.store)
+        dist.init_process_group("gloo", store=prefix, rank=view.rank, world_size=view.world,
+                                timeout=timedelta(seconds=self.timeout_s))
+
+    def close(self) -> None:
+        self._stop.set()
+        leave()
+
+
+def leave() -> None:
+    """Destroy this worker's group, if any (collected first: see worker.leave_group), and the
+    control groups made beside it."""
+    control._GROUPS.clear()
+    if dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()

@@ -1,0 +1,83 @@
+"""Which strategies run with --elastic, and why the others are refused (one line each).
+
+A strategy runs elastically when, at its commit points, the whole state that must agree across
+workers can be rolled back to the last commit and sent to a joiner: ddp (every step; all of its
+state is replicated) and diloco (every outer sync, when every worker is reset to θ_global).
+"""
+from __future__ import annotations
+
+from ..errors import UsageError
+
+SUPPORTED = ("ddp", "diloco")
+WHY_NOT = {
+    "zero1": "its optimizer state is sharded across the workers and is not re-sharded when the group changes",
+    "acco": "its rounds run beside the next step's compute and its optimizer state is sharded, so no step "
+            "boundary is a point every worker can roll back to",
+    "dpu": "each step applies the previous step's gradient, in flight across the boundary, and its optimizer "
+           "state is sharded",
+    "streaming_diloco": "its fragments sync at different steps, so no step has every worker on the same state",
+    "sparseloco": "each worker keeps its own error-feedback residual, which a joiner cannot take from a peer",
+    "demo": "each worker keeps its own momentum residual, which a joiner cannot take from a peer",
+    "quantized": "each worker keeps its own error-feedback residuals, which a joiner cannot take from a peer",
+    "onebit_adam": "each worker keeps its own error-feedback residuals, which a joiner cannot take from a peer",
+    "powersgd": "its compressor keeps per-worker error feedback inside torch's DDP hook state",
+}
+
+
+def check(cfg) -> None:
+    """UsageError, in one line, when cfg asks for --elastic (or --min-workers) where it cannot run."""
+    if not cfg.elastic:
+        if cfg.min_workers:
+            raise UsageError("--min-workers applies only with --elastic")
+        return
+    if cfg.strategy not in SUPPORTED:
+        why = WHY_NOT.get(cfg.strategy, "it does not declare how its state survives a change of the group")
+        raise UsageError(f"--elastic does not run strategy '{cfg.strategy}': {why} "
+                         f"(elastic strategies: {', '.join(SUPPORTED)})")
+    if not 0 <= cfg.min_workers <= cfg.workers:
+        raise UsageError(f"--min-workers must be between 1 and --workers ({cfg.workers}), got {cfg.min_workers}")
+    if cfg.replicas and cfg.replicas != cfg.workers:
+        raise UsageError("--elastic runs one worker per replica: drop --replicas")
+    if cfg.strategy == "diloco":
+        o = cfg.strategy_options()
+        if o.sync_by != "steps":
+            raise UsageError("--elastic needs diloco's --sync-by steps: its commit points are the outer syncs, "
+                             "which must fall on the same step on every worker")
+    for flag, value in (("--checkpoint-every", cfg.checkpoint_every), ("--stop-at", cfg.stop_at),
+                        ("--checkpoint-on-signal", cfg.checkpoint_on_signal), ("--resume", cfg.resume_from),
+                        ("--trace", cfg.trace), ("--slowdown", cfg.slowdown), ("--stragglers", cfg.stragglers)):
+        if value:
+            raise UsageError(f"{flag} does not run with --elastic yet")
+    from .lighthouse import require_torchft
+    require_torchft()
+
+
+def min_workers(cfg) -> int:
+    return cfg.min_workers or cfg.workers
+
+
+def replicated(strategy: str, state: dict) -> dict:
+    """The tensors of a run's state (RunDriver.state_dict()) that every member holds alike at a
+    commit point: all of ddp's; diloco's parameters (= θ_global after a sync), θ_global and the
+    outer optimizer (each worker's inner optimizer is its own)."""
+    out = {f"model.{k}": v for k, v in state["model"].items()}
+    optimizers = state["optimizers"] if strategy == "ddp" else state["optimizers"][1:]
+    for i, osd in enumerate(optimizers):
+        for p, st in osd["state"].items():
+            for k, v in st.items():
+                if hasattr(v, "dtype"):
+                    out[f"opt{i}.{p}.{k}"] = v
+    if strategy != "ddp":
+        for k, v in _tensors(state["extra"]).items():
+            out[f"extra.{k}"] = v
+    return out
+
+
+def _tensors(obj, prefix: str = "") -> dict:
+    if hasattr(obj, "dtype"):
+        return {prefix: obj}
+    if isinstance(obj, dict):
+        return {k2: v2 for k, v in obj.items() for k2, v2 in _tensors(v, f"{prefix}.{k}").items()}
+    if isinstance(obj, (list, tuple)):
+        return {k2: v2 for i, v in enumerate(obj) for k2, v2 in _tensors(v, f"{prefix}.{i}").items()}
+    return {}
