@@ -103,7 +103,7 @@ class ElasticWorker:
         val = val_batches(self.val_tokens, view.rank, view.world, cfg.model.seq_len, cfg.micro_batch,
                           cfg.eval_batches)
         self.t = Trainer(cfg, view.rank, view.world, self.device, "gloo", comm, self.model, run,
-                         loader_for(cfg, self.train_tokens, view, self.step), val, self.source, None)
+                         loader_for(cfg, self.train_tokens, view, self.step), val, self.source, None, None)
         self.view = view
 
     def _take_snapshot(self) -> dict:
