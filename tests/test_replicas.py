@@ -34,13 +34,18 @@ ACROSS = [n for n in available() if get(n).runs_inside("ddp")]
 LOCAL_SGD = {"sync_every": 2, "sync_by": "steps"}
 OPTIONS = {"diloco": LOCAL_SGD, "sparseloco": LOCAL_SGD,
            "streaming_diloco": {**LOCAL_SGD, "fragments": 2, "fragment_delay": 1},
-           # its exact warm-up: the compressed steps compress other flat buffers (below)
-           "onebit_adam": {"freeze_variance_after": N_STEPS},
+           "onebit_adam": {"freeze_variance_after": 2},  # 1-bit from step 3
            "powersgd": {"start": 2}}  # compressed from step 3
-# Compressors over one flat buffer of the tensors a rank holds (blockwise scales, chunks of
-# 4096 values): a position's part of the model cuts other blocks than a whole worker's does,
-# so these agree to their quantization error, and their bytes to the blocks' padding.
-FLAT_COMPRESSED = {"quantized": 1e-2, "sparseloco": 5e-2}
+# SparseLoCo's quantizer takes its statistics over the whole flattened outer gradient of the
+# tensors a rank holds: a position's differ from a whole worker's, so it agrees to its
+# quantization error only.
+# 1-bit Adam sends signs: a momentum within rounding of zero (the replica's mean gradient and a
+# single worker's differ in the last bits) may take the other sign and move by a block's scale.
+TOLERANCE = {"sparseloco": 5e-2, "onebit_adam": 5e-5}
+# Bytes: the blockwise compressors pad each position's piece to whole blocks on R ranks,
+# sparseloco its chunks (a few per cent on this small model); the overlapped rounds send a
+# micro-batch count per group.
+BYTES_SLACK = {"quantized": 0.1, "onebit_adam": 0.1, "sparseloco": 0.2}
 
 
 def _model():
@@ -106,14 +111,14 @@ def _planned(name, level):
 
 @pytest.mark.parametrize("name", ACROSS)
 def test_every_strategy_across_replicas_equals_one_worker_per_replica(name, replica_runs):
-    tolerance = FLAT_COMPRESSED.get(name, 1e-6)
+    tolerance = TOLERANCE.get(name, 1e-6)
     for rank, out in enumerate(replica_runs):  # rank r·K + p holds what worker r holds
         reference = replica_runs[rank - rank % K][name]["flat"]
         assert rel_err(out[name]["grouped"], reference) <= tolerance, (name, rank)
     cross = sum(out[name]["counted"]["cross"] for out in replica_runs)
     flat = sum(out[name]["flat_bytes"] for out in replica_runs)
-    # the K groups together send what the R workers send (overlapped rounds: plus a count per group)
-    assert abs(cross - flat) <= (0.2 * flat if name in FLAT_COMPRESSED else 8 * R * N_STEPS * (K - 1) + 8), (cross, flat)
+    # the K groups together send what the R workers send
+    assert abs(cross - flat) <= BYTES_SLACK.get(name, 0) * flat + 8 * R * N_STEPS * (K - 1), (cross, flat)
 
 
 @pytest.mark.parametrize("name", ACROSS)

@@ -12,6 +12,12 @@ Adam's momentum.
 Q is int8 / int4 with a per-block absmax scale or 1-bit sign with a per-block scale
 (lowcomm.compress). Each collective moves W·nbytes(m) bytes (`payload_bytes`): about
 2(W-1)/W · P · bits/8 plus 4 bytes per block per rank, the ring shape of DDP's all-reduce.
+
+Across replica groups (`SplitByPosition`): every block is the one a single worker's flat
+vector has, and position p of a replica runs the two stages across replicas on its piece of
+whole blocks only; the pieces are all-gathered inside the replica. Each block is compressed,
+summed and compressed again exactly as a single worker's would be, so R replicas of K equal R
+workers (whole tensors per position, as the other strategies split, would cut other blocks).
 """
 from __future__ import annotations
 
@@ -69,9 +75,9 @@ class CompressedAllReduce:
             at += n
         return out
 
-    def mean(self, ctx, flat: torch.Tensor) -> torch.Tensor | None:
-        """The two-stage compressed mean of every rank's `flat` (W·m values; consumed). `ctx`
-        is the step's StepContext: what each rank sends follows its non-finite protocol, so a
+    def mean(self, ctx, flat: torch.Tensor, reduced: bool = False) -> torch.Tensor | None:
+        """The two-stage compressed mean of every rank's `flat` (W·m values; consumed; `reduced`
+        matters across replica groups only, SplitByPosition). `ctx` is the step's StepContext: what each rank sends follows its non-finite protocol, so a
         NaN anywhere reaches every rank through the scales and all return None alike."""
         W, m, q = self.comm.world, self.m, self.q
         nb = q.nbytes(m)
@@ -96,6 +102,18 @@ class CompressedAllReduce:
         self.compress_s += time.perf_counter() - t0
         return mean if ctx.received_finite(mean) else None
 
+    def exact_mean(self, ctx, flat: torch.Tensor, reduced: bool = False) -> torch.Tensor | None:
+        """The plain fp32 mean of every rank's `flat` (its first `numel` values; consumed), under
+        the same non-finite protocol as `mean`."""
+        values = flat[:self.numel]
+        ctx.poison_nonfinite(values)
+        self.comm.all_reduce(values)
+        values /= self.comm.world
+        return values if ctx.received_finite(values) else None
+
+    def replica_mean(self, flat: torch.Tensor) -> None:
+        """Within a replica group (SplitByPosition): the replica's mean; here nothing."""
+
     def _compress(self, key: str, x: torch.Tensor, bad: bool):
         """With error feedback; a non-finite input (NaN-filled: its scales carry the NaN to every
         rank) is sent without touching the residual, so the skipped step leaves no trace."""
@@ -112,3 +130,93 @@ class CompressedAllReduce:
 
     def load_state_dict(self, sd: dict) -> None:
         self.ef.load_state_dict(sd)
+
+
+def split_piece(num_params: int, replicas: int, size: int, block: int) -> int:
+    """Values of each position's piece: a single worker's flat vector (R shards of whole blocks)
+    cut into `size` pieces of whole blocks."""
+    length = replicas * shard_len(num_params, replicas, block)
+    return -(-length // (size * block)) * block
+
+
+class SplitByPosition:
+    """CompressedAllReduce across replica groups (see the module docstring): the same `flat`,
+    `views`, `mean` and `exact_mean`, with `inside` the engine inside this rank's replica and
+    `comm` the group across replicas."""
+
+    def __init__(self, inside, comm, like: list[torch.Tensor], bits: int, block: int, error_feedback: bool = True):
+        self.inside = inside
+        self.layout = CompressedAllReduce(comm, like, bits, block, error_feedback)  # a single worker's vector
+        self.numel, self.length = self.layout.numel, comm.world * self.layout.m
+        self.piece = split_piece(self.numel, comm.world, inside.comm.world, block)
+        piece = torch.empty(self.piece, device=self.layout.device)
+        self.part = CompressedAllReduce(comm, [piece], bits, block, error_feedback)  # this position's blocks
+
+    @property
+    def comm(self):
+        return self.part.comm
+
+    @comm.setter
+    def comm(self, comm) -> None:
+        self.layout.comm = self.part.comm = comm
+
+    @property
+    def compress_s(self) -> float:
+        return self.part.compress_s
+
+    @compress_s.setter
+    def compress_s(self, seconds: float) -> None:
+        self.part.compress_s = seconds
+
+    def flat(self, tensors):
+        return self.layout.flat(tensors)
+
+    def views(self, flat):
+        return self.layout.views(flat)
+
+    def replica_mean(self, flat: torch.Tensor) -> None:
+        """In place: the mean of `flat` over the replica's ranks (fp32, one all-reduce)."""
+        self.inside.comm.all_reduce(flat, op="avg")
+
+    def _mine(self, flat: torch.Tensor, reduced: bool) -> torch.Tensor:
+        """This position's piece of `flat`: the replica's mean of it (one reduce-scatter), or,
+        when `flat` is the replica's mean already, a copy of it."""
+        K = self.inside.comm.world
+        padded = torch.cat([flat, flat.new_zeros(K * self.piece - flat.numel())])
+        if not reduced:
+            return self.inside.scatter(padded)
+        p = self.inside.comm.rank
+        return padded[p * self.piece:(p + 1) * self.piece].clone()
+
+    def _whole(self, ctx, piece: torch.Tensor | None, numel: int) -> torch.Tensor | None:
+        """Every position's piece, all-gathered inside the replica; a piece that came back not
+        finite (None) goes as NaN, so every rank of every replica skips the step alike."""
+        if piece is None:
+            piece = torch.full((self.piece,), float("nan"), device=self.layout.device)
+        whole = self.inside.gather(piece, numel)
+        return whole if ctx.received_finite(whole) else None
+
+    def mean(self, ctx, flat: torch.Tensor, reduced: bool = False) -> torch.Tensor | None:
+        mean = self.part.mean(ctx, self.part.flat([self._mine(flat, reduced)]))
+        return self._whole(ctx, None if mean is None else mean[:self.piece], self.length)
+
+    def exact_mean(self, ctx, flat: torch.Tensor, reduced: bool = False) -> torch.Tensor | None:
+        piece = self.part.flat([self._mine(flat, reduced)])
+        return self._whole(ctx, self.part.exact_mean(ctx, piece), self.numel)
+
+    def report(self, steps: int) -> dict:
+        return self.part.report(steps)
+
+    def state_dict(self) -> dict:
+        return self.part.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.part.load_state_dict(sd)
+
+
+def compressed_allreduce(comm, inside, like: list[torch.Tensor], bits: int, block: int,
+                         error_feedback: bool = True) -> CompressedAllReduce | SplitByPosition:
+    """The engine for a flat run (`inside` None) or across replica groups."""
+    if inside is None:
+        return CompressedAllReduce(comm, like, bits, block, error_feedback)
+    return SplitByPosition(inside, comm, like, bits, block, error_feedback)

@@ -26,17 +26,31 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.compressed import CompressedAllReduce, payload_bytes, residual_bytes
+from ..comm.compressed import compressed_allreduce, payload_bytes, residual_bytes, shard_len, split_piece
+from ..models.layout import ModelLayout
 from ..errors import UsageError
 from ..optim import FrozenAdam
 from .base import Strategy
 from .options import Options, option
-from .plan import PlannedOp
+from .plan import LevelPlans, PlannedOp
 from .registry import register
 
 # The warm-up when --freeze-variance-after is left at -1: a fifth of the run (see the docstring).
 WARMUP_SHARE = 0.2
 BITS = 1
+
+
+def split_level_plans(cls, layout, replicas: int, size: int, options, reduced: bool) -> LevelPlans:
+    """Across replica groups with comm.compressed.SplitByPosition: inside, each position's piece
+    reduced to its mean (a reduce-scatter; `reduced`: the whole vector all-reduced first) and the
+    pieces' means all-gathered, fp32; across, the strategy's own plan on a piece."""
+    block = options.block_size
+    piece = split_piece(layout.numel, replicas, size, block)
+    reduce = (PlannedOp("all_reduce", 4 * replicas * shard_len(layout.numel, replicas, block),
+                        what="the whole vector's mean inside the replica (fp32)") if reduced else
+              PlannedOp("reduce_scatter", 4 * size * piece, what="each position's piece, its mean inside the replica (fp32)"))
+    gather = PlannedOp("all_gather", 4 * size * piece, what="the pieces' means inside the replica (fp32)")
+    return LevelPlans([reduce, gather], [cls.comm_plan(ModelLayout(((piece,),)), replicas, options)] * size)
 
 
 @dataclass
@@ -71,14 +85,15 @@ class OneBitAdam(Strategy):
     # A warm-up that needs no run length (the contract tests build runs without total_steps)
     # and ends early enough that their few steps cross the freeze.
     reproducible_options = {"freeze_variance_after": 2}
-    inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
+    inside_replica = ("ddp",)  # across replica groups: each position's blocks (comm.compressed.SplitByPosition)
+    owns_tensors = False
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)
         self.optimizer = make_optimizer(self.params)
         self.adam = FrozenAdam(self.optimizer, self.params)
-        self.allreduce = CompressedAllReduce(comm, self.params, BITS, self.options.block_size,
-                                             self.options.error_feedback)
+        self.allreduce = compressed_allreduce(comm, self.inside, self.params, BITS, self.options.block_size,
+                                              self.options.error_feedback)
         self.warmup: int | None = None  # T0, known once the run's length is (first step)
 
     @classmethod
@@ -87,6 +102,10 @@ class OneBitAdam(Strategy):
         return [PlannedOp("all_to_all", total, what="1-bit momentum shards (worker -> owner)"),
                 PlannedOp("all_gather", total, what="1-bit summed shards (owner -> all)"),
                 PlannedOp("all_reduce", 4 * layout.numel, what="fp32 gradient (1-bit Adam's warm-up)")]
+
+    @classmethod
+    def level_plans(cls, layout, replicas, size, options):
+        return split_level_plans(cls, layout, replicas, size, options, reduced=True)
 
     @classmethod
     def plan_occurrences(cls, op, steps, options):
@@ -112,7 +131,6 @@ class OneBitAdam(Strategy):
             self.warmup = self.options.warmup_steps(self.total_steps)
 
     def update(self, ctx):
-        self.reduce_inside()  # across replica groups: the replica's mean gradient of the owned tensors
         if self.steps_done < self.warmup:
             self._exact_adam_step(ctx)
         else:
@@ -121,11 +139,10 @@ class OneBitAdam(Strategy):
 
     def _exact_adam_step(self, ctx) -> None:
         """The warm-up: Adam learns v from exact mean gradients (a plain fp32 all-reduce)."""
-        grads = self.allreduce.flat([p.grad for p in self.params])[:self.allreduce.numel]
-        ctx.poison_nonfinite(grads)
-        self.comm.all_reduce(grads)
-        grads /= self.comm.world
-        if ctx.received_finite(grads):
+        grads = self.allreduce.flat([p.grad for p in self.params])
+        self.allreduce.replica_mean(grads)  # across replica groups: the replica's (else nothing)
+        grads = self.allreduce.exact_mean(ctx, grads, reduced=True)
+        if grads is not None:
             for p, g in zip(self.params, self.allreduce.views(grads)):
                 p.grad = g.to(p.dtype).clone()
             self.optimizer.step()
@@ -136,9 +153,10 @@ class OneBitAdam(Strategy):
         step applies the mean (the docstring's second phase)."""
         adam = self.adam
         local = self.allreduce.flat([p.grad for p in self.params])
+        self.allreduce.replica_mean(local)  # across replica groups: every rank's m_w is its replica's
         for p, g in zip(self.params, self.allreduce.views(local)):
             g.copy_(torch.lerp(adam.state(p)["exp_avg"], adam.gradient(p, g), 1 - adam.beta1(p)))
-        mean = self.allreduce.mean(ctx, local)
+        mean = self.allreduce.mean(ctx, local, reduced=True)
         if mean is None:
             return
         for p, m, denominator in zip(self.params, self.allreduce.views(mean), adam.denominators()):

@@ -22,11 +22,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, fields
 
-from ..comm.compressed import CompressedAllReduce, payload_bytes, residual_bytes
+from ..comm.compressed import compressed_allreduce, payload_bytes, residual_bytes
 from ..compress import quantizer_for_bits
 from ..errors import UsageError
 from .base import Strategy
-from .onebit_adam import OneBitAdamOptions
+from .onebit_adam import OneBitAdamOptions, split_level_plans
 from .plan import PlannedOp
 from .options import option
 from .registry import register
@@ -52,7 +52,8 @@ class QuantizedOptions(OneBitAdamOptions):
 @register("quantized")
 class Quantized(Strategy):
     Options = QuantizedOptions
-    inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
+    inside_replica = ("ddp",)  # across replica groups: each position's blocks (comm.compressed.SplitByPosition)
+    owns_tensors = False
 
     @classmethod
     def resolve(cls, options: QuantizedOptions):
@@ -71,8 +72,8 @@ class Quantized(Strategy):
             raise UsageError("quantized with bits=1 and freeze_variance_after -1 or > 0 is 1-bit Adam: "
                              "use strategy 'onebit_adam' (freeze_variance_after=0 sends 1-bit gradients)")
         self.optimizer = make_optimizer(self.params)
-        self.allreduce = CompressedAllReduce(comm, self.params, self.options.bits, self.options.block_size,
-                                             self.options.error_feedback)
+        self.allreduce = compressed_allreduce(comm, self.inside, self.params, self.options.bits,
+                                              self.options.block_size, self.options.error_feedback)
 
     @classmethod
     def comm_plan(cls, layout, world, options):
@@ -80,6 +81,10 @@ class Quantized(Strategy):
         name = quantizer_for_bits(options.bits, options.block_size).name
         return [PlannedOp("all_to_all", total, what=f"{name} gradient shards (worker -> owner)"),
                 PlannedOp("all_gather", total, what=f"{name} summed shards (owner -> all)")]
+
+    @classmethod
+    def level_plans(cls, layout, replicas, size, options):
+        return split_level_plans(cls, layout, replicas, size, options, reduced=False)
 
     @classmethod
     def model_state_bytes(cls, num_params, world, options):
@@ -93,7 +98,6 @@ class Quantized(Strategy):
         self.comm = self.allreduce.comm = comm
 
     def update(self, ctx):
-        self.reduce_inside()  # across replica groups: the replica's mean gradient of the owned tensors
         mean = self.allreduce.mean(ctx, self.allreduce.flat([p.grad for p in self.params]))
         if mean is not None:
             t0 = time.perf_counter()
