@@ -272,3 +272,73 @@ def test_a_slow_intra_link_keeps_the_cluster_flat(capsys):
     assert out["cluster"]["replicas"] == 4 and out["cluster"]["inside"] is None
     assert out["recommendation"].startswith("replica size: the flat cluster (--replicas 4: one worker a replica)")
     assert got["ddp"]["levels"]["intra"]["wire_bytes_per_rank_per_step"] == 0
+
+
+# --tune: each strategy's knobs over a grid (plan_tune.py), and what the plan assumed (plan_assume.py).
+SLOW = ["--link", "10mbit,20ms"]  # later flags win: the cluster above on a link where every byte counts
+
+
+def tuned(capsys, *extra):
+    got, out = plan(capsys, *SLOW, "--tune", *extra)
+    return {t["strategy"]: t for t in out["tuned"]}, out
+
+
+def test_tune_takes_the_largest_sync_every_allowed_on_a_slow_link(capsys):
+    t, _ = tuned(capsys, "--strategies", "diloco")
+    diloco = t["diloco"]
+    assert diloco["knobs"]["sync_every"] == {"flag": "--sync-every", "default": 32, "tuned": 64}
+    assert diloco["tuned"]["tokens_per_s"] > diloco["default"]["tokens_per_s"]
+    assert "H <= 64" in diloco["basis"]  # throughput alone would take any larger H: the bound says where it stops
+    t, _ = tuned(capsys, "--strategies", "diloco", "--max-sync-every", "256")
+    assert t["diloco"]["knobs"]["sync_every"]["tuned"] == 256
+
+
+def test_tune_keeps_a_small_sync_every_where_the_network_is_no_bottleneck(capsys):
+    got, out = plan(capsys, "--link", "100gbit,10us", "--tune", "--strategies", "diloco")
+    assert out["tuned"][0]["knobs"]["sync_every"]["tuned"] == 8  # H = 64 would buy < 5 % more tokens/s
+
+
+def test_tune_picks_a_sane_ddp_bucket(capsys):
+    t, _ = tuned(capsys, "--strategies", "ddp")
+    ddp = t["ddp"]
+    assert ddp["knobs"]["bucket_mb"]["tuned"] in (1, 5, 10, 25, 50, 100)
+    assert ddp["tuned"]["tokens_per_s"] >= ddp["default"]["tokens_per_s"]
+    assert "system knob" in ddp["basis"]
+
+
+def test_tune_in_the_table_names_default_and_tuned_settings(capsys):
+    assert main([a for a in ARGS if a != "--json"] + [*SLOW, "--tune", "--strategies", "diloco,ddp,quantized"]) == 0
+    out = capsys.readouterr().out
+    assert "Throughput alone cannot pick H" in out
+    assert "--sync-every 32" in out and "--sync-every 64" in out and "--bits 8" in out
+
+
+def test_max_sync_every_without_tune_is_refused(capsys):
+    assert main([*ARGS, "--max-sync-every", "128"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "give --tune" in err[0]
+
+
+def test_the_plan_says_what_it_assumed(capsys):
+    _, out = plan(capsys, "--strategies", "ddp")
+    assumed = out["assumptions"]
+    assert assumed["tokens_per_step"] == 65536 and assumed["tokens_per_step_from"] == "--tokens-per-step"
+    assert assumed["compute_from"].startswith("--worker-tflops 4")
+    assert assumed["overhead_from"].startswith("0 (not measured")
+    assert assumed["warnings"] == []  # --tokens-per-step given: nothing extrapolated
+    assert main([a for a in ARGS if a != "--json"] + ["--strategies", "ddp"]) == 0
+    text = capsys.readouterr().out
+    assert "assumed: tokens per step 65,536 from --tokens-per-step" in text
+    assert "assumed: compute speed per worker --worker-tflops 4" in text
+
+
+def test_params_without_tokens_per_step_warns_that_the_batch_is_the_presets(capsys):
+    args = ["plan", "--workers", "4", "--link", "1gbit,1ms", "--worker-tflops", "100", "--params", "1e9",
+            "--strategies", "ddp"]
+    assert main([*args, "--json"]) == 0
+    assumed = json.loads(capsys.readouterr().out)["assumptions"]
+    assert "(the config's batch, not --tokens-per-step)" in assumed["tokens_per_step_from"]
+    assert len(assumed["warnings"]) == 1 and "give --tokens-per-step" in assumed["warnings"][0]
+    assert main(args) == 0
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "8,192 tokens per step" in warnings[0]

@@ -83,6 +83,13 @@ def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--calibrate", metavar="BENCHDIR", help="take each strategy's compute speed and loss per "
                       "token from a `lowcomm bench` dir; rank by predicted time to the target loss (default: none)")
     _target_loss_flag(plan, "with --calibrate, the bench's worst final loss")
+    plan.add_argument("--tune", action="store_true", help="also search each strategy's knobs (H, fragments, top-k, "
+                      "bits, PowerSGD rank, max-accum, bucket size) over a small grid and report its best setting "
+                      "next to its default; a knob that trades loss per token for speed (H, top-k, bits, rank, "
+                      "max-accum) is kept at the most conservative setting within 5%% of the best tokens/s, unless "
+                      "--calibrate measured its loss per token (default: off)")
+    plan.add_argument("--max-sync-every", metavar="H", help="with --tune: the largest H (--sync-every) tried; "
+                      "throughput alone always prefers a larger H (default: 64)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table (default: off)")
     plan.add_argument("--config", metavar="FILE", help="TOML file of settings; flags override it (default: none; "
                       "the bench's with --calibrate)")
@@ -182,7 +189,7 @@ MAX_PLAN_WORKERS = 1_000_000
 
 
 def _plan(args) -> int:
-    from . import planner, replica_sizes
+    from . import plan_assume, plan_tune, planner, replica_sizes
     from .report.runs import load_bench
     from .report.table import default_target
 
@@ -213,6 +220,8 @@ def _plan(args) -> int:
     why = planner.recommend(ranked, cluster)
     if replica_sizes.choosing(cfg):
         why = replica_sizes.recommend_count(best, cfg.workers) + "\n" + why
+    assumed = plan_assume.assumptions(args, cfg, cluster, dims, per_token, runs)
+    tuned = _tune(args, cfg, cluster, [p.strategy for p in ranked], options, bench, runs, per_token, target)
     if args.json:
         from . import config as C
         links = C.to_dict(cfg)
@@ -225,14 +234,70 @@ def _plan(args) -> int:
                           "target_loss": target, "ranked": [asdict(p) for p in ranked],
                           **({"replica_counts": [{"replicas": R, "ranked": [asdict(p) for p in r]}
                                                  for R, r in by_count.items()]} if replica_sizes.choosing(cfg) else {}),
+                          "assumptions": assumed,
+                          **({"tuned": [_tuned_json(t) for t in tuned]} if tuned is not None else {}),
                           "recommendation": why}, indent=2))
     else:
         print(planner.describe_model(dims))
+        print(plan_assume.describe(assumed))
         print(_plan_table(ranked, cluster, cfg, target, left_out[chosen]))
         if replica_sizes.choosing(cfg):
             print("\n" + _counts_table(best, cfg.workers))
+        if tuned is not None:
+            print("\n" + plan_tune.table(tuned))
         print("\n" + why)
     return 0
+
+
+def _tune(args, cfg, cluster, names, options, bench, runs, per_token, target):
+    """`--tune`: each strategy's best setting at the replica count chosen (None without --tune).
+    The replica count is searched first at the given options, then the knobs at that count:
+    searching both together would multiply the grid by every divisor of W."""
+    from . import plan_tune
+    from .report.runs import reach
+
+    if not args.tune:
+        if args.max_sync_every is not None:
+            raise UsageError("--max-sync-every bounds the H that --tune tries: give --tune with it")
+        return None
+    bound = (plan_tune.check_bound(convert(args.max_sync_every, "int", "--max-sync-every"))
+             if args.max_sync_every is not None else plan_tune.DEFAULT_MAX_SYNC_EVERY)
+    by_strategy = {}  # every run of the bench per strategy: a recipe may run one at several settings
+    for e in bench.entries if bench is not None else ():
+        if hasattr(e, "summary"):
+            by_strategy.setdefault(e.summary["strategy"], []).append(e)
+
+    def predict_one(name, opts):
+        return _predict(args, cfg, cluster, [name], {name: opts}, runs, per_token, None)[0]
+
+    def measured_at(name, opts):
+        """The bench run of `name` at the quality settings of `opts` (every quality knob equal)."""
+        keys = [k.field for k in plan_tune.knobs_of(name) if k.quality]
+        for e in by_strategy.get(name, ()):
+            own = e.config.get(name, {})
+            if all(own.get(k) == getattr(opts, k) for k in keys):
+                return e
+        return None
+
+    def reach_at(name, opts):
+        e = measured_at(name, opts)
+        return reach(e.curve, target, "tokens") if e is not None else None
+
+    out = []
+    for name in names:
+        keys = [k.field for k in plan_tune.knobs_of(name) if k.quality]
+        covered = "; ".join(" ".join(f"{k}={e.config.get(name, {}).get(k)}" for k in keys)
+                            for e in by_strategy.get(name, ())) if bench is not None else None
+        t = plan_tune.tune(name, options[name], cluster.layout, cluster.accum, predict_one,
+                           reach_at if bench is not None and target is not None else None, bound, covered)
+        if t is not None:
+            out.append(t)
+    return out
+
+
+def _tuned_json(t) -> dict:
+    return {"strategy": t.strategy, "knobs": t.knobs, "basis": t.basis, "notes": t.notes,
+            "default": asdict(t.default), "tuned": asdict(t.best)}
 
 
 def _plan_config(args, calibrated: bool):
