@@ -137,6 +137,23 @@ def test_plan_calibrates_from_the_bench(bench, capsys):
     assert out["recommendation"].startswith(f"use {out['ranked'][0]['label']}: predicted to reach the target loss")
 
 
+
+def test_plan_says_a_calibration_transfers_loss_per_token_not_a_devices_speed(bench, capsys):
+    """A 1e8-param plan calibrated on the bench's tiny model: speed and overhead are extrapolated
+    (one warning line), the batch too; --tune ranks a measured setting by time to target and says
+    which knob the calibration did not cover."""
+    assert main(["plan", "--calibrate", str(bench), "--params", "1e8", "--strategies", "ddp,diloco", "--tune",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    warnings = out["assumptions"]["warnings"]
+    assert any("a device's speed does not transfer from a calibration, only loss per token does" in w
+               for w in warnings)
+    assert any("give --tokens-per-step" in w for w in warnings)
+    assert out["assumptions"]["loss_per_token_from"].startswith("measured by the bench")
+    tuned = {t["strategy"]: t for t in out["tuned"]}
+    assert tuned["ddp"]["basis"].startswith("time to the target loss")  # bucket size leaves loss per token as is
+    assert any("does not cover sync_every=" in n for n in tuned["diloco"]["notes"])  # the bench ran no diloco
+
 GROUPED = ["--workers", "4", "--replicas", "2", "--intra-link", "10gbit,50us"]
 
 

@@ -38,8 +38,9 @@ def assumptions(args, cfg, cluster, dims: dict, per_token: float | None, runs: d
                             f"it with); step time, bytes/token and the ranking depend on it")
     bench_params = _bench_params(runs)
     if per_token is not None:
+        from .planner import format_seconds
         compute_from = (f"--worker-tflops {args.worker_tflops}: 6 N FLOPs per token, "
-                        f"{1e3 * per_token * cluster.tokens_per_step / cluster.workers:.4g} ms per step's compute")
+                        f"{format_seconds(per_token * cluster.tokens_per_step / cluster.workers)} per step's compute")
     else:
         compute_from = (f"measured by the bench on its {bench_params / 1e6:,.4g}M-param model and device, scaled "
                         f"by N ({params / bench_params:.3g}x)")
