@@ -2,7 +2,14 @@
 and the report's "What slowed this run" section and per-rank time plot (report/slowed.py)."""
 from __future__ import annotations
 
+import json
+import re
+
+from test_faults import TINY, data_file  # noqa: F401 (data_file: a fixture)
+
+from lowcomm.cli import main
 from lowcomm.metrics.slowlink import SlowLinkFlags
+from lowcomm.preflight import plots_available
 
 
 def _record(exposed: list[float], model: float | None) -> dict:
@@ -25,3 +32,20 @@ def test_a_healthy_link_no_link_and_a_late_peer_are_not_flagged():
     assert flags.flags(_record([0.4, 0.1], 0.1)) == []
     # twice a 1 ms model is still only a few ms: noise on a busy machine, under the floor
     assert flags.flags(_record([0.004, 0.005], 0.001)) == []
+
+
+def test_a_slowed_rank_is_named_as_the_straggler_in_the_report(tmp_path, data_file):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "8", "--slowdown", "1,3", "--data", str(data_file),
+                 "--out", str(out)]) == 0
+    assert main(["report", str(out), "--out", str(tmp_path / "report")]) == 0
+    text = (tmp_path / "report" / "report.md").read_text()
+    slowed = text.split("## What slowed this run\n\n")[1].split("\n")[0]
+    m = re.match(r"\*\*ddp\*\*: rank 1 computed (\d+\.\d)x slower than the others \(median compute per step "
+                 r"[\d.]+ ms vs [\d.]+ ms\): a straggler \(emulated: --slowdown made it x3\)", slowed)
+    assert m, slowed
+    assert float(m[1]) >= 1.5  # 3 emulated; a tiny model's few ms of compute make it noisy
+    (cause, *_) = json.loads((tmp_path / "report" / "report.json").read_text())["slowed"]["ddp"]
+    assert cause["cause"] == "straggler" and cause["rank"] == 1
+    if plots_available():
+        assert (tmp_path / "report" / "rank_breakdown.png").stat().st_size > 0

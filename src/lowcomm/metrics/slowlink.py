@@ -29,8 +29,9 @@ class SlowLinkFlags:
         exposed = min(record["per_rank"]["exposed_comm_s"])
         if exposed < self.ratio * model or exposed - model < self.floor_s:
             return []
-        return [f"slow link x{exposed / model:.1f} (exposed {_ms(exposed)}, link model {_ms(model)})"]
+        return [f"slow link x{exposed / model:.1f} (exposed {ms(exposed)}, link model {ms(model)})"]
 
 
-def _ms(seconds: float) -> str:
+def ms(seconds: float) -> str:
+    """Seconds as milliseconds a reader compares at a glance (a decimal only below 10 ms)."""
     return f"{1000 * seconds:.0f} ms" if seconds >= 0.0095 else f"{1000 * seconds:.1f} ms"
