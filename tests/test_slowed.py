@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 from test_faults import TINY, data_file  # noqa: F401 (data_file: a fixture)
 
 from lowcomm.cli import main
 from lowcomm.metrics.slowlink import SlowLinkFlags
 from lowcomm.preflight import plots_available
+from lowcomm.report import RecordedRun
+from lowcomm.report.slowed import causes, section
 
 
 def _record(exposed: list[float], model: float | None) -> dict:
@@ -49,3 +52,35 @@ def test_a_slowed_rank_is_named_as_the_straggler_in_the_report(tmp_path, data_fi
     assert cause["cause"] == "straggler" and cause["rank"] == 1
     if plots_available():
         assert (tmp_path / "report" / "rank_breakdown.png").stat().st_size > 0
+
+
+def _run(steps: list[dict], **summary) -> RecordedRun:
+    base = {"strategy": "ddp", "workers": 2, "steps": len(steps), "wall_s": 10.0, "slowdown": [1.0, 1.0],
+            "compute_s_per_rank": [8.0, 8.0], "exposed_comm_s_per_rank": [1.0, 1.0], "exposed_comm_fraction": 0.1}
+    return RecordedRun("ddp", Path("run"), base | summary, steps, {})
+
+
+def _step(compute: list[float], exposed: list[float], **extra) -> dict:
+    return {"per_rank": {"compute_s": compute, "exposed_comm_s": exposed}} | extra
+
+
+def test_the_section_names_a_slow_link_from_its_flagged_steps():
+    slow = _step([0.1, 0.1], [0.25, 0.24], link_model_s=0.1, flags=["slow link x2.4 (exposed 240 ms, link model 100 ms)"])
+    run = _run([slow] * 3 + [_step([0.1, 0.1], [0.1, 0.1], link_model_s=0.1)])
+    ((cause, text),) = [(c["cause"], c["text"]) for c in causes(run)]
+    assert cause == "slow link"
+    assert text == ("the link was slower than its model on 3 of 4 steps (median exposed 240 ms per step vs "
+                    "100 ms the link model prices the bytes at, x2.4)")
+
+
+def test_the_section_splits_exposed_time_by_level_and_says_when_nothing_stood_out():
+    levels = {"cross": {"wire_bytes": 1, "exposed_comm_s_per_rank": [4.25, 4.25]},
+              "intra": {"wire_bytes": 1, "exposed_comm_s_per_rank": [0.75, 0.75]}}
+    run = _run([_step([0.1, 0.1], [0.5, 0.5])], exposed_comm_fraction=0.5, exposed_comm_s_per_rank=[5.0, 5.0],
+               compute_s_per_rank=[4.0, 4.0], levels=levels, replicas=1, tokens=100)
+    (cause,) = causes(run)
+    assert cause["text"] == "communication was exposed for 50 % of the wall time, 85 % of it across replicas"
+    calm = _run([_step([0.1, 0.1], [0.01, 0.01])] * 5)
+    assert causes(calm) == []
+    assert section([calm]) == ("\n## What slowed this run\n\n**ddp**: nothing stood out: per rank, 80 % of the time "
+                               "computing, 10 % waiting on the network, 10 % other.\n")
