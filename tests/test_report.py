@@ -163,7 +163,8 @@ def test_plots_have_a_title_units_distinct_styles_and_target_marks(tmp_path, mon
             fake_run(tmp_path, "zero1", [(1, 100e6, 5.5), (2, 200e6, 3.2), (3, 300e6, 3.0)]),
             fake_run(tmp_path, "diloco", [(1, 0, 5.6), (2, 8e6, 3.1), (3, 16e6, 2.9)])]
     report_of(tmp_path, runs)
-    for name in ("loss_vs_time.png", "loss_vs_bytes.png", "time_breakdown.png", "tokens_per_s.png"):
+    for name in ("loss_vs_time.png", "loss_vs_bytes.png", "time_breakdown.png", "rank_breakdown.png",
+                 "tokens_per_s.png"):
         title = figures[name]._suptitle.get_text()
         assert "2 workers, link 100mbit,10ms, GPT 0.12M params" in title, name
         ax = figures[name].axes[0]

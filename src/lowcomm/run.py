@@ -221,7 +221,7 @@ class RunDriver:
             loss=ctx.idle_loss if ctx.idle else ctx.mean_loss, micro_batches=ctx.micro_batches,
             tokens=ctx.tokens, wire_bytes=spent.wire_bytes, compute_s=ctx.compute_s, comm_s=spent.busy_s,
             exposed_comm_s=spent.exposed_s, wall_s=time.perf_counter() - ctx.t0, lr=ctx.lr, skipped=ctx.skipped,
-            levels=levels)
+            link_model_s=spent.modeled_s, levels=levels)
         return self.result
 
     def _mark_compute_start(self) -> None:

@@ -52,6 +52,9 @@ class CommStats:
     busy_s: float = 0.0
     exposed_s: float = 0.0
     emulated_s: float = 0.0  # part of busy_s that only the link emulator added
+    # What the link model prices these ops at (no queueing, no jitter): the time a healthy
+    # emulated link needs for them, which metrics/slowlink.py sets beside the exposed time.
+    modeled_s: float = 0.0
 
     def __sub__(self, other: "CommStats") -> "CommStats":
         return CommStats(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
@@ -69,6 +72,7 @@ class _Issued(NamedTuple):
     modeled_end: float | None  # with an emulated link
     span: object  # the tracer's span, or None
     eid: int  # its event in the flight recorder (0: none)
+    modeled_s: float = 0.0  # the link model's duration of the op (0: no emulated link)
 
 
 class Comm:
@@ -124,7 +128,7 @@ class Comm:
 
     def _add(self, op: str | None = None, wire: int = 0, ops: int = 0,
              busy_s: float = 0.0, exposed_s: float = 0.0, meta: bool = False,
-             emulated_s: float = 0.0) -> None:
+             emulated_s: float = 0.0, modeled_s: float = 0.0) -> None:
         if getattr(self._local, "overlapped", False):
             exposed_s = 0.0
         with self._lock:
@@ -137,6 +141,7 @@ class Comm:
                 s.busy_s += busy_s
                 s.exposed_s += exposed_s
                 s.emulated_s += emulated_s
+                s.modeled_s += modeled_s
 
     def _sync_device(self, tensor: torch.Tensor | None) -> None:
         # NCCL's wait() only orders streams; timing needs the host to wait too.
@@ -179,7 +184,8 @@ class Comm:
         seq = next(self._seqs)
         eid = 0 if self.flight is None else \
             self.flight.open(_FLIGHT_CODE[op], t0, seq, nbytes, wire, self._level_code, meta)
-        return _Issued(op, wire, meta, t0, modeled_end, span, eid)
+        return _Issued(op, wire, meta, t0, modeled_end, span, eid,
+                       0.0 if link is None else link.duration(op, nbytes, self.world))
 
     def _run_sync(self, issued: _Issued, launch, result) -> None:
         """Launch, block until max(real end, modeled end), count it all as exposed."""
@@ -196,7 +202,7 @@ class Comm:
             _sleep_until(issued.modeled_end)
             end = time.perf_counter()
         self._add(op, issued.wire, 1, busy_s=end - t0, exposed_s=end - t0, meta=meta,
-                  emulated_s=end - real_end)
+                  emulated_s=end - real_end, modeled_s=issued.modeled_s)
         if issued.eid:
             self.flight.close(issued.eid, end)
         if span is not None:
@@ -206,7 +212,7 @@ class Comm:
     def _run_async(self, issued: _Issued, launch, result) -> Handle:
         """Launch and return a Handle; busy time is counted when the transport finishes."""
         work = launch(True)
-        self._add(issued.op, issued.wire, 1, meta=issued.meta)
+        self._add(issued.op, issued.wire, 1, meta=issued.meta, modeled_s=issued.modeled_s)
         handle = Handle(self, work, result, issued.modeled_end)
         real_future = _work_future(work)
         out_future = None

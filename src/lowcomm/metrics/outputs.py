@@ -1,4 +1,4 @@
-"""Where each gathered step goes: rank 0's steps.jsonl, progress view and straggler flags,
+"""Where each gathered step goes: rank 0's steps.jsonl, progress view and flags (stragglers, slow link),
 and TensorBoard when asked for (--tensorboard). The training loop (worker.loop) hands
 records over; this module knows where they are written."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .progress import ProgressView
 from .runlog import StepLog
+from .slowlink import SlowLinkFlags
 from .stragglers import StragglerFlags
 from .summary import Totals
 
@@ -23,6 +24,7 @@ class StepOutputs:
         self.view = ProgressView(cfg.steps, f"{cfg.strategy} W={t.world}", enabled=self.lead and not quiet,
                                  levels=leveled)
         self.stragglers = StragglerFlags() if self.lead else None
+        self.slow_link = SlowLinkFlags() if self.lead else None
         self.board = None
         if t.rank == 0 and cfg.tensorboard:
             from .tensorboard import TensorBoardLog  # the optional extra, checked before the run
@@ -43,12 +45,18 @@ class StepOutputs:
         for record in records:
             totals.add(record)
             if self.lead:
-                self.stragglers.flags(record)
+                self.flag(record)
                 self.log.write(record)
             if self.board is not None:
                 self.board.write(record)
         if self.board is not None:
             self.board.levels({c.level: c.snapshot().wire_bytes for c in self.levels}, step)
+
+    def flag(self, record: dict) -> None:
+        """Every analysis' flags of this step, together in the record's `flags`."""
+        found = self.stragglers.flags(record) + self.slow_link.flags(record)
+        if found:
+            record["flags"] = found
 
     def show(self, step: int, totals: Totals, last: dict, elapsed: float) -> None:
         if self.lead:

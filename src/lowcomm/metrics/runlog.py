@@ -11,8 +11,11 @@ every rank's StepResult gathered each step). Field meanings:
   skipped_ranks   present on steps not applied on some rank: the ranks that found a loss or
                   gradient not finite and skipped the step (all of them, for strategies that
                   reduce gradients every step)
+  link_model_s    present with an emulated link (--link): the seconds the link model prices this
+                  step's collectives at (no queueing or jitter), max over ranks
   flags           present on steps where the run's analysis found something, e.g.
-                  "straggler rank 1 x3.0" (metrics/stragglers.py)
+                  "straggler rank 1 x3.0" (metrics/stragglers.py), "slow link x2.4 (exposed
+                  240 ms, link model 100 ms)" (metrics/slowlink.py)
 With replica groups (--replicas R < W) each level's share of the above, L = cross or intra:
   wire_bytes_L         summed over ranks (wire_bytes_cross + wire_bytes_intra = wire_bytes)
   exposed_comm_s_L     max over ranks
@@ -31,7 +34,7 @@ from ..strategies.context import StepResult
 from .levels import LEVELS
 
 FIELDS = ("loss", "micro_batches", "tokens", "wire_bytes", "compute_s", "comm_s",
-          "exposed_comm_s", "wall_s", "lr", "skipped")
+          "exposed_comm_s", "wall_s", "lr", "skipped", "link_model_s")
 # Each level's bytes and exposed seconds follow FIELDS in every rank's vector, flat run or not,
 # so that all ranks gather vectors of one length; only a run with replicas writes them out.
 LEVEL_FIELDS = tuple(f"{f}_{level}" for level in LEVELS for f in ("wire_bytes", "exposed_comm_s"))
@@ -74,6 +77,8 @@ def step_record(step: int, per_rank: torch.Tensor, levels: bool = False) -> dict
             record[f"wire_bytes_{level}"] = int(col[f"wire_bytes_{level}"].sum())
             record[f"exposed_comm_s_{level}"] = float(exposed.max())
             record["per_rank"][f"exposed_comm_s_{level}"] = [round(float(v), 6) for v in exposed]
+    if col["link_model_s"].max() > 0:  # an emulated link: what it should have taken
+        record["link_model_s"] = round(float(col["link_model_s"].max()), 6)
     skipped = [r for r, v in enumerate(col["skipped"]) if v]
     if skipped:
         record["skipped_ranks"] = skipped

@@ -10,6 +10,7 @@ from .levels import leveled
 from .plots import PLOTS, write_plots
 from .runs import Failed, RecordedRun, load_bench, load_entries, load_run
 from .setup import describe, not_comparable
+from .slowed import causes, section
 from .table import default_target, markdown, row
 
 __all__ = ["PLOTS", "Failed", "RecordedRun", "load_bench", "load_entries", "load_run", "write_report"]
@@ -17,7 +18,7 @@ __all__ = ["PLOTS", "Failed", "RecordedRun", "load_bench", "load_entries", "load
 
 def write_report(entries: list, out: Path, target_loss: float | None = None, title: str = "lowcomm report",
                  preamble: str = "") -> list[dict]:
-    """Write report.md (the answer, the table, the plots), report.json and the plots for
+    """Write report.md (the answer, the table, what slowed each run, the plots), report.json and the plots for
     `entries` (RecordedRun or Failed) into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     runs = [e for e in entries if isinstance(e, RecordedRun)]
@@ -30,9 +31,10 @@ def write_report(entries: list, out: Path, target_loss: float | None = None, tit
     plots = plot_section(lambda: write_plots(runs, out, target, setting if not apart else "runs of different setups")
                          if runs else [])
     text = (f"# {title}\n\n" + answer(rows, target, setting) + "\n\n" + (preamble + "\n\n" if preamble else "")
-            + markdown(rows, target) + plots)
+            + markdown(rows, target) + section(runs) + plots)
     (out / "report.md").write_text(text)
-    write_json_atomic(out / "report.json", {"target_loss": target, "setting": setting, "rows": rows})
+    write_json_atomic(out / "report.json", {"target_loss": target, "setting": setting, "rows": rows,
+                                            "slowed": {r.label: causes(r) for r in runs}})
     return rows
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 from ..metrics.levels import LEVEL_WORDS
 from .levels import leveled, run_levels
+from .rank_plot import draw_rank_breakdown
 from .runs import RecordedRun, reach
 
-PLOTS = ("loss_vs_time.png", "loss_vs_bytes.png", "time_breakdown.png", "tokens_per_s.png")
+PLOTS = ("loss_vs_time.png", "loss_vs_bytes.png", "time_breakdown.png", "rank_breakdown.png", "tokens_per_s.png")
 STYLES = ["-", "--", "-.", ":"]
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "h"]
 LOSS = "validation loss (nats/token)"
@@ -46,6 +47,9 @@ def write_plots(runs: list[RecordedRun], out: Path, target: float | None, settin
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
     _draw_time_breakdown(ax, runs)
     save(fig, "time_breakdown.png", "Where the time went")
+    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    draw_rank_breakdown(ax, runs)
+    save(fig, "rank_breakdown.png", "Where each rank's time went")
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
     ax.bar([r.label for r in runs], [r.summary["tokens_per_s"] for r in runs], color="tab:green")
     ax.set_ylabel("throughput (tokens/s, all workers)")

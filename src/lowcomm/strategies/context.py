@@ -81,6 +81,7 @@ class StepResult:
     wall_s: float
     lr: float
     skipped: bool = False  # the step was not applied: a loss or gradient was not finite
+    link_model_s: float = 0.0  # what the emulated link model prices this step's ops at (0: none)
     # This step's traffic per level (Comm.level: "cross", and "intra" with replica groups);
     # the fields above are their sum.
     levels: dict[str, CommStats] = field(default_factory=dict)
