@@ -19,7 +19,7 @@ Knobs are found by their Options field, so a strategy that declares `sync_every`
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from .errors import UsageError
 from .strategies import get as get_strategy
@@ -176,7 +176,7 @@ def check_bound(value: int) -> int:
 def table(tuned: list[Tuned]) -> str:
     """Each strategy's default and tuned setting with their tokens/s, fastest tuned first."""
     from .planner import format_seconds as _s
-    from .subcommands import _columns
+    from .plan_text import columns
     rows = []
     for t in sorted(tuned, key=lambda t: -t.best.tokens_per_s):
         default = " ".join(f"{k['flag']} {k['default']}" for k in t.knobs.values())
@@ -188,7 +188,56 @@ def table(tuned: list[Tuned]) -> str:
     lines = [f"tuned (--tune): each strategy's knobs over a grid; quality knobs (H, top-k, bits, rank, max-accum) "
              f"at the most conservative setting within {SLACK:.0%} of the best tokens/s, H at most "
              f"--max-sync-every, unless the calibration's loss per token ranks them by time to target. "
-             f"Throughput alone cannot pick H: a larger H is always faster.", _columns(cols, rows)]
+             f"Throughput alone cannot pick H: a larger H is always faster.", columns(cols, rows)]
     for t in tuned:
         lines += [f"{t.strategy}: {t.basis}"] + [f"{t.strategy}: {n}" for n in t.notes]
     return "\n".join(lines)
+
+
+def tune_all(args, names, options, cluster, bench, target, predict_one):
+    """`--tune`: each strategy's best setting at the replica count chosen (None without --tune);
+    `predict_one(name, options)` prices one setting. The replica count is searched first at the
+    given options, then the knobs at that count: searching both together would multiply the
+    grid by every divisor of W."""
+    from .report.runs import reach
+    from .values import convert
+
+    if not args.tune:
+        if args.max_sync_every is not None:
+            raise UsageError("--max-sync-every bounds the H that --tune tries: give --tune with it")
+        return None
+    bound = (check_bound(convert(args.max_sync_every, "int", "--max-sync-every"))
+             if args.max_sync_every is not None else DEFAULT_MAX_SYNC_EVERY)
+    by_strategy = {}  # every run of the bench per strategy: a recipe may run one at several settings
+    for e in bench.entries if bench is not None else ():
+        if hasattr(e, "summary"):
+            by_strategy.setdefault(e.summary["strategy"], []).append(e)
+
+    def measured_at(name, opts):
+        """The bench run of `name` at the quality settings of `opts` (every quality knob equal)."""
+        keys = [k.field for k in knobs_of(name) if k.quality]
+        for e in by_strategy.get(name, ()):
+            own = e.config.get(name, {})
+            if all(own.get(k) == getattr(opts, k) for k in keys):
+                return e
+        return None
+
+    def reach_at(name, opts):
+        e = measured_at(name, opts)
+        return reach(e.curve, target, "tokens") if e is not None else None
+
+    out = []
+    for name in names:
+        keys = [k.field for k in knobs_of(name) if k.quality]
+        covered = "; ".join(" ".join(f"{k}={e.config.get(name, {}).get(k)}" for k in keys)
+                            for e in by_strategy.get(name, ())) if bench is not None else None
+        t = tune(name, options[name], cluster.layout, cluster.accum, predict_one,
+                           reach_at if bench is not None and target is not None else None, bound, covered)
+        if t is not None:
+            out.append(t)
+    return out
+
+
+def tuned_json(t) -> dict:
+    return {"strategy": t.strategy, "knobs": t.knobs, "basis": t.basis, "notes": t.notes,
+            "default": asdict(t.default), "tuned": asdict(t.best)}

@@ -189,7 +189,7 @@ MAX_PLAN_WORKERS = 1_000_000
 
 
 def _plan(args) -> int:
-    from . import plan_assume, plan_tune, planner, replica_sizes
+    from . import plan_assume, plan_text, plan_tune, planner, replica_sizes
     from .report.runs import load_bench
     from .report.table import default_target
 
@@ -235,14 +235,14 @@ def _plan(args) -> int:
                           **({"replica_counts": [{"replicas": R, "ranked": [asdict(p) for p in r]}
                                                  for R, r in by_count.items()]} if replica_sizes.choosing(cfg) else {}),
                           "assumptions": assumed,
-                          **({"tuned": [_tuned_json(t) for t in tuned]} if tuned is not None else {}),
+                          **({"tuned": [plan_tune.tuned_json(t) for t in tuned]} if tuned is not None else {}),
                           "recommendation": why}, indent=2))
     else:
         print(planner.describe_model(dims))
         print(plan_assume.describe(assumed))
-        print(_plan_table(ranked, cluster, cfg, target, left_out[chosen]))
+        print(plan_text.plan_table(ranked, cluster, cfg, target, left_out[chosen]))
         if replica_sizes.choosing(cfg):
-            print("\n" + _counts_table(best, cfg.workers))
+            print("\n" + plan_text.counts_table(best, cfg.workers))
         if tuned is not None:
             print("\n" + plan_tune.table(tuned))
         print("\n" + why)
@@ -250,54 +250,12 @@ def _plan(args) -> int:
 
 
 def _tune(args, cfg, cluster, names, options, bench, runs, per_token, target):
-    """`--tune`: each strategy's best setting at the replica count chosen (None without --tune).
-    The replica count is searched first at the given options, then the knobs at that count:
-    searching both together would multiply the grid by every divisor of W."""
+    """`--tune`: each strategy's best setting (plan_tune.tune_all); None without --tune."""
     from . import plan_tune
-    from .report.runs import reach
-
-    if not args.tune:
-        if args.max_sync_every is not None:
-            raise UsageError("--max-sync-every bounds the H that --tune tries: give --tune with it")
-        return None
-    bound = (plan_tune.check_bound(convert(args.max_sync_every, "int", "--max-sync-every"))
-             if args.max_sync_every is not None else plan_tune.DEFAULT_MAX_SYNC_EVERY)
-    by_strategy = {}  # every run of the bench per strategy: a recipe may run one at several settings
-    for e in bench.entries if bench is not None else ():
-        if hasattr(e, "summary"):
-            by_strategy.setdefault(e.summary["strategy"], []).append(e)
 
     def predict_one(name, opts):
         return _predict(args, cfg, cluster, [name], {name: opts}, runs, per_token, None)[0]
-
-    def measured_at(name, opts):
-        """The bench run of `name` at the quality settings of `opts` (every quality knob equal)."""
-        keys = [k.field for k in plan_tune.knobs_of(name) if k.quality]
-        for e in by_strategy.get(name, ()):
-            own = e.config.get(name, {})
-            if all(own.get(k) == getattr(opts, k) for k in keys):
-                return e
-        return None
-
-    def reach_at(name, opts):
-        e = measured_at(name, opts)
-        return reach(e.curve, target, "tokens") if e is not None else None
-
-    out = []
-    for name in names:
-        keys = [k.field for k in plan_tune.knobs_of(name) if k.quality]
-        covered = "; ".join(" ".join(f"{k}={e.config.get(name, {}).get(k)}" for k in keys)
-                            for e in by_strategy.get(name, ())) if bench is not None else None
-        t = plan_tune.tune(name, options[name], cluster.layout, cluster.accum, predict_one,
-                           reach_at if bench is not None and target is not None else None, bound, covered)
-        if t is not None:
-            out.append(t)
-    return out
-
-
-def _tuned_json(t) -> dict:
-    return {"strategy": t.strategy, "knobs": t.knobs, "basis": t.basis, "notes": t.notes,
-            "default": asdict(t.default), "tuned": asdict(t.best)}
+    return plan_tune.tune_all(args, names, options, cluster, bench, target, predict_one)
 
 
 def _plan_config(args, calibrated: bool):
@@ -384,65 +342,6 @@ def _predict(args, cfg, cluster, names, options, runs, per_token, target) -> lis
                 p.time_to_target_s = p.tokens_to_target / p.tokens_per_s
         preds.append(p)
     return preds
-
-
-def _plan_table(ranked, cluster, cfg, target, left_out: dict) -> str:
-    from .planner import format_seconds as _s
-    grouped = not cluster.flat
-    head = (f"{cluster.params / 1e6:,.1f}M params on {cluster.workers} workers"
-            + (f" as {cluster.groups} replicas of {cluster.workers // cluster.groups} ({cfg.inside} inside)"
-               if grouped else "")
-            + f", {cluster.tokens_per_step:,} tokens per step, {_links(cfg, grouped)}"
-            + (f", slowdown up to {cluster.slowest:g}x" if cluster.slowdown else "") + "\n\n")
-    wire = ["intra MB/step/rank", "cross MB/step/rank"] if grouped else ["wire MB/step/rank"]
-    cols = ["#", "strategy", "step", "compute", "exposed comm", "tokens/s", "bytes/token", *wire,
-            "memory/worker"] + (["time to target"] if any(p.time_to_target_s is not None for p in ranked) else [])
-    rows = []
-    for i, p in enumerate(ranked, 1):
-        per_rank = ([p.levels[level]["wire_bytes_per_rank_per_step"] for level in ("intra", "cross")] if grouped
-                    else [p.wire_bytes_per_rank_per_step])
-        row = [str(i), p.label, _s(p.step_s), _s(p.compute_s), f"{_s(p.exposed_comm_s)} ({100 * p.exposed_fraction:.0f}%)",
-               f"{p.tokens_per_s:,.0f}", f"{p.bytes_per_token:,.3g}", *(f"{b / 1e6:,.3g}" for b in per_rank),
-               f"{p.model_state_bytes / 2**30:,.2f} GiB" if p.model_state_bytes >= 2**30
-               else f"{p.model_state_bytes / 2**20:,.1f} MiB"]
-        if len(cols) > len(row):
-            row.append(_s(p.time_to_target_s) if p.time_to_target_s is not None else "-")
-        rows.append(row)
-    note = ("\nmemory: parameters, gradients and optimizer state (activations excluded)"
-            + (f"; target loss {target:.4f}" if target is not None and cols[-1] == "time to target" else ""))
-    if grouped:
-        note += ("\nintra/cross MB/step/rank: what a rank sends inside its replica and across replicas (averaged "
-                 "over the positions of a replica); bytes/token: both levels, all ranks; exposed comm: the inside "
-                 "collectives in full, plus what the strategy leaves exposed across")
-    if left_out:
-        note += "\nnot planned here: " + "; ".join(f"{name} ({why})" for name, why in left_out.items())
-    return head + _columns(cols, rows) + note
-
-
-def _counts_table(best, workers: int) -> str:
-    """Each replica count's fastest strategy (lowcomm plan --intra-link without --replicas)."""
-    from .planner import format_seconds as _s
-    cols = ["R", "K", "fastest", "step", "tokens/s", "intra bytes/token", "cross bytes/token"]
-    rows = [[str(p.replicas), str(workers // p.replicas), p.label, _s(p.step_s), f"{p.tokens_per_s:,.0f}",
-             f"{p.levels['intra']['bytes_per_token']:,.3g}", f"{p.levels['cross']['bytes_per_token']:,.3g}"]
-            for p in best]
-    return (f"replica counts tried (R replicas of K = {workers}/R workers each; R = {workers} is flat):\n"
-            + _columns(cols, rows))
-
-
-def _links(cfg, grouped: bool) -> str:
-    from .bench import link_specs
-    spec = link_specs(cfg)
-    return (f"link {spec['link']} across replicas, intra-link {spec['intra_link']} inside" if grouped
-            else f"link {spec['link']}")
-
-
-def _columns(cols: list[str], rows: list[list[str]]) -> str:
-    """`rows` under `cols`, each column as wide as its widest cell."""
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # pragma: no cover
