@@ -12,7 +12,9 @@ Parts (same model, data, seed and tokens per step for every run of a part):
 2. memory: the memory training added per process (summary.json's peak_mem_added_bytes: the
    peak minus what the process held before the model was built, i.e. torch and the process
    groups; the largest rank's) of the `small` preset with ddp at (R, K) = (1, 2), `--inside
-   fsdp` against `--inside ddp`; the whole peak (peak_mem_bytes) beside it.
+   fsdp` against `--inside ddp`, under glibc's default allocator settings and with a fixed
+   mmap threshold (MALLOC_MMAP_THRESHOLD_, so that the resident peak follows the tensors:
+   see TENSOR_TRACKING).
 
 Targets: cross-replica bytes per token <= 1/2 of flat's for ddp and diloco; ddp's tokens/s
 >= 1.5x flat's; fsdp's memory per process <= 0.6x of ddp inside's. Each is printed with
@@ -66,20 +68,30 @@ def links(args, root: Path) -> list[bool]:
     return results
 
 
+# glibc raises its mmap threshold to the size of each large block freed, after which blocks of
+# that size come from the heap and stay in the process once freed: the resident peak then
+# follows the allocator's history more than the live tensors (measured: +426 vs +356 MiB for
+# ddp vs fsdp inside, 0.84x). A fixed threshold returns every large block when it is freed.
+TENSOR_TRACKING = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
 def memory(args, root: Path) -> list[bool]:
     common = ["--strategy", "ddp", "--workers", "2", "--replicas", "1", "--model", "small", "--steps", "3",
               "--micro-batch", "1", "--seq-len", "128", "--eval-every", "0", "--eval-batches", "1"]
     print("\n== memory: the small preset, ddp at (R, K) = (1, 2): --inside fsdp vs --inside ddp ==")
-    added, peak = {}, {}
-    for inside in ("ddp", "fsdp"):
-        s = train(root / f"memory-{inside}", *common, "--inside", inside, echo=True).summary
-        added[inside], peak[inside] = s["peak_mem_added_bytes"], s["peak_mem_bytes"]
-        print(f"  inside {inside}: training added {added[inside] / 2**20:.0f} MiB per process (peak "
-              f"{peak[inside] / 2**20:.0f} MiB with the runtime), optimizer state "
-              f"{s['optimizer_state_bytes_per_rank'] / 2**20:.1f} MiB per rank")
-    ratio = added["fsdp"] / added["ddp"]
-    print(f"  fsdp / ddp inside, memory training added = {ratio:.2f} (target <= 0.6) {verdict(ratio <= 0.6)}; "
-          f"peak with the runtime (torch, gloo: the same in both) = {peak['fsdp'] / peak['ddp']:.2f}")
+    ratios = {}
+    for allocator, env in (("glibc's default", None), ("fixed mmap threshold", TENSOR_TRACKING)):
+        added = {}
+        for inside in ("ddp", "fsdp"):
+            s = train(root / f"memory-{inside}-{len(ratios)}", *common, "--inside", inside, env=env, echo=True).summary
+            added[inside] = s["peak_mem_added_bytes"]
+            print(f"  {allocator}, inside {inside}: training added {added[inside] / 2**20:.0f} MiB per process "
+                  f"(peak {s['peak_mem_bytes'] / 2**20:.0f} MiB with the runtime), optimizer state "
+                  f"{s['optimizer_state_bytes_per_rank'] / 2**20:.1f} MiB per rank")
+        ratios[allocator] = added["fsdp"] / added["ddp"]
+        print(f"  {allocator}: fsdp / ddp inside, memory training added = {ratios[allocator]:.2f}")
+    ratio = ratios["fixed mmap threshold"]
+    print(f"  target (memory the tensors hold, fixed threshold): {ratio:.2f} <= 0.6 {verdict(ratio <= 0.6)}")
     return [ratio <= 0.6]
 
 
