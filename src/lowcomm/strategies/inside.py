@@ -38,6 +38,7 @@ class InsideDDP:
 
     def __init__(self, comm: Comm):
         self.comm = comm
+        self._split = None  # (tensor sizes, each position's indices, the largest position's values)
 
     def strategy_class(self, cls: type) -> type:
         """The class that runs strategy `cls` with this engine inside (here: `cls` itself)."""
@@ -77,25 +78,32 @@ class InsideDDP:
 
     # -- whole tensors owned by position ------------------------------------------------
     def positions(self, params: list[torch.nn.Parameter]) -> list[list[int]]:
-        """Indices of the tensors each position owns (the planner's ModelLayout.positions)."""
-        return owned_tensors([p.numel() for p in params], self.comm.world)
+        """Indices of the tensors each position owns (the planner's ModelLayout.positions);
+        worked out once: the split depends only on the tensors' sizes, which a run keeps."""
+        sizes = tuple(p.numel() for p in params)
+        if self._split is None or self._split[0] != sizes:
+            groups = owned_tensors(list(sizes), self.comm.world)
+            self._split = (sizes, groups, max(sum(sizes[j] for j in g) for g in groups))
+        return self._split[1]
 
-    def owned(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-        return [params[j] for j in self.positions(params)[self.comm.rank]]
+    def _spans(self, params, q: int, at: int = 0):
+        """(index, its values' slice) of each tensor position q owns, laid end to end from `at`."""
+        for j in self.positions(params)[q]:
+            n = params[j].numel()
+            yield j, slice(at, at + n)
+            at += n
 
     def _by_position(self, tensors: list[torch.Tensor | None], params) -> tuple[torch.Tensor, int]:
         """Every position's tensors end to end in one fp32 buffer, each position's part padded
         to the largest (`part` elements), so a reduce-scatter hands each its own part."""
-        groups = self.positions(params)
-        part = max(sum(params[j].numel() for j in g) for g in groups)
-        flat = torch.zeros(part * len(groups), dtype=torch.float32, device=params[0].device)
-        for p, group in enumerate(groups):
-            at = p * part
-            for j in group:
-                n = params[j].numel()
+        K = self.comm.world
+        self.positions(params)
+        part = self._split[2]
+        flat = torch.zeros(part * K, dtype=torch.float32, device=params[0].device)
+        for q in range(K):
+            for j, span in self._spans(params, q, q * part):
                 if tensors[j] is not None:
-                    flat[at:at + n].copy_(tensors[j].reshape(-1))
-                at += n
+                    flat[span].copy_(tensors[j].reshape(-1))
         return flat, part
 
     @torch.no_grad()
@@ -105,14 +113,13 @@ class InsideDDP:
         flat, part = self._by_position([p.grad for p in params], params)
         piece = flat.new_empty(part)
         self.comm.reduce_scatter(piece, flat, op=op)
-        owned, at = self.positions(params)[self.comm.rank], 0
-        mine = set(owned)
-        for j in owned:
-            p, n = params[j], params[j].numel()
+        mine = set()
+        for j, span in self._spans(params, self.comm.rank):
+            p = params[j]
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.copy_(piece[at:at + n].view_as(p))
-            at += n
+            p.grad.copy_(piece[span].view_as(p))
+            mine.add(j)
         for j, p in enumerate(params):
             if j not in mine:
                 p.grad = None
@@ -121,22 +128,18 @@ class InsideDDP:
     def share(self, params: list[torch.nn.Parameter], counted: bool = True) -> None:
         """Every parameter <- its owner's value (one all-gather of the owned parts; not counted
         as the run's traffic with `counted=False`)."""
-        groups = self.positions(params)
-        flat, part = self._by_position([p if j in set(groups[self.comm.rank]) else None
-                                        for j, p in enumerate(params)], params)
-        mine = flat[self.comm.rank * part:(self.comm.rank + 1) * part].clone()
+        rank = self.comm.rank
+        mine = set(self.positions(params)[rank])
+        flat, part = self._by_position([p if j in mine else None for j, p in enumerate(params)], params)
+        own = flat[rank * part:(rank + 1) * part].clone()
         if counted:
-            self.comm.all_gather(flat, mine)
+            self.comm.all_gather(flat, own)
         else:
-            flat = self.comm.meta_all_gather(mine).reshape(-1)
-        for q, group in enumerate(groups):
-            if q == self.comm.rank:
-                continue
-            at = q * part
-            for j in group:
-                n = params[j].numel()
-                params[j].copy_(flat[at:at + n].view_as(params[j]))
-                at += n
+            flat = self.comm.meta_all_gather(own).reshape(-1)
+        for q in range(self.comm.world):
+            if q != rank:
+                for j, span in self._spans(params, q, q * part):
+                    params[j].copy_(flat[span].view_as(params[j]))
 
     def sum(self, count: int, device: torch.device) -> int:
         """`count` summed over the replica's ranks (micro-batches: a float64 all-reduce)."""
