@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from lowcomm.compress import (Compressor, DCTTopK, ErrorFeedback, IntQuantizer, SignQuantizer, TopK,
+from lowcomm.compress import (Compressor, DCTTopK, ErrorFeedback, IntQuantizer, PerTensor, SignQuantizer, TopK,
                               block_dims, dct_matrix, largest_divisor_at_most, make_compressor,
-                              pack_bits, quantizer_for_bits, unpack_bits)
+                              pack_bits, parse_spec, quantizer_for_bits, unpack_bits)
 
 
 def data(*shape, seed=0):
@@ -224,7 +224,6 @@ def test_dct_topk_keeps_the_largest_coefficients_and_averages_over_senders():
 # -- SPECs, SparseLoCo's value quantizer, combining workers' payloads, decaying residuals -------
 
 def test_parse_spec_builds_the_named_compressor_and_rejects_the_rest():
-    from lowcomm.compress import parse_spec
     t = parse_spec("topk:0.02,bits:2")
     assert isinstance(t, TopK) and (t.chunk, t.k, t.values.bits, t.values.scheme) == (256, 5, 2, "absmax")
     t = parse_spec("topk:64,chunk:4096,bits:2,quant:stat")
@@ -285,3 +284,24 @@ def test_error_feedback_decay_scales_the_carried_residual():
     assert torch.equal(r1, g1 - sent1)
     _, sent2 = ef.compress("g", g2)
     assert torch.equal(ef.residuals["g"], (g2 + 0.5 * r1) - sent2)
+
+
+@pytest.mark.parametrize("spec", ["topk:64,chunk:4096,bits:2,quant:stat", "int8,block:64"])
+def test_per_tensor_compression_is_each_tensors_own(spec):
+    """Each tensor's chunks and statistics are its own: the payload, its bytes and the combined
+    mean of three senders equal the compressor run on every tensor alone."""
+    inner, sizes = parse_spec(spec), [5000, 64, 144, 9000]
+    per = PerTensor(inner, sizes)
+    rows = [data(sum(sizes), seed=s) for s in range(3)]
+    payloads = [per.compress(x) for x in rows]
+    assert per.nbytes(sum(sizes)) == sum(inner.nbytes(n) for n in sizes)
+    for x, p in zip(rows, payloads):
+        buf = per.to_bytes(p)
+        assert buf.numel() == per.nbytes(sum(sizes))
+        alone = torch.cat([inner.decompress(inner.compress(t)) for t in x.split(sizes)])
+        assert torch.equal(per.decompress(per.from_bytes(buf, sum(sizes))), alone)
+    combined = per.combine(payloads, [1 / 3] * 3)
+    each = [inner.combine([inner.compress(x.split(sizes)[j]) for x in rows], [1 / 3] * 3) for j in range(len(sizes))]
+    assert torch.equal(combined, torch.cat(each))
+    with pytest.raises(ValueError, match="expected 14208"):
+        per.compress(torch.zeros(10))

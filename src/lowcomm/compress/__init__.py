@@ -27,6 +27,8 @@ Compressors (bytes per row of n values):
   quantizer: per row a mean shift and a table of 2^b code means, 2^b + 1 fp32).
 - DCTTopK(shape, chunk, k, values=fp32|bf16|sign, compact_index): DeMo's chunked DCT-II
   top-k of one tensor (see dct.py); decompress averages each index over the senders.
+- PerTensor(inner, sizes): `inner` on each tensor of a flat vector alone (its chunks and
+  statistics never mix tensors); the sum of each tensor's bytes (per_tensor.py).
 Bit packing (bits.pack_bits) is real: 4-bit codes take half a byte on the wire.
 """
 from __future__ import annotations
@@ -36,8 +38,9 @@ from .core import (Compressor, IntQuantizer, Payload, SignQuantizer, TopK, Value
                    index_dtype)
 from .dct import DCTTopK, block_dims, dct_matrix, largest_divisor_at_most
 from .feedback import ErrorFeedback
+from .per_tensor import PerTensor, per_tensor
 
-__all__ = ["Compressor", "Payload", "IntQuantizer", "SignQuantizer", "TopK", "ValueCodec",
+__all__ = ["Compressor", "Payload", "IntQuantizer", "SignQuantizer", "TopK", "ValueCodec", "PerTensor", "per_tensor",
            "DCTTopK", "ErrorFeedback", "make_compressor", "parse_spec", "quantizer_for_bits", "pack_bits",
            "unpack_bits", "packed_len", "index_dtype", "block_dims", "dct_matrix",
            "largest_divisor_at_most"]

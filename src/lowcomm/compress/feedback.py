@@ -22,14 +22,16 @@ class ErrorFeedback:
         self.compressor, self.enabled, self.decay = compressor, enabled, decay
         self.residuals: dict[str, torch.Tensor] = {}
 
-    def compress(self, key: str, x: torch.Tensor) -> tuple[Payload, torch.Tensor]:
-        """(payload of x + β·residual, its decompressed value); updates the residual."""
+    def compress(self, key: str, x: torch.Tensor, compressor: Compressor | None = None) -> tuple[Payload, torch.Tensor]:
+        """(payload of x + β·residual, its decompressed value); updates the residual.
+        `compressor`: this key's own (e.g. PerTensor over its tensors), else the one given at start."""
+        compressor = compressor or self.compressor
         inp = x.float()
         if self.enabled and key in self.residuals:
             residual = self.residuals[key]
             inp = inp + (residual if self.decay == 1.0 else self.decay * residual)
-        payload = self.compressor.compress(inp)
-        sent = self.compressor.decompress(payload)
+        payload = compressor.compress(inp)
+        sent = compressor.decompress(payload)
         if self.enabled:
             self.residuals[key] = inp - sent
         return payload, sent

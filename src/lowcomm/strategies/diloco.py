@@ -77,8 +77,9 @@ class DiLoCo(Strategy):
 
     @classmethod
     def comm_plan(cls, layout, world, options):
-        numels = layout.fragment_numels(options.streaming()[0])
-        return outer_sync.comm_plan(numels, world, options.sync_every, options.wire(), options.sync_by == "time")
+        numels = layout.numels
+        sizes = [[numels[j] for j in group] for group in layout.fragments(options.streaming()[0])]
+        return outer_sync.comm_plan(sizes, world, options.sync_every, options.wire(), options.sync_by == "time")
 
     @classmethod
     def plan_occurrences(cls, op, steps, options):

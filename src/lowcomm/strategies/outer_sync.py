@@ -37,13 +37,14 @@ from .plan import PlannedOp
 from .sync_by_time import SlotClock, calibration_op, is_calibration
 
 
-def comm_plan(numels: list[int], world: int, every: int, fmt: WireFormat, timed: bool) -> list[PlannedOp]:
+def comm_plan(sizes: list[list[int]], world: int, every: int, fmt: WireFormat, timed: bool) -> list[PlannedOp]:
     """What one rank sends: each non-empty fragment's sync at its offset in the period
-    (numels: every fragment's size, empty ones included), and the --sync-by time calibration."""
-    F, plan = len(numels), []
-    for f, numel in enumerate(numels):
-        if numel:
-            plan += fmt.plan(numel, world, every, (f * every) // F, f, fednova=timed)
+    (sizes: every fragment's tensor sizes, empty fragments included), and the --sync-by time
+    calibration."""
+    F, plan = len(sizes), []
+    for f, tensors in enumerate(sizes):
+        if tensors:
+            plan += fmt.plan(tensors, world, every, (f * every) // F, f, fednova=timed)
     return plan + ([calibration_op(world)] if timed else [])
 
 
@@ -114,7 +115,8 @@ class OuterSync:
     def _issue(self, i: int, merge_at: int, c: float) -> None:
         f, ps = self.fragments[i]
         delta = self.globals[i].detach() - flat_of(ps).float()
-        self.in_flight[i] = self.wire.issue(self.comm, f"fragment{f}", delta, self.since[i], c)
+        self.in_flight[i] = self.wire.issue(self.comm, f"fragment{f}", delta, self.since[i], c,
+                                            [p.numel() for p in ps])
         self.since[i] = 0
         self.pending[i] = merge_at
 
@@ -164,7 +166,7 @@ class OuterSync:
     def bytes_per_sync(self) -> list[int]:
         """Wire bytes one rank sends for each fragment's sync."""
         W, fmt, fednova = self.comm.world, self.wire.fmt, self.wire.fednova
-        plans = [fmt.plan(g.numel(), W, self.every, 0, f, fednova) for (f, _), g in zip(self.fragments, self.globals)]
+        plans = [fmt.plan([p.numel() for p in ps], W, self.every, 0, f, fednova) for f, ps in self.fragments]
         return [sum(op.wire_bytes(W) for op in plan) for plan in plans]
 
     def report(self, steps: int) -> dict:

@@ -15,6 +15,11 @@
                  (top-k) is averaged over the ranks that sent it, as DeMo and SparseLoCo
                  decode (Compressor.combine).
 
+A compressor (int8/int4 or a SPEC) runs on each tensor of a fragment alone
+(compress.PerTensor): its blocks, chunks and statistics never mix tensors, as in
+SparseLoCo's reference (per parameter), so a replica whose ranks own whole tensors sends
+exactly what one worker holding them all would.
+
 w_r is 1/W, or FedNova's weight under --sync-by time (sync_by_time.py). Collectives are
 issued asynchronously on the calling (compute) thread, so every rank issues them in the
 same order; `complete` waits for them and combines.
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import Comm
-from ..compress import Compressor, ErrorFeedback, IntQuantizer, parse_spec
+from ..compress import Compressor, ErrorFeedback, IntQuantizer, parse_spec, per_tensor
 from ..errors import UsageError
 from .plan import PlannedOp
 from .sync_by_time import INFO_BYTES, fednova_factor, fednova_scale, fednova_weights, step_info
@@ -59,16 +64,19 @@ class WireFormat:
             raise UsageError(f"--outer-compress ({self.compress}) and --outer-precision "
                              f"({self.precision}) both set the wire format: give one")
 
-    def compressor(self) -> Compressor | None:
-        """What a rank all-gathers in place of the all-reduce; None for fp32/bf16."""
+    def compressor(self, sizes: list[int] | None = None) -> Compressor | None:
+        """What a rank all-gathers in place of the all-reduce; None for fp32/bf16. With `sizes`
+        (a fragment's tensor sizes): the compressor on each tensor alone."""
         if self.compress != "none":
-            return parse_spec(self.compress)
-        prec = PRECISIONS[self.precision]
-        return outer_quantizer(prec) if isinstance(prec, int) else None
+            comp = parse_spec(self.compress)
+        else:
+            prec = PRECISIONS[self.precision]
+            comp = outer_quantizer(prec) if isinstance(prec, int) else None
+        return per_tensor(comp, sizes) if comp is not None and sizes else comp
 
-    def plan(self, numel: int, world: int, every: int, offset: int, f: int, fednova: bool) -> list[PlannedOp]:
-        """What one rank sends for one sync of fragment f (`numel` values)."""
-        comp = self.compressor()
+    def plan(self, sizes: list[int], world: int, every: int, offset: int, f: int, fednova: bool) -> list[PlannedOp]:
+        """What one rank sends for one sync of fragment f (tensors of `sizes` values)."""
+        comp, numel = self.compressor(sizes), sum(sizes)
         if comp is not None:
             return [PlannedOp("all_gather", world * (comp.nbytes(numel) + INFO_BYTES), every, offset,
                               what=f"fragment {f}: {comp.name} outer gradient + step info, every rank's")]
@@ -89,6 +97,7 @@ class Ticket:
     world: int
     infos: torch.Tensor | None = None      # all-reduce under FedNova: every rank's (τ, c)
     sizes: tuple[int, int] | None = None   # all-gather: (payload bytes, Δ's numel)
+    compressor: Compressor | None = None   # all-gather: the fragment's compressor
 
 
 class OuterWire:
@@ -101,20 +110,23 @@ class OuterWire:
         use_ef = fmt.compress != "none" and fmt.ef_decay > 0
         self.ef = ErrorFeedback(self.compressor, enabled=use_ef, decay=fmt.ef_decay) \
             if self.compressor is not None else None
+        self.per_fragment: dict[str, Compressor] = {}  # key -> the compressor on its tensors
         self.compress_s = 0.0  # CPU time spent compressing and decoding outer gradients
 
-    def issue(self, comm: Comm, key: str, delta: torch.Tensor, tau: int, c: float) -> Ticket:
-        """Start reducing Δ_r (async); `tau`, `c`: this rank's step info (see sync_by_time)."""
+    def issue(self, comm: Comm, key: str, delta: torch.Tensor, tau: int, c: float, sizes: list[int]) -> Ticket:
+        """Start reducing Δ_r (async) of a fragment of tensors of `sizes` values; `tau`, `c`:
+        this rank's step info (see sync_by_time)."""
         W, info = comm.world, step_info(tau, c)
         if self.compressor is not None:
+            comp = self.per_fragment.setdefault(key, self.fmt.compressor(sizes))
             t0 = time.perf_counter()
-            payload, _ = self.ef.compress(key, delta.reshape(-1))
-            packed = self.compressor.to_bytes(payload)  # e.g. codes and scales, bit-packed
+            payload, _ = self.ef.compress(key, delta.reshape(-1), comp)
+            packed = comp.to_bytes(payload)  # e.g. codes and scales, bit-packed
             self.compress_s += time.perf_counter() - t0
             payload = torch.cat([packed, info.view(torch.uint8)])
             every = torch.empty(W * payload.numel(), dtype=torch.uint8)
             handle = comm.all_gather(every, payload, async_op=True)
-            return Ticket([handle], every, W, sizes=(packed.numel(), delta.numel()))
+            return Ticket([handle], every, W, sizes=(packed.numel(), delta.numel()), compressor=comp)
         handles, infos = [], None
         if self.fednova:  # every rank sends Δ_r/τ_r, the τ_r travel beside it
             infos = torch.empty(W * 2, dtype=torch.float64)
@@ -145,8 +157,9 @@ class OuterWire:
         weights = fednova_weights(infos[:, 0]) if self.fednova else torch.full((W,), 1.0 / W, dtype=torch.float64)
         # rank order: every rank combines the same values the same way
         t0 = time.perf_counter()
-        payloads = [self.compressor.from_bytes(every[r, :nq], numel) for r in range(W)]
-        total = self.compressor.combine(payloads, [float(w) for w in weights])
+        comp = ticket.compressor
+        payloads = [comp.from_bytes(every[r, :nq], numel) for r in range(W)]
+        total = comp.combine(payloads, [float(w) for w in weights])
         self.compress_s += time.perf_counter() - t0
         return total, (infos if self.fednova else None)
 

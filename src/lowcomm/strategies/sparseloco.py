@@ -26,11 +26,14 @@ TopKCompressor; hparams/500M/sweeps/ccloco.yaml) and the paper:
   code's mean value (lowcomm.compress.ValueCodec "stat");
 - aggregation: all-gather of indices and values, each index averaged over the workers that
   sent it (batch_decompress: scatter_reduce "mean", include_self=False).
+- per tensor: each tensor's top-k chunks and its quantizer's mean/σ/table are its own
+  (compress.PerTensor), as the reference compresses parameter by parameter; so replica
+  groups whose ranks own whole tensors send exactly what one worker would.
 Where lowcomm differs (and why):
-- chunks are 4096 consecutive values of the flattened pseudo-gradient (all tensors end to end),
-  not 64×64 tiles of each matrix and 64-value chunks of vectors: lowcomm's outer gradient is one
-  flat fragment, so one compressor serves every strategy; the selection is still per 4096;
-- the quantizer's mean/σ/table are per flattened outer gradient, not per tensor (same reason);
+- chunks are 4096 consecutive values of each flattened tensor (its last chunk zero-padded), not
+  64×64 tiles of each matrix and 64-value chunks of vectors: one compressor serves every
+  strategy; the selection is still per 4096 values of one tensor, and a vector of ≤ 64 values
+  is sent whole, as the reference's (k clamped to its chunk);
 - on the wire, 16-bit indices (a 4096 chunk needs 12) and packed 2-bit codes; the reference
   sends int64 indices and a byte per code (the paper counts bits);
 - the buffer accumulates Δ and the outer SGD multiplies by α; the reference accumulates α·Δ
