@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .comm.link import LinkModel
 from .errors import UsageError
 from .strategies.options import Options
-from .strategies.plan import LevelPlans, PlannedOp
+from .strategies.plan import PlannedOp, inside_level_plans
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,7 @@ def cluster_levels(cls, layout, workers: int, replicas: int, options: Options, l
         return (Level("intra", [[]], 1, workers, None),
                 Level("cross", [cls.comm_plan(layout, workers, options)], workers, 1, link))
     check_fits(cls, layout, size)
-    if inside == "fsdp":  # the shards of every tensor, unit by unit (imports torch's FSDP: only when asked)
-        from .strategies.inside_fsdp import fsdp_level_plans
-        plans: LevelPlans = fsdp_level_plans(cls, layout, replicas, size, options, accum)
-    else:
-        plans = cls.level_plans(layout, replicas, size, options)
+    plans = inside_level_plans(inside, cls, layout, replicas, size, options, accum)
     return (Level("intra", [plans.intra], size, replicas, intra_link),
             Level("cross", plans.cross, replicas, size, link))
 

@@ -13,7 +13,7 @@ import torch
 
 from ..comm import Comm
 from ..models.layout import ModelLayout
-from ..strategies.plan import LevelPlans
+from ..strategies.plan import LevelPlans, inside_level_plans
 
 LEVELS = ("intra", "cross")
 # A level in words a user reads (progress line, summary, report), the slow link's first.
@@ -41,7 +41,8 @@ def level_plans(strategy, layout: ModelLayout, replicas: int) -> LevelPlans:
     cls = type(strategy)
     if strategy.inside is None:
         return LevelPlans([], [cls.comm_plan(layout, replicas, strategy.options)])
-    return strategy.inside.level_plans(cls, layout, replicas, strategy.options, strategy.accum)
+    return inside_level_plans(strategy.inside.name, cls, layout, replicas, strategy.inside.comm.world,
+                              strategy.options, strategy.accum)
 
 
 def level_summary(every: torch.Tensor, strategy, layout: ModelLayout, world: int, replicas: int,

@@ -53,10 +53,6 @@ class InsideDDP:
                              f"({len(params)}): each rank must own one; use fewer ranks per replica")
         return [params[j] for j in owned], layout_of(model).subset(owned)
 
-    def level_plans(self, cls, layout: ModelLayout, replicas: int, options, accum: int):
-        """What one rank of strategy `cls` sends inside its replica and across (Strategy.level_plans)."""
-        return cls.level_plans(layout, replicas, self.comm.world, options)
-
     def take_waited(self) -> float:
         """Seconds waited on this engine's collectives inside the compute: none, they run in update."""
         return 0.0

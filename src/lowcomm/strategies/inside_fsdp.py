@@ -134,9 +134,6 @@ class InsideFSDP:
             for unit in self.units:
                 unit.reshard()
 
-    def level_plans(self, cls, layout: ModelLayout, replicas: int, options, accum: int) -> LevelPlans:
-        return fsdp_level_plans(cls, layout, replicas, self.comm.world, options, accum)
-
     @contextmanager
     def waiting(self):
         """Time a collective FSDP runs inside the forward or backward (see take_waited)."""

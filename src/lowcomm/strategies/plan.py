@@ -63,6 +63,17 @@ class LevelPlans:
         return max(self.cross, key=lambda plan: bytes_per_step(plan, replicas))
 
 
+def inside_level_plans(inside: str, cls, layout, replicas: int, size: int, options, accum: int) -> LevelPlans:
+    """What one rank of strategy `cls` sends inside replicas of `size` ranks running engine
+    `inside` ("ddp": the strategy's own `level_plans`; "fsdp": every unit's shards, whose
+    all-gathers run once per micro-batch, hence `accum`), and across. The one place both a
+    run's summary (metrics/levels.py) and the planner (plan_levels.py) price a replica."""
+    if inside == "fsdp":
+        from .inside_fsdp import fsdp_level_plans  # imports torch's FSDP: only when asked
+        return fsdp_level_plans(cls, layout, replicas, size, options, accum)
+    return cls.level_plans(layout, replicas, size, options)
+
+
 def owned_tensors_plan(layout, size: int) -> list[PlannedOp]:
     """Inside a replica of `size` ranks that own whole tensors: the fp32 gradients reduce-
     scattered to their owners and the owners' fp32 parameters all-gathered, each position's
