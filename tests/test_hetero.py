@@ -68,6 +68,13 @@ def test_link_table_in_toml(tmp_path):
     f.write_text('[link]\nbandwidth = "1gbit"\nspeed = "fast"\n')
     with pytest.raises(C.UsageError, match="unknown config key 'link.speed'"):
         C.load_toml(f)
+    # the one-line spelling of --link and --intra-link sets the same tables
+    f.write_text('slowdown = "1,3"\nlink = "1gbit,5ms"\nintra_link = "10gbit,50us,1us"\n')
+    line = C.load_toml(f)
+    assert line.link == cfg.link and (line.intra_link.bandwidth, line.intra_link.jitter) == (10e9 / 8, 1e-6)
+    f.write_text('link = "fast"\n')
+    with pytest.raises(C.UsageError, match="'fast' must be BANDWIDTH,LATENCY"):
+        C.load_toml(f)
 
 
 @pytest.mark.parametrize("flags,needle", [

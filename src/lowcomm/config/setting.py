@@ -14,6 +14,9 @@ from ..values import convert
 from .schema import RunConfig
 
 
+LINK_TABLES = ("link", "intra_link")  # tables that a one-line BANDWIDTH,LATENCY[,JITTER] may also set
+
+
 def _section_and_field(cfg: RunConfig, key: str):
     """'optim.lr' -> (cfg.optim, Field lr). Raises UsageError for unknown keys."""
     obj: Any = cfg
@@ -60,6 +63,8 @@ def set_value(cfg: RunConfig, key: str, raw: Any, name: str | None = None) -> No
     if not rest and key not in {f.name for f in fields(cfg)} and key in _all_option_fields():
         set_option(cfg, key, raw, name or key)
         return
+    if key in LINK_TABLES and isinstance(raw, str):  # link = "100mbit,20ms" in TOML, as --link spells it
+        return set_link(cfg, raw, name or key, key)
     obj, f = _section_and_field(cfg, key)
     parse = f.metadata.get("parse")
     setattr(obj, f.name, parse(raw, name or key) if parse else convert(raw, type_name(f), name or key))
