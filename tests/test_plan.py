@@ -417,3 +417,10 @@ def test_calibrate_from_one_run_takes_each_step_at_its_slowest_rank(capsys, tmp_
     assert got["compute_s"] == pytest.approx(0.2, rel=1e-9)
     assert got["overhead_s"] == pytest.approx(0.01, rel=1e-9)
     assert got["step_s"] == pytest.approx(0.2 + 0.01 + 2 * rs, rel=1e-9)
+
+
+def test_tune_of_strategies_without_knobs_still_answers_with_a_command(capsys):
+    assert main([a for a in ARGS if a != "--json"] + ["--strategies", "zero1", "--tune"]) == 0
+    out = capsys.readouterr().out
+    assert "none of the strategies planned has a knob to tune" in out
+    assert out.rstrip().endswith("command: lowcomm train --strategy zero1 --workers 4")

@@ -189,6 +189,8 @@ def check_bound(value: int) -> int:
 def table(tuned: list[Tuned], workers: int = 0) -> str:
     """Each strategy's default and tuned setting with their tokens/s, fastest tuned first."""
     from .planner import format_seconds as _s
+    if not tuned:
+        return "tuned (--tune): none of the strategies planned has a knob to tune"
     from .plan_text import columns
 
     def setting(p, which):
