@@ -192,16 +192,9 @@ MAX_PLAN_WORKERS = 1_000_000
 
 def _plan(args) -> int:
     from . import plan_assume, plan_pick, plan_text, plan_tune, planner, replica_sizes
-    from .report.runs import load_calibration
     from .report.table import default_target
 
-    bench = load_calibration(args.calibrate) if args.calibrate else None
-    runs = {e.summary["strategy"]: e for e in bench.entries if hasattr(e, "summary")} if bench else {}
-    if bench is not None and not runs:
-        raise UsageError(f"bench '{args.calibrate}' has no finished run to calibrate from")
-    from_bench = bench is not None and not args.config
-    if from_bench:  # the bench's cluster, model and batch, unless flags say otherwise
-        args.config = str(next(iter(runs.values())).path / "config.toml")
+    bench, runs, from_bench = _calibration(args)
     cfg = _plan_config(args, calibrated=bench is not None)
     names, options = _plan_options(args, cfg, from_bench)
     cluster, dims, per_token = _plan_cluster(args, cfg, calibrated=bench is not None)
@@ -253,6 +246,21 @@ def _plan(args) -> int:
             print("\n" + plan_tune.table(tuned, cfg.workers))
         print("\n" + why)
     return 0
+
+
+def _calibration(args):
+    """(the --calibrate bench or run, None without; its runs by strategy; whether the plan takes
+    the cluster, model and batch from it: it does unless --config is given, and flags override them)."""
+    from .report.runs import load_calibration
+
+    bench = load_calibration(args.calibrate) if args.calibrate else None
+    runs = {e.summary["strategy"]: e for e in bench.entries if hasattr(e, "summary")} if bench else {}
+    if bench is not None and not runs:
+        raise UsageError(f"bench '{args.calibrate}' has no finished run to calibrate from")
+    from_bench = bench is not None and not args.config
+    if from_bench:
+        args.config = str(next(iter(runs.values())).path / "config.toml")
+    return bench, runs, from_bench
 
 
 def _tune(args, cfg, cluster, by_count, chosen, options, bench, runs, per_token, target):
