@@ -15,6 +15,11 @@ Knobs are found by their Options field, so a strategy that declares `sync_every`
   longer the bottleneck, a more aggressive setting buys nothing. With --calibrate and a
   target loss, a setting whose loss curve the bench measured is ranked by time to the target,
   and the plan says which settings the calibration did not cover.
+
+Where the plan chooses the replica count (--intra-link without --replicas), each count is
+searched with the knobs, as one more system knob: a strategy's quality setting is priced at
+its fastest (bucket, fragments, R), so H is chosen knowing what R saves on the link.
+plan_pick.py turns the tuned settings into the plan's one recommendation.
 """
 from __future__ import annotations
 
@@ -193,13 +198,13 @@ def table(tuned: list[Tuned], workers: int = 0) -> str:
         return "tuned (--tune): none of the strategies planned has a knob to tune"
     from .plan_text import columns
 
-    def setting(p, which):
+    def setting(t, p, which):  # its knobs, and its replica count where not flat
         grouped = f" --replicas {p.replicas}" if p.replicas not in (0, workers) else ""
         return " ".join(f"{k['flag']} {k[which]}" for k in t.knobs.values()) + grouped
     rows = []
     for t in sorted(tuned, key=lambda t: -t.best.tokens_per_s):
-        rows.append([t.strategy, setting(t.default, "default"), f"{t.default.tokens_per_s:,.0f}",
-                     setting(t.best, "tuned"), _s(t.best.step_s),
+        rows.append([t.strategy, setting(t, t.default, "default"), f"{t.default.tokens_per_s:,.0f}",
+                     setting(t, t.best, "tuned"), _s(t.best.step_s),
                      f"{t.best.tokens_per_s:,.0f}", f"{t.best.tokens_per_s / t.default.tokens_per_s:.2f}x",
                      _s(t.best.time_to_target_s) if t.best.time_to_target_s is not None else "-"])
     cols = ["strategy", "default", "tokens/s", "tuned", "step", "tokens/s", "x default", "time to target"]
