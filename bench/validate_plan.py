@@ -22,7 +22,7 @@ PowerSGD rank, bucket size) and a replica size (--replicas, --inside ddp|fsdp). 
 Printed: predicted / measured step time per setting; the median and worst step-time error;
 and per scenario whether the setting the plan predicts fastest was the measured fastest,
 or within --noise of it. Best means fastest per token here: loss per token is not judged
-(a dozen steps of a tiny model cannot measure it), so for quality knobs (H, bits, rank) this
+(16 steps of a tiny model cannot measure it), so for quality knobs (H, bits, rank) this
 checks the plan's speed model, not the `--tune` policy that bounds them. Exit 0 either way:
 this is a measurement, not a test.
 """
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _runs import train
+
 from lowcomm.report.runs import load_run
 
 # A small GPT (435k parameters, 1.7 MB of fp32 gradients): a step computes in tens of ms on
@@ -179,8 +180,8 @@ def report(results: list[Result], scenarios: list[Scenario], noise: float) -> st
         lines.append(f"| {r.scenario} | {r.label} | {1000 * r.measured_s:.0f} ms | {1000 * r.predicted_s:.0f} ms | "
                      f"{100 * r.error:+.0f} % | {100 * r.drift:+.0f} % | {1000 * r.own_s:.0f} ms | "
                      f"{100 * r.own_error:+.0f} % |")
-    lines += ["", "| scenario | measured fastest | plan picks | pick measured | verdict | own-compute plan picks "
-              "| pick measured | verdict |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", ("| scenario | measured fastest | plan picks | pick measured | verdict | own-compute plan picks "
+              "| pick measured | verdict |"), "|---|---|---|---|---|---|---|---|"]
     hits = {"predicted_s": [0, 0], "own_s": [0, 0]}  # [the measured fastest, within noise of it]
     for s in scenarios:
         mine = [r for r in results if r.scenario == s.name]
@@ -197,14 +198,14 @@ def report(results: list[Result], scenarios: list[Scenario], noise: float) -> st
     errors, own = [abs(r.error) for r in results], [abs(r.own_error) for r in results]
     worst, worst_own = max(results, key=lambda r: abs(r.error)), max(results, key=lambda r: abs(r.own_error))
     n = len(scenarios)
-    lines += ["", f"step-time error over {len(results)} settings: median {100 * statistics.median(errors):.1f} %, "
+    lines += ["", (f"step-time error over {len(results)} settings: median {100 * statistics.median(errors):.1f} %, "
               f"worst {100 * abs(worst.error):.1f} % ({worst.scenario}: {worst.label}); with each run's own compute: "
               f"median {100 * statistics.median(own):.1f} %, worst {100 * abs(worst_own.own_error):.1f} % "
               f"({worst_own.scenario}: {worst_own.label}); CPU drift calibration vs run: median "
-              f"{100 * statistics.median(abs(r.drift) for r in results):.0f} %",
-              f"plan's pick = measured fastest in {hits['predicted_s'][0]} of {n} scenarios, within "
+              f"{100 * statistics.median(abs(r.drift) for r in results):.0f} %"),
+              (f"plan's pick = measured fastest in {hits['predicted_s'][0]} of {n} scenarios, within "
               f"{100 * noise:.0f} % of it in {hits['predicted_s'][1]} of {n}; with each run's own compute: "
-              f"{hits['own_s'][0]} of {n}, within {100 * noise:.0f} % in {hits['own_s'][1]} of {n}"]
+              f"{hits['own_s'][0]} of {n}, within {100 * noise:.0f} % in {hits['own_s'][1]} of {n}")]
     return "\n".join(lines)
 
 
@@ -228,7 +229,7 @@ def main() -> int:
     names = [n.strip() for n in args.scenarios.split(";")] if args.scenarios else None
     unknown = set(names or ()) - {s.name for s in SCENARIOS}
     if unknown:
-        sys.exit(f"error: unknown scenario {sorted(unknown)[0]!r}")
+        sys.exit(f"error: unknown scenario {min(unknown)!r}")
     scenarios = [s for s in SCENARIOS if (names is None or s.name in names) and (not args.quick or s.quick)]
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="validate_plan-"))
     print(f"{len(scenarios)} scenarios, {args.steps} steps per run; runs under {root}", flush=True)
