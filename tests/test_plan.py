@@ -392,31 +392,53 @@ def test_tune_searches_the_replica_count_with_the_knobs(capsys):
         "cluster." in out["recommendation"]
 
 
+def _one_run(path, strategy: str, table: str = "") -> int:
+    """A finished run of 4 steps on 2 workers of the tiny preset, written by hand: each step rank 0
+    computes 0.1 s and rank 1 0.2 s, then 50 ms on the network and 10 ms of overhead; validation
+    loss 3.5 after step 2 and 3.0 after step 4. Returns the model's parameter count."""
+    from lowcomm import config as C
+    from lowcomm.planner import model_layout
+    params = model_layout(C.RunConfig(model=C.ModelConfig(preset="tiny"))).numel
+    comm = 0.05
+    (path / "config.toml").write_text(f'strategy = "{strategy}"\nworkers = 2\nmicro_batch = 2\n'
+                                      '[model]\npreset = "tiny"\nseq_len = 128\n'
+                                      '[link]\nbandwidth = "1gbit"\nlatency = "1ms"\n' + table)
+    step = {"tokens": 512, "wire_bytes": 0, "compute_s": 0.2, "exposed_comm_s": 0.1 + comm,
+            "wall_s": 0.2 + comm + 0.01, "per_rank": {"compute_s": [0.1, 0.2], "exposed_comm_s": [0.1 + comm, comm],
+                                                      "micro_batches": [1, 1]}}
+    val = {2: {"val_loss": 3.5}, 4: {"val_loss": 3.0}}
+    (path / "steps.jsonl").write_text("".join(json.dumps({**step, "step": i, **val.get(i, {})}) + "\n"
+                                              for i in range(1, 5)))
+    (path / "summary.json").write_text(json.dumps({
+        "strategy": strategy, "params": params, "workers": 2, "final_val_loss": 3.0, "slowdown": [],
+        "compute_s_per_rank": [0.4, 0.8], "micro_batches_per_rank": [4, 4]}))
+    return params
+
+
 def test_calibrate_from_one_run_takes_each_step_at_its_slowest_rank(capsys, tmp_path):
     """A run dir calibrates as a bench of that run. Its ranks computed 0.1 s and 0.2 s a step and
     zero1 waits for the slower one: the plan's compute is 0.2 s, not the mean 0.15 s, and the
     per-step overhead is what the slowest rank spent outside compute and network (10 ms; the
     faster rank's wait includes the slower one's compute and must not be subtracted)."""
-    from lowcomm import config as C
-    from lowcomm.planner import model_layout
-    params = model_layout(C.RunConfig(model=C.ModelConfig(preset="tiny"))).numel
-    comm = 0.05
-    (tmp_path / "config.toml").write_text('strategy = "zero1"\nworkers = 2\nmicro_batch = 2\n'
-                                          '[model]\npreset = "tiny"\nseq_len = 128\n'
-                                          '[link]\nbandwidth = "1gbit"\nlatency = "1ms"\n')
-    step = {"tokens": 512, "wire_bytes": 0, "compute_s": 0.2, "exposed_comm_s": 0.1 + comm,
-            "wall_s": 0.2 + comm + 0.01, "per_rank": {"compute_s": [0.1, 0.2], "exposed_comm_s": [0.1 + comm, comm],
-                                                      "micro_batches": [1, 1]}}
-    (tmp_path / "steps.jsonl").write_text("".join(json.dumps({**step, "step": i}) + "\n" for i in range(1, 5)))
-    (tmp_path / "summary.json").write_text(json.dumps({
-        "strategy": "zero1", "params": params, "workers": 2, "final_val_loss": 3.0, "slowdown": [],
-        "compute_s_per_rank": [0.4, 0.8], "micro_batches_per_rank": [4, 4]}))
+    params = _one_run(tmp_path, "zero1")
     assert main(["plan", "--calibrate", str(tmp_path), "--strategies", "zero1", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)["ranked"][0]
     rs = LAT + 1 / 2 * 4 * params / BW  # reduce_scatter and all_gather on 2 ranks: one hop, half of 4N bytes
     assert got["compute_s"] == pytest.approx(0.2, rel=1e-9)
     assert got["overhead_s"] == pytest.approx(0.01, rel=1e-9)
     assert got["step_s"] == pytest.approx(0.2 + 0.01 + 2 * rs, rel=1e-9)
+
+
+def test_tune_says_in_its_answer_which_settings_the_calibration_did_not_measure(capsys, tmp_path):
+    """A diloco run at H = 8 calibrates the loss per token of H = 8 only: the answer is that
+    setting, ranked by time to the target, and it says the larger H were not ranked so."""
+    _one_run(tmp_path, "diloco", '[diloco]\nsync_every = 8\n')
+    assert main(["plan", "--calibrate", str(tmp_path), "--tune", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommended"]["knobs"]["sync_every"] == 8 and out["recommended"]["time_to_target_s"] is not None
+    assert ("\ncaveat: the calibration measured sync_every=8 only; sync_every=16, sync_every=32, sync_every=64 "
+            "not ranked by time to target\ncommand: lowcomm train --strategy diloco --workers 2 --sync-every 8"
+            ) in out["recommendation"]
 
 
 def test_tune_of_strategies_without_knobs_still_answers_with_a_command(capsys):

@@ -65,6 +65,8 @@ def answer(tuned: list, by_count: dict, cluster, cfg, choosing: bool) -> tuple[P
     said = f"use {named(best, cfg.workers)}:"
     lines.append(recommend(ranked, replace(cluster, replicas=best.replicas)).replace(
         said, said[:-1] + " (tuned; the command below):", 1))
+    t = next((t for t in tuned if t.strategy == best.strategy), None)
+    lines += [f"caveat: {note}" for note in (t.notes if t is not None else ())]  # e.g. a knob no bench measured
     lines.append(f"command: {command(best, tuned, cfg)}")
     return best, "\n".join(lines)
 
