@@ -1,7 +1,7 @@
 """Does `lowcomm plan` predict the step time of a setting, and pick the fastest one?
 
-    python bench/validate_plan.py --quick               # 3 scenarios, 8 settings, 13 runs: 7.5 min on 2 cores at load 10-17
-    python bench/validate_plan.py                       # 5 scenarios, 19 settings, 28 runs: 17 min at load 10-13
+    python bench/validate_plan.py --quick               # 3 scenarios, 8 settings: 7.5 min, 2 cores, load 10-17
+    python bench/validate_plan.py                       # 5 scenarios, 19 settings: 17 min, load 10-13
     python bench/validate_plan.py --keep runs/validate --reuse   # print again, rerunning only what is missing
     python bench/validate_plan.py --cases strategies    # every strategy at its defaults on 3 links (see there)
 

@@ -92,7 +92,8 @@ def recommend_count(best: list[Prediction], workers: int, one_setting: bool = Fa
     if one_setting:
         whose = "the same setting " + ("on the flat cluster" if other is flat else f"with --replicas {other.replicas}")
     else:
-        whose = ("the flat cluster's best" if other is flat else "the best with replica groups") + f" ({named(other, workers)})"
+        whose = "the flat cluster's best" if other is flat else "the best with replica groups"
+        whose += f" ({named(other, workers)})"
     by = (f"{other.time_to_target_s / first.time_to_target_s:.2f}x faster to the target than {whose}"
           if first.time_to_target_s is not None and other.time_to_target_s is not None
           else f"{first.tokens_per_s / other.tokens_per_s:.2f}x the tokens/s of {whose}")

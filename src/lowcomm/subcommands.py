@@ -235,7 +235,8 @@ def _plan(args) -> int:
                                                  for R, r in by_count.items()]} if replica_sizes.choosing(cfg) else {}),
                           "assumptions": assumed,
                           **({"tuned": [plan_tune.tuned_json(t) for t in tuned],
-                              "recommended": plan_pick.recommended_json(pick, tuned, cfg)} if tuned is not None else {}),
+                              "recommended": plan_pick.recommended_json(pick, tuned, cfg)}
+                             if tuned is not None else {}),
                           "recommendation": why}, indent=2))
     else:
         print(planner.describe_model(dims))
