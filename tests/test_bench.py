@@ -128,9 +128,11 @@ def test_plan_calibrates_from_the_bench(bench, capsys):
     assert main(["plan", "--calibrate", str(bench), "--strategies", "ddp,zero1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     ddp = next(p for p in out["ranked"] if p["strategy"] == "ddp")
-    s = summary(bench / "ddp")
-    # one worker's compute per token, measured: its forward/backward seconds over its tokens
-    per_token = sum(c / (m * 4 * 32) for c, m in zip(s["compute_s_per_rank"], s["micro_batches_per_rank"])) / 2
+    # one worker's compute per token, measured as a step waits for it: each step's slowest rank's
+    # forward/backward seconds over its tokens, averaged over steps
+    records = [json.loads(line) for line in (bench / "ddp" / "steps.jsonl").read_text().splitlines()]
+    per_token = sum(max(c / (m * 4 * 32) for c, m in zip(r["per_rank"]["compute_s"], r["per_rank"]["micro_batches"]))
+                    for r in records) / len(records)
     assert ddp["compute_s"] == pytest.approx(2 * 4 * 32 / 2 * per_token, rel=1e-9)
     assert out["target_loss"] == max(summary(bench / n)["final_val_loss"] for n in ("ddp", "zero1"))
     assert all(p["time_to_target_s"] is not None and math.isfinite(p["time_to_target_s"]) for p in out["ranked"])

@@ -342,3 +342,107 @@ def test_params_without_tokens_per_step_warns_that_the_batch_is_the_presets(caps
     assert main(args) == 0
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "8,192 tokens per step" in warnings[0]
+
+
+def test_tune_recommends_the_tuned_setting_and_its_command_plans_the_same_step(capsys):
+    """With --tune the recommendation names the tuned setting (diloco's H = 64 on the slow link,
+    not the default 32 the table ranks by), the fastest of every strategy's tuned setting, and
+    its command line, planned again, predicts the same step."""
+    argv = [*CLUSTER, "--params", "1e6", *SLOW, "--strategies", "diloco,ddp,quantized"]
+    assert main([*argv, "--tune"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rec = out["recommended"]
+    assert (rec["strategy"], rec["replicas"], rec["knobs"]) == ("diloco", 4, {"sync_every": 64})
+    assert all(rec["step_s"] <= t["tuned"]["step_s"] for t in out["tuned"])
+    assert out["ranked"][0]["label"] == "diloco H=32"  # the table: the options given
+    assert out["recommendation"].startswith("use diloco H=64 (tuned; the command below): ")
+    assert out["recommendation"].endswith("\ncommand: " + rec["command"])
+    assert rec["command"] == "lowcomm train --strategy diloco --workers 4 --sync-every 64"
+    words = rec["command"].split()[2:]
+    words[0] = "--strategies"
+    assert main([*argv, *words]) == 0
+    again = json.loads(capsys.readouterr().out)["ranked"][0]
+    assert again["step_s"] == pytest.approx(rec["step_s"], rel=1e-12)
+    assert main([*argv]) == 0  # without --tune: the options given, no command
+    assert "command:" not in json.loads(capsys.readouterr().out)["recommendation"]
+
+
+def test_tune_searches_the_replica_count_with_the_knobs(capsys):
+    """diloco on 4 workers over 10mbit, 20 ms, with 10gbit inside: flat, a sync is one all-reduce
+    of 4N bytes on 4 ranks (4.73 s), 0.074 s a step at H = 64 against 0.024 s of compute, so H
+    goes to its bound; 2 replicas of 2 send a position's part on 2 ranks and their step at
+    H = 64 is faster still: the pick is (R = 2, H = 64), each R priced at that H."""
+    argv = [*CLUSTER, "--params", "1e6", *SLOW, "--intra-link", "10gbit,50us", "--strategies", "diloco", "--tune"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    t = out["tuned"][0]
+    by_r = {e["replicas"]: e for e in t["by_replicas"]}
+    assert set(by_r) == {4, 2}
+    sync = 6 * 0.02 + 2 * 3 / 4 * 4 * N / 1.25e6  # all_reduce(4N) on 4 ranks over 10mbit, 20 ms
+    assert by_r[4]["step_s"] == pytest.approx(COMPUTE + sync / 64, rel=1e-12)
+    assert by_r[2]["step_s"] < by_r[4]["step_s"]
+    assert (t["knobs"]["sync_every"]["tuned"], t["replicas"]) == (64, 2)
+    assert t["tuned"]["step_s"] == pytest.approx(by_r[2]["step_s"], rel=1e-12)
+    rec = out["recommended"]
+    assert (rec["replicas"], rec["knobs"]) == (2, {"sync_every": 64})
+    assert rec["command"] == "lowcomm train --strategy diloco --workers 4 --replicas 2 --inside ddp --sync-every 64"
+    assert out["recommendation"].startswith("replica size (searched with the knobs): --replicas 2 (2 replicas of 2 "
+                                            "workers each) is fastest, diloco H=64 at ")
+    assert f"{by_r[2]['tokens_per_s'] / by_r[4]['tokens_per_s']:.2f}x the tokens/s of the same setting on the flat " \
+        "cluster." in out["recommendation"]
+
+
+def _one_run(path, strategy: str, table: str = "") -> int:
+    """A finished run of 4 steps on 2 workers of the tiny preset, written by hand: each step rank 0
+    computes 0.1 s and rank 1 0.2 s, then 50 ms on the network and 10 ms of overhead; validation
+    loss 3.5 after step 2 and 3.0 after step 4. Returns the model's parameter count."""
+    from lowcomm import config as C
+    from lowcomm.planner import model_layout
+    params = model_layout(C.RunConfig(model=C.ModelConfig(preset="tiny"))).numel
+    comm = 0.05
+    (path / "config.toml").write_text(f'strategy = "{strategy}"\nworkers = 2\nmicro_batch = 2\n'
+                                      '[model]\npreset = "tiny"\nseq_len = 128\n'
+                                      '[link]\nbandwidth = "1gbit"\nlatency = "1ms"\n' + table)
+    step = {"tokens": 512, "wire_bytes": 0, "compute_s": 0.2, "exposed_comm_s": 0.1 + comm,
+            "wall_s": 0.2 + comm + 0.01, "per_rank": {"compute_s": [0.1, 0.2], "exposed_comm_s": [0.1 + comm, comm],
+                                                      "micro_batches": [1, 1]}}
+    val = {2: {"val_loss": 3.5}, 4: {"val_loss": 3.0}}
+    (path / "steps.jsonl").write_text("".join(json.dumps({**step, "step": i, **val.get(i, {})}) + "\n"
+                                              for i in range(1, 5)))
+    (path / "summary.json").write_text(json.dumps({
+        "strategy": strategy, "params": params, "workers": 2, "final_val_loss": 3.0, "slowdown": [],
+        "compute_s_per_rank": [0.4, 0.8], "micro_batches_per_rank": [4, 4]}))
+    return params
+
+
+def test_calibrate_from_one_run_takes_each_step_at_its_slowest_rank(capsys, tmp_path):
+    """A run dir calibrates as a bench of that run. Its ranks computed 0.1 s and 0.2 s a step and
+    zero1 waits for the slower one: the plan's compute is 0.2 s, not the mean 0.15 s, and the
+    per-step overhead is what the slowest rank spent outside compute and network (10 ms; the
+    faster rank's wait includes the slower one's compute and must not be subtracted)."""
+    params = _one_run(tmp_path, "zero1")
+    assert main(["plan", "--calibrate", str(tmp_path), "--strategies", "zero1", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["ranked"][0]
+    rs = LAT + 1 / 2 * 4 * params / BW  # reduce_scatter and all_gather on 2 ranks: one hop, half of 4N bytes
+    assert got["compute_s"] == pytest.approx(0.2, rel=1e-9)
+    assert got["overhead_s"] == pytest.approx(0.01, rel=1e-9)
+    assert got["step_s"] == pytest.approx(0.2 + 0.01 + 2 * rs, rel=1e-9)
+
+
+def test_tune_says_in_its_answer_which_settings_the_calibration_did_not_measure(capsys, tmp_path):
+    """A diloco run at H = 8 calibrates the loss per token of H = 8 only: the answer is that
+    setting, ranked by time to the target, and it says the larger H were not ranked so."""
+    _one_run(tmp_path, "diloco", '[diloco]\nsync_every = 8\n')
+    assert main(["plan", "--calibrate", str(tmp_path), "--tune", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommended"]["knobs"]["sync_every"] == 8 and out["recommended"]["time_to_target_s"] is not None
+    assert ("\ncaveat: the calibration measured sync_every=8 only; sync_every=16, sync_every=32, sync_every=64 "
+            "not ranked by time to target\ncommand: lowcomm train --strategy diloco --workers 2 --sync-every 8"
+            ) in out["recommendation"]
+
+
+def test_tune_of_strategies_without_knobs_still_answers_with_a_command(capsys):
+    assert main([a for a in ARGS if a != "--json"] + ["--strategies", "zero1", "--tune"]) == 0
+    out = capsys.readouterr().out
+    assert "none of the strategies planned has a knob to tune" in out
+    assert out.rstrip().endswith("command: lowcomm train --strategy zero1 --workers 4")

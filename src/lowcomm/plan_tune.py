@@ -15,6 +15,11 @@ Knobs are found by their Options field, so a strategy that declares `sync_every`
   longer the bottleneck, a more aggressive setting buys nothing. With --calibrate and a
   target loss, a setting whose loss curve the bench measured is ranked by time to the target,
   and the plan says which settings the calibration did not cover.
+
+Where the plan chooses the replica count (--intra-link without --replicas), each count is
+searched with the knobs, as one more system knob: a strategy's quality setting is priced at
+its fastest (bucket, fragments, R), so H is chosen knowing what R saves on the link.
+plan_pick.py turns the tuned settings into the plan's one recommendation.
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ class Tuned:
     best: object                 # the Prediction at the tuned options
     basis: str                   # how the setting was chosen, in words
     notes: list = field(default_factory=list)
+    by_count: dict = field(default_factory=dict)  # R -> the tuned knobs' Prediction at that replica count
 
 
 def knobs_of(name: str) -> list[Knob]:
@@ -94,34 +100,26 @@ def candidates(name: str, options, layout, accum: int, max_sync_every: int) -> l
 
 
 def tune(name: str, options, layout, accum: int, predict, reach=None, max_sync_every: int = DEFAULT_MAX_SYNC_EVERY,
-         covered=None) -> Tuned | None:
-    """The strategy's best setting on the cluster `predict(name, options) -> Prediction` prices;
-    None where it has no knob. `reach(name, options)`: tokens to the target loss measured at
-    those options, or None (no calibration, or not measured there); `covered`: the quality
-    settings a calibration measured, for the note that says what it did not."""
+         covered=None, counts: tuple = (0,)) -> Tuned | None:
+    """The strategy's best setting on the cluster `predict(name, options, replicas) -> Prediction`
+    prices; None where it has no knob. `counts`: the replica counts R it runs at, the first the
+    one the plan chose at the given knobs; each is searched with the knobs as a system knob (R
+    changes where bytes move, not the update a step computes). `reach(name, options)`: tokens to
+    the target loss measured at those options, or None (no calibration, or not measured there);
+    `covered`: the quality settings a calibration measured, for the note that says what it did not."""
     knobs = knobs_of(name)
     if not knobs:
         return None
-    default = predict(name, options)
+    default = predict(name, options, counts[0])
     quality = [k for k in knobs if k.quality]
-    preds = [(o, predict(name, o)) for o in candidates(name, options, layout, accum, max_sync_every)]
+    preds = [(o, R, predict(name, o, R)) for R in counts
+             for o in candidates(name, options, layout, accum, max_sync_every)]
     if not preds:
         return None
 
     def qkey(o):
         return tuple(getattr(o, k.field) for k in quality)
-
-    # each quality setting at its fastest system setting (bucket size, fragments)
-    per_quality = {}
-    system = [k for k in knobs if not k.quality]
-
-    def keeps_default(o):  # on a tie (the network idle either way) the given setting stays
-        return all(getattr(o, k.field) == getattr(options, k.field) for k in system)
-    for o, p in preds:
-        key = qkey(o)
-        if key not in per_quality or (p.tokens_per_s, keeps_default(o)) > (per_quality[key][1].tokens_per_s,
-                                                                          keeps_default(per_quality[key][0])):
-            per_quality[key] = (o, p)
+    per_quality = _fastest_per_quality(preds, options, [k for k in knobs if not k.quality], qkey, counts[0])
     notes = []
     timed = {}
     if reach is not None:
@@ -139,18 +137,38 @@ def tune(name: str, options, layout, accum: int, predict, reach=None, max_sync_e
                          f"{_settings(quality, untimed)} not ranked by time to target")
     else:
         o, p = _within_slack(per_quality, quality)
-        if not quality:
-            basis = "tokens/s (system knob: no effect on loss per token)"
-        else:
-            bound = f"H <= {max_sync_every}, " if any(k.field == "sync_every" for k in quality) else ""
-            basis = (f"tokens/s: the most conservative {'/'.join(k.field for k in quality)} within "
-                     f"{SLACK:.0%} of the best ({bound}loss per token not modeled)")
-            if reach is not None and covered is not None:
-                notes.append(f"the calibration does not cover {_settings(quality, [qkey(o)])}"
-                             + (f" (it measured {covered})" if covered else ""))
+        basis = _slack_basis(quality, max_sync_every)
+        if quality and reach is not None and covered is not None:
+            notes.append(f"the calibration does not cover {_settings(quality, [qkey(o)])}"
+                         + (f" (it measured {covered})" if covered else ""))
     chosen = {k.field: {"flag": flag_of(name, k.field), "default": getattr(options, k.field),
                         "tuned": getattr(o, k.field)} for k in knobs}
-    return Tuned(name, chosen, default, p, basis, notes)
+    # the chosen knobs at every replica count, each at its fastest system setting there: what R buys
+    by_count = {R: max((q for oo, RR, q in preds if RR == R and qkey(oo) == qkey(o)), key=lambda q: q.tokens_per_s)
+                for R in counts}
+    return Tuned(name, chosen, default, p, basis, notes, by_count)
+
+
+def _fastest_per_quality(preds, options, system: list[Knob], qkey, default_count) -> dict:
+    """Each quality setting at its fastest system setting (bucket size, fragments, replica count):
+    {quality values: (options, prediction)}. On a tie (the network idle either way) the given
+    system setting, at the replica count the plan chose, stays."""
+    def keeps_default(o, R):
+        return R == default_count and all(getattr(o, k.field) == getattr(options, k.field) for k in system)
+    best = {}
+    for o, R, p in preds:
+        key = qkey(o)
+        if key not in best or (p.tokens_per_s, keeps_default(o, R)) > best[key][2]:
+            best[key] = (o, p, (p.tokens_per_s, keeps_default(o, R)))
+    return {key: (o, p) for key, (o, p, _) in best.items()}
+
+
+def _slack_basis(quality: list[Knob], max_sync_every: int) -> str:
+    if not quality:
+        return "tokens/s (system knob: no effect on loss per token)"
+    bound = f"H <= {max_sync_every}, " if any(k.field == "sync_every" for k in quality) else ""
+    return (f"tokens/s: the most conservative {'/'.join(k.field for k in quality)} within "
+            f"{SLACK:.0%} of the best ({bound}loss per token not modeled)")
 
 
 def _within_slack(per_quality: dict, quality: list[Knob]):
@@ -173,15 +191,20 @@ def check_bound(value: int) -> int:
     return value
 
 
-def table(tuned: list[Tuned]) -> str:
+def table(tuned: list[Tuned], workers: int = 0) -> str:
     """Each strategy's default and tuned setting with their tokens/s, fastest tuned first."""
     from .planner import format_seconds as _s
+    if not tuned:
+        return "tuned (--tune): none of the strategies planned has a knob to tune"
     from .plan_text import columns
+
+    def setting(t, p, which):  # its knobs, and its replica count where not flat
+        grouped = f" --replicas {p.replicas}" if p.replicas not in (0, workers) else ""
+        return " ".join(f"{k['flag']} {k[which]}" for k in t.knobs.values()) + grouped
     rows = []
     for t in sorted(tuned, key=lambda t: -t.best.tokens_per_s):
-        default = " ".join(f"{k['flag']} {k['default']}" for k in t.knobs.values())
-        best = " ".join(f"{k['flag']} {k['tuned']}" for k in t.knobs.values())
-        rows.append([t.strategy, default, f"{t.default.tokens_per_s:,.0f}", best, _s(t.best.step_s),
+        rows.append([t.strategy, setting(t, t.default, "default"), f"{t.default.tokens_per_s:,.0f}",
+                     setting(t, t.best, "tuned"), _s(t.best.step_s),
                      f"{t.best.tokens_per_s:,.0f}", f"{t.best.tokens_per_s / t.default.tokens_per_s:.2f}x",
                      _s(t.best.time_to_target_s) if t.best.time_to_target_s is not None else "-"])
     cols = ["strategy", "default", "tokens/s", "tuned", "step", "tokens/s", "x default", "time to target"]
@@ -194,11 +217,10 @@ def table(tuned: list[Tuned]) -> str:
     return "\n".join(lines)
 
 
-def tune_all(args, names, options, cluster, bench, target, predict_one):
-    """`--tune`: each strategy's best setting at the replica count chosen (None without --tune);
-    `predict_one(name, options)` prices one setting. The replica count is searched first at the
-    given options, then the knobs at that count: searching both together would multiply the
-    grid by every divisor of W."""
+def tune_all(args, names, options, cluster, bench, target, predict_one, counts_of=lambda name: (0,)):
+    """`--tune`: each strategy's best setting (None without --tune); `predict_one(name, options,
+    replicas)` prices one setting, `counts_of(name)` the replica counts it runs at (the plan's
+    choice at the given knobs first), searched together with the knobs."""
     from .report.runs import reach
     from .values import convert
 
@@ -232,12 +254,14 @@ def tune_all(args, names, options, cluster, bench, target, predict_one):
         covered = "; ".join(" ".join(f"{k}={e.config.get(name, {}).get(k)}" for k in keys)
                             for e in by_strategy.get(name, ())) if bench is not None else None
         t = tune(name, options[name], cluster.layout, cluster.accum, predict_one,
-                           reach_at if bench is not None and target is not None else None, bound, covered)
+                 reach_at if bench is not None and target is not None else None, bound, covered, counts_of(name))
         if t is not None:
             out.append(t)
     return out
 
 
 def tuned_json(t) -> dict:
-    return {"strategy": t.strategy, "knobs": t.knobs, "basis": t.basis, "notes": t.notes,
-            "default": asdict(t.default), "tuned": asdict(t.best)}
+    return {"strategy": t.strategy, "knobs": t.knobs, "basis": t.basis, "notes": t.notes, "replicas": t.best.replicas,
+            "default": asdict(t.default), "tuned": asdict(t.best),
+            "by_replicas": [{"replicas": R, "step_s": p.step_s, "tokens_per_s": p.tokens_per_s}
+                            for R, p in t.by_count.items()]}

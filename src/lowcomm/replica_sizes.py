@@ -76,8 +76,9 @@ def named(p: Prediction, workers: int) -> str:
     return p.label if p.replicas in (0, workers) else f"{p.label} with --replicas {p.replicas}"
 
 
-def recommend_count(best: list[Prediction], workers: int) -> str:
-    """The replica count to use, in one sentence: `best` holds each R's fastest strategy."""
+def recommend_count(best: list[Prediction], workers: int, one_setting: bool = False) -> str:
+    """The replica count to use, in one sentence: `best` holds each R's fastest strategy (or,
+    `one_setting`, one setting at each R: --tune's, whose knobs the replica count was searched with)."""
     first = rank(best)[0]
     flat = next((p for p in best if p.replicas == workers), None)
     grouped = [p for p in best if p.replicas != workers]
@@ -88,8 +89,11 @@ def recommend_count(best: list[Prediction], workers: int) -> str:
               else f"{first.tokens_per_s:,.0f} tokens/s")
     if other is None:
         return f"replica size: {where}, {first.label} at {figure}."
-    whose = "the flat cluster's best" if other is flat else "the best with replica groups"
-    whose += f" ({named(other, workers)})"
+    if one_setting:
+        whose = "the same setting " + ("on the flat cluster" if other is flat else f"with --replicas {other.replicas}")
+    else:
+        whose = "the flat cluster's best" if other is flat else "the best with replica groups"
+        whose += f" ({named(other, workers)})"
     by = (f"{other.time_to_target_s / first.time_to_target_s:.2f}x faster to the target than {whose}"
           if first.time_to_target_s is not None and other.time_to_target_s is not None
           else f"{first.tokens_per_s / other.tokens_per_s:.2f}x the tokens/s of {whose}")

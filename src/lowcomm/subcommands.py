@@ -80,14 +80,17 @@ def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--tokens-per-step", metavar="N", help="tokens per step, all workers, e.g. 4M "
                       "(default: workers * accum * micro-batch * seq-len)")
     plan.add_argument("--strategies", metavar="A,B,...", help="strategies to plan (default: every registered one)")
-    plan.add_argument("--calibrate", metavar="BENCHDIR", help="take each strategy's compute speed and loss per "
-                      "token from a `lowcomm bench` dir; rank by predicted time to the target loss (default: none)")
+    plan.add_argument("--calibrate", metavar="DIR", help="take each strategy's compute speed and loss per "
+                      "token from a `lowcomm bench` dir (or one `lowcomm train` run dir); rank by predicted time "
+                      "to the target loss (default: none)")
     _target_loss_flag(plan, "with --calibrate, the bench's worst final loss")
     plan.add_argument("--tune", action="store_true", help="also search each strategy's knobs (H, fragments, top-k, "
                       "bits, PowerSGD rank, max-accum, bucket size) over a small grid and report its best setting "
                       "next to its default; a knob that trades loss per token for speed (H, top-k, bits, rank, "
                       "max-accum) is kept at the most conservative setting within 5%% of the best tokens/s, unless "
-                      "--calibrate measured its loss per token (default: off)")
+                      "--calibrate measured its loss per token; with --intra-link and no --replicas the replica count "
+                      "is searched with the knobs. The recommendation is then the best tuned setting, with its "
+                      "`lowcomm train` command (default: off)")
     plan.add_argument("--max-sync-every", metavar="H", help="with --tune: the largest H (--sync-every) tried; "
                       "throughput alone always prefers a larger H (default: 64)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table (default: off)")
@@ -189,17 +192,10 @@ MAX_PLAN_WORKERS = 1_000_000
 
 
 def _plan(args) -> int:
-    from . import plan_assume, plan_text, plan_tune, planner, replica_sizes
-    from .report.runs import load_bench
+    from . import plan_assume, plan_pick, plan_text, plan_tune, planner, replica_sizes
     from .report.table import default_target
 
-    bench = load_bench(args.calibrate) if args.calibrate else None
-    runs = {e.summary["strategy"]: e for e in bench.entries if hasattr(e, "summary")} if bench else {}
-    if bench is not None and not runs:
-        raise UsageError(f"bench '{args.calibrate}' has no finished run to calibrate from")
-    from_bench = bench is not None and not args.config
-    if from_bench:  # the bench's cluster, model and batch, unless flags say otherwise
-        args.config = str(next(iter(runs.values())).path / "config.toml")
+    bench, runs, from_bench = _calibration(args)
     cfg = _plan_config(args, calibrated=bench is not None)
     names, options = _plan_options(args, cfg, from_bench)
     cluster, dims, per_token = _plan_cluster(args, cfg, calibrated=bench is not None)
@@ -221,7 +217,10 @@ def _plan(args) -> int:
     if replica_sizes.choosing(cfg):
         why = replica_sizes.recommend_count(best, cfg.workers) + "\n" + why
     assumed = plan_assume.assumptions(args, cfg, cluster, dims, per_token, runs)
-    tuned = _tune(args, cfg, cluster, [p.strategy for p in ranked], options, bench, runs, per_token, target)
+    tuned = _tune(args, cfg, cluster, by_count, chosen, options, bench, runs, per_token, target)
+    pick = None
+    if tuned is not None:  # one answer: the tuned setting, not the given options, is the one to use
+        pick, why = plan_pick.answer(tuned, by_count, cluster, cfg, replica_sizes.choosing(cfg))
     if args.json:
         from . import config as C
         links = C.to_dict(cfg)
@@ -235,7 +234,9 @@ def _plan(args) -> int:
                           **({"replica_counts": [{"replicas": R, "ranked": [asdict(p) for p in r]}
                                                  for R, r in by_count.items()]} if replica_sizes.choosing(cfg) else {}),
                           "assumptions": assumed,
-                          **({"tuned": [plan_tune.tuned_json(t) for t in tuned]} if tuned is not None else {}),
+                          **({"tuned": [plan_tune.tuned_json(t) for t in tuned],
+                              "recommended": plan_pick.recommended_json(pick, tuned, cfg)}
+                             if tuned is not None else {}),
                           "recommendation": why}, indent=2))
     else:
         print(planner.describe_model(dims))
@@ -244,18 +245,39 @@ def _plan(args) -> int:
         if replica_sizes.choosing(cfg):
             print("\n" + plan_text.counts_table(best, cfg.workers))
         if tuned is not None:
-            print("\n" + plan_tune.table(tuned))
+            print("\n" + plan_tune.table(tuned, cfg.workers))
         print("\n" + why)
     return 0
 
 
-def _tune(args, cfg, cluster, names, options, bench, runs, per_token, target):
-    """`--tune`: each strategy's best setting (plan_tune.tune_all); None without --tune."""
+def _calibration(args):
+    """(the --calibrate bench or run, None without; its runs by strategy; whether the plan takes
+    the cluster, model and batch from it: it does unless --config is given, and flags override them)."""
+    from .report.runs import load_calibration
+
+    bench = load_calibration(args.calibrate) if args.calibrate else None
+    runs = {e.summary["strategy"]: e for e in bench.entries if hasattr(e, "summary")} if bench else {}
+    if bench is not None and not runs:
+        raise UsageError(f"bench '{args.calibrate}' has no finished run to calibrate from")
+    from_bench = bench is not None and not args.config
+    if from_bench:
+        args.config = str(next(iter(runs.values())).path / "config.toml")
+    return bench, runs, from_bench
+
+
+def _tune(args, cfg, cluster, by_count, chosen, options, bench, runs, per_token, target):
+    """`--tune`: each strategy's best setting (plan_tune.tune_all), its knobs searched together
+    with every replica count it was planned at (`by_count`; `chosen` first); None without --tune."""
     from . import plan_tune
 
-    def predict_one(name, opts):
-        return _predict(args, cfg, cluster, [name], {name: opts}, runs, per_token, None)[0]
-    return plan_tune.tune_all(args, names, options, cluster, bench, target, predict_one)
+    def predict_one(name, opts, replicas):
+        return _predict(args, cfg, replace(cluster, replicas=replicas), [name], {name: opts}, runs, per_token, None)[0]
+
+    def counts_of(name):
+        return tuple(sorted((R for R, ranked in by_count.items() if any(p.strategy == name for p in ranked)),
+                            key=lambda R: R != chosen))
+    names = list(dict.fromkeys(p.strategy for ranked in by_count.values() for p in ranked))
+    return plan_tune.tune_all(args, names, options, cluster, bench, target, predict_one, counts_of)
 
 
 def _plan_config(args, calibrated: bool):
