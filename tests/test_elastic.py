@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,10 +23,25 @@ TINY = ["--workers", "3", "--elastic", "--min-workers", "2", "--n-layer", "2", "
         "--d-model", "16", "--seq-len", "16", "--data", "pydoc", "--eval-every", "0", "--quiet"]
 
 
+def start(out: Path, *flags: str, **faults: str) -> subprocess.Popen:
+    """The CLI in the background, with test faults (kill="1:5" sets LOWCOMM_TEST_KILL_AT...)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **{f"LOWCOMM_TEST_{k.upper()}": v for k, v in faults.items()}}
+    return subprocess.Popen([sys.executable, "-m", "lowcomm", "train", *TINY, *flags, "--out", str(out)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def train(out: Path, *flags: str, kill: str, log: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOWCOMM_TEST_KILL_AT": kill, "LOWCOMM_TEST_KILL_LOG": str(log)}
-    return subprocess.run([sys.executable, "-m", "lowcomm", "train", *TINY, *flags, "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = start(out, *flags, kill_at=kill, kill_log=str(log))
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def wait_for(ready, what: str, within: float = 60.0):
+    deadline = time.monotonic() + within
+    while not (value := ready()):
+        assert time.monotonic() < deadline, f"no {what} within {within:.0f} s"
+        time.sleep(0.05)
+    return value
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -69,6 +86,30 @@ def test_ddp_a_restarted_worker_rejoins_with_the_live_state(tmp_path):
     assert summary["elastic"]["members"] == [0, 1, 2]
 
 
+def test_ddp_a_frozen_worker_is_dropped_after_the_member_timeout_and_rejoins_when_continued(tmp_path):
+    out, log = tmp_path / "run", tmp_path / "stopped"
+    # Worker 1 SIGSTOPs itself before step 5: the others wait for it in step 5's all-reduce.
+    proc = start(out, "--strategy", "ddp", "--steps", "80", "--member-timeout", "3", stop_at="1:5",
+                 stop_log=str(log))
+    try:
+        quorums = wait_for(lambda: (out / "membership.jsonl").exists() and
+                           len(q := jsonl(out / "membership.jsonl")) >= 2 and q, "re-formed quorum")
+        stopped_at, pid = log.read_text().split()
+        took = quorums[1]["time"] - float(stopped_at)
+        assert quorums[1]["slots"] == [0, 2] and quorums[1]["step"] == 4, quorums
+        assert 3.0 <= took < 3.0 + 4.0, f"the survivors re-formed {took:.2f} s after the freeze"
+        os.kill(int(pid), signal.SIGCONT)  # it finds its group gone and rejoins as a joiner
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    _, summary = check_finished(out, 80)
+    rejoin = jsonl(out / "membership.jsonl")[2]
+    assert rejoin["slots"] == [0, 1, 2] and rejoin["healed"] == [1], rejoin
+    assert len(set(rejoin["state_sha256"])) == 1, rejoin  # it took the live state, bit for bit
+    assert summary["elastic"]["members"] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("strategy", ["zero1", "acco", "streaming_diloco", "quantized"])
 def test_strategies_that_cannot_run_elastically_are_refused_in_one_line(strategy, capsys, tmp_path):
     assert main(["train", "--strategy", strategy, *TINY, "--steps", "2", "--out", str(tmp_path / "r")]) == 2
@@ -77,6 +118,9 @@ def test_strategies_that_cannot_run_elastically_are_refused_in_one_line(strategy
     assert not (tmp_path / "r").exists()
 
 
-def test_min_workers_needs_elastic(capsys):
-    assert main(["train", "--min-workers", "2", "--steps", "2", "--data", "pydoc"]) == 2
-    assert "--min-workers applies only with --elastic" in capsys.readouterr().err
+def test_min_workers_and_member_timeout_need_elastic(capsys):
+    for flag in ("--min-workers", "--member-timeout"):
+        assert main(["train", flag, "2", "--steps", "2", "--data", "pydoc"]) == 2
+        assert f"error: {flag} applies only with --elastic" in capsys.readouterr().err
+    assert main(["train", *TINY, "--member-timeout", "900", "--timeout", "60", "--steps", "2"]) == 2
+    assert "error: --member-timeout must be positive and at most --timeout (60 s), got 900" in capsys.readouterr().err

@@ -82,8 +82,8 @@ class ElasticWorker:
         """A quorum, its group, a run on it, and every member on the newest committed state."""
         committed = self.snapshot["step"] if self.snapshot is not None else (-1 if joining else 0)
         view = self.m.agree(committed, joining=joining)
-        self.joins_seen = self.m.joins()  # what this quorum answered (a later announcement is news)
         self._build(view)
+        self.joins_seen = self._joins_answered()
         if self.snapshot is not None:
             self._load(self.snapshot)
         healed = transfer.heal(view, lambda: self.snapshot, self._load)
@@ -105,6 +105,13 @@ class ElasticWorker:
         self.t = Trainer(cfg, view.rank, view.world, self.device, "gloo", comm, self.model, run,
                          loader_for(cfg, self.train_tokens, view, self.step), val, self.source, None, None)
         self.view = view
+
+    def _joins_answered(self) -> int:
+        """The announcements this quorum answered (a later one is news), alike on every member:
+        the most any member has seen, so that all of them see the same news at a commit point."""
+        every = [None] * self.view.world
+        dist.all_gather_object(every, self.m.joins())
+        return max(every)
 
     def _take_snapshot(self) -> dict:
         return {"step": self.step, "strategy": copy.deepcopy(self.t.run.state_dict())}
@@ -235,6 +242,11 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
                 raise
             w.rollback()
             reforms += 1
+            # Announce ourselves as a joiner would: if we were the one cut off (frozen past
+            # --member-timeout, then continued), the members went on without us and ask for a
+            # quorum again only when told; if we are a survivor, the announcement is in the count
+            # the new quorum agrees on (_joins_answered), so it costs nothing.
+            joining = True
         if reforms > MAX_REFORMS_WITHOUT_PROGRESS:
             raise RunError(f"the group changed {reforms} times without committing a step; giving up")
     w.finish(t_start)
@@ -251,7 +263,7 @@ def lost_peer(e: BaseException) -> bool:
 def elastic_entry(_i: int, slot: int, cfg: C.RunConfig, store_port: int, lighthouse_address: str,
                   out_dir: str | None, quiet: bool, joining: bool) -> None:
     """Entry of an elastic worker the launcher started (or restarted, `joining`)."""
-    m = Membership(lighthouse_address, "127.0.0.1", store_port, slot, cfg.timeout)
+    m = Membership(lighthouse_address, "127.0.0.1", store_port, slot, support.member_timeout(cfg))
     try:
         run_elastic(cfg, slot, m, Path(out_dir) if out_dir else None, quiet, joining)
     finally:

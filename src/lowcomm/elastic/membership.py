@@ -72,12 +72,15 @@ class Membership:
     def agree(self, step: int, joining: bool = False) -> View:
         """Ask for a quorum (this worker's committed step with it), then form its group."""
         done = threading.Event()
+        announcer = threading.Thread(target=self._announce, args=(done,), daemon=True)
         if joining:  # say so until a quorum takes us: the members ask only when told
-            threading.Thread(target=self._announce, args=(done,), daemon=True).start()
+            announcer.start()
         try:
             q = self._quorum(step)
         finally:
             done.set()
+            if joining:  # every announcement of ours lands before the members compare counts
+                announcer.join()
         members = sorted(q.participants, key=lambda m: m.replica_id)
         ids = [m.replica_id for m in members]
         if self.id not in ids:
@@ -108,8 +111,10 @@ class Membership:
     def _form_group(self, view: View) -> None:
         leave()
         prefix = dist.PrefixStore(f"lowcomm/elastic/q{view.quorum}/", self.store)
-        dist.init_process_group("gloo", store=prefix, rank=view.rank, world_size=view.world,
-                                timeout=timedelta(seconds=self.timeout_s))
+        timeout = timedelta(seconds=self.timeout_s)  # a frozen member fails the others' collectives
+        dist.init_process_group("gloo", store=prefix, rank=view.rank, world_size=view.world, timeout=timeout)
+        # The driver's control group, made here with the same timeout (new_group's own is 30 min).
+        control.register_control(dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout))
 
     def close(self) -> None:
         self._stop.set()

@@ -27,8 +27,9 @@ WHY_NOT = {
 def check(cfg) -> None:
     """UsageError, in one line, when cfg asks for --elastic (or --min-workers) where it cannot run."""
     if not cfg.elastic:
-        if cfg.min_workers:
-            raise UsageError("--min-workers applies only with --elastic")
+        for flag, value in (("--min-workers", cfg.min_workers), ("--member-timeout", cfg.member_timeout)):
+            if value:
+                raise UsageError(f"{flag} applies only with --elastic")
         return
     if cfg.strategy not in SUPPORTED:
         why = WHY_NOT.get(cfg.strategy, "it does not declare how its state survives a change of the group")
@@ -36,6 +37,9 @@ def check(cfg) -> None:
                          f"(elastic strategies: {', '.join(SUPPORTED)})")
     if not 0 <= cfg.min_workers <= cfg.workers:
         raise UsageError(f"--min-workers must be between 1 and --workers ({cfg.workers}), got {cfg.min_workers}")
+    if not 0 <= cfg.member_timeout <= cfg.timeout:
+        raise UsageError(f"--member-timeout must be positive and at most --timeout ({cfg.timeout:g} s), "
+                         f"got {cfg.member_timeout:g}")
     if cfg.replicas and cfg.replicas != cfg.workers:
         raise UsageError("--elastic runs one worker per replica: drop --replicas")
     if cfg.strategy == "diloco":
@@ -54,6 +58,17 @@ def check(cfg) -> None:
 
 def min_workers(cfg) -> int:
     return cfg.min_workers or cfg.workers
+
+
+MEMBER_TIMEOUT_S = 10.0
+
+
+def member_timeout(cfg) -> float:
+    """Seconds a collective of a membership's group waits for a member before the others drop it
+    (its gloo timeout): a frozen member (SIGSTOP, a hung host) is dropped this long after the
+    others reach a collective it does not. Short, unlike --timeout, since dropping a member that
+    was only slow costs one re-form and a state transfer, not the run."""
+    return cfg.member_timeout or min(MEMBER_TIMEOUT_S, cfg.timeout)
 
 
 def replicated(strategy: str, state: dict) -> dict:
