@@ -110,6 +110,42 @@ def test_ddp_a_frozen_worker_is_dropped_after_the_member_timeout_and_rejoins_whe
     assert summary["elastic"]["members"] == [0, 1, 2]
 
 
+def lighthouse_of(launcher: int) -> int:
+    """The pid of the lighthouse process the launcher runs (its child running lighthouse_serve.py)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if (proc.name.isdigit() and b"lighthouse_serve.py" in (proc / "cmdline").read_bytes()
+                    and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == launcher):
+                return int(proc.name)
+        except OSError:  # the process ended while we looked
+            continue
+    raise AssertionError(f"no lighthouse process under the launcher {launcher}")
+
+
+def test_diloco_rides_out_the_lighthouse_killed_for_3s_while_a_worker_dies(tmp_path):
+    out, log = tmp_path / "run", tmp_path / "stopped"
+    proc = start(out, "--strategy", "diloco", "--sync-every", "4", "--steps", "24", stop_at="1:6",
+                 stop_log=str(log))
+    try:
+        pid = int(wait_for(lambda: log.exists() and log.read_text().split(), "frozen worker")[1])
+        beacon = lighthouse_of(proc.pid)
+        os.kill(beacon, signal.SIGSTOP)  # unreachable (requests hang) for 2 s, then dead (refused)
+        os.kill(pid, signal.SIGKILL)     # the survivors need a quorum while it is away
+        time.sleep(2.0)
+        os.kill(beacon, signal.SIGKILL)
+        killed_at = time.time()
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "lowcomm: the lighthouse killed by SIGKILL; restarted it on port" in stderr
+    records, summary = check_finished(out, 24)
+    quorums = jsonl(out / "membership.jsonl")
+    assert [q["slots"] for q in quorums] == [[0, 1, 2], [0, 2]]
+    assert quorums[1]["time"] > killed_at  # formed by the restarted lighthouse
+    assert summary["elastic"]["members"] == [0, 2]
+
+
 @pytest.mark.parametrize("strategy", ["zero1", "acco", "streaming_diloco", "quantized"])
 def test_strategies_that_cannot_run_elastically_are_refused_in_one_line(strategy, capsys, tmp_path):
     assert main(["train", "--strategy", strategy, *TINY, "--steps", "2", "--out", str(tmp_path / "r")]) == 2

@@ -24,6 +24,7 @@ from . import lighthouse
 JOINS = "lowcomm/elastic/joins"        # a joiner adds 1: the members ask for a quorum at their next commit
 STARTED = "lowcomm/elastic/started"    # each first worker adds 1: the first quorum holds all of them
 QUORUM_RPC_S = 5.0                     # one quorum request; repeated until the lighthouse answers
+LIGHTHOUSE_AWAY_S = 60.0               # a lighthouse unreachable this long (not restarted): the worker fails
 REANNOUNCE_S = 2.0                     # a waiting joiner announces itself again (it may have missed a quorum)
 
 
@@ -52,7 +53,9 @@ class Membership:
     def _heartbeat(self) -> None:
         while not self._stop.wait(lighthouse.HEARTBEAT_S):
             try:
-                self._beats.heartbeat(self.id)
+                # A beat outliving the lighthouse's heartbeat timeout is worthless: give up on it
+                # then, so that beats resume at once when a stopped lighthouse is restarted.
+                self._beats.heartbeat(self.id, timeout=timedelta(milliseconds=lighthouse.HEARTBEAT_TIMEOUT_MS))
             except Exception:  # the lighthouse is briefly unreachable: the next beat retries
                 pass
 
@@ -97,16 +100,22 @@ class Membership:
                 return
 
     def _quorum(self, step: int):
+        away_since = None
         while True:
             try:
                 return self._client.quorum(replica_id=self.id, timeout=timedelta(seconds=QUORUM_RPC_S),
                                            address="", store_address=self.store_address, step=step,
                                            world_size=1, shrink_only=False)
-            except Exception as e:  # no quorum yet (too few workers) or the lighthouse is away: ask again
-                text = str(e).lower()
-                if not isinstance(e, TimeoutError) and not any(m in text for m in ("timeout", "timed out",
-                                                                                    "deadline", "connect")):
+            except Exception as e:
+                if waiting_for_peers(e):  # no quorum yet (too few workers): ask again
+                    continue
+                if not lighthouse_away(e):
                     raise
+                # The lighthouse is down or restarting (the launcher restarts it): ask again, for a while.
+                away_since = away_since or time.monotonic()
+                if time.monotonic() - away_since > LIGHTHOUSE_AWAY_S:
+                    raise RunError(f"the lighthouse did not answer for {LIGHTHOUSE_AWAY_S:.0f} s: {e}") from None
+                time.sleep(lighthouse.HEARTBEAT_S)
 
     def _form_group(self, view: View) -> None:
         leave()
@@ -119,6 +128,19 @@ class Membership:
     def close(self) -> None:
         self._stop.set()
         leave()
+
+
+def waiting_for_peers(e: BaseException) -> bool:
+    """A quorum request that timed out (the lighthouse answered no quorum in time, or was frozen)."""
+    text = str(e).lower()
+    return isinstance(e, TimeoutError) or any(m in text for m in ("timeout", "timed out", "deadline"))
+
+
+def lighthouse_away(e: BaseException) -> bool:
+    """How torchft's client reports a lighthouse it cannot reach (gRPC Unavailable: no connection;
+    Unknown "transport error": the connection dropped mid-request, the lighthouse died)."""
+    text = str(e).lower()
+    return any(m in text for m in ("connect", "unavailable", "transport error", "broken pipe", "reset"))
 
 
 def leave() -> None:
