@@ -72,42 +72,24 @@ def test_diloco_survivors_drop_a_killed_worker_within_2s_and_finish(tmp_path):
     assert summary["elastic"]["members"] == [0, 2]
 
 
-def test_ddp_a_restarted_worker_rejoins_with_the_live_state(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_a_restarted_worker_rejoins_with_the_live_state(strategy, tmp_path):
     out, log = tmp_path / "run", tmp_path / "killed"
-    done = train(out, "--strategy", "ddp", "--steps", "16", "--max-restarts", "1", kill="1:5", log=log)
+    # Worker 1 dies after step 5; restarted, it rejoins, and dies again after step 10 (no restart left).
+    done = train(out, "--strategy", strategy, "--steps", "20", "--max-restarts", "1", kill="1:5,1:10", log=log)
     assert done.returncode == 0, done.stderr
     assert "restarting it (1 of 1)" in done.stderr
-    _, summary = check_finished(out, 16)
+    _, summary = check_finished(out, 20)
     quorums = jsonl(out / "membership.jsonl")
+    assert quorums[1]["step"] == 4  # step 5, half done when worker 1 died, was redone
     join = next(q for q in quorums if 1 in q["healed"])
-    assert join["slots"] == [0, 1, 2] and join["step"] == 4
-    # The joiner's state (parameters and optimizer state) equals its peers' when it starts training.
-    assert len(set(join["state_sha256"])) == 1, join
-    assert summary["elastic"]["members"] == [0, 1, 2]
-
-
-def test_ddp_a_frozen_worker_is_dropped_after_the_member_timeout_and_rejoins_when_continued(tmp_path):
-    out, log = tmp_path / "run", tmp_path / "stopped"
-    # Worker 1 SIGSTOPs itself before step 5: the others wait for it in step 5's all-reduce.
-    proc = start(out, "--strategy", "ddp", "--steps", "80", "--member-timeout", "3", stop_at="1:5",
-                 stop_log=str(log))
-    try:
-        quorums = wait_for(lambda: (out / "membership.jsonl").exists() and
-                           len(q := jsonl(out / "membership.jsonl")) >= 2 and q, "re-formed quorum")
-        stopped_at, pid = log.read_text().split()
-        took = quorums[1]["time"] - float(stopped_at)
-        assert quorums[1]["slots"] == [0, 2] and quorums[1]["step"] == 4, quorums
-        assert 3.0 <= took < 3.0 + 4.0, f"the survivors re-formed {took:.2f} s after the freeze"
-        os.kill(int(pid), signal.SIGCONT)  # it finds its group gone and rejoins as a joiner
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, stderr
-    _, summary = check_finished(out, 80)
-    rejoin = jsonl(out / "membership.jsonl")[2]
-    assert rejoin["slots"] == [0, 1, 2] and rejoin["healed"] == [1], rejoin
-    assert len(set(rejoin["state_sha256"])) == 1, rejoin  # it took the live state, bit for bit
-    assert summary["elastic"]["members"] == [0, 1, 2]
+    assert join["slots"] == [0, 1, 2] and 4 <= join["step"] < 10
+    assert quorums[-1]["slots"] == [0, 2] and quorums[-1]["step"] == 9
+    for q in quorums:
+        # Every member holds the state it resumed from, whole: zero1's optimizer state, gathered
+        # at a commit and cut into 3 shards or 2, is bit for bit the state committed.
+        assert len(set(q["state_sha256"] + q["resumed_sha256"])) == 1, q
+    assert summary["elastic"]["members"] == [0, 2]
 
 
 def lighthouse_of(launcher: int) -> int:
@@ -146,7 +128,7 @@ def test_diloco_rides_out_the_lighthouse_killed_for_3s_while_a_worker_dies(tmp_p
     assert summary["elastic"]["members"] == [0, 2]
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "acco", "streaming_diloco", "quantized"])
+@pytest.mark.parametrize("strategy", ["dpu", "acco", "streaming_diloco", "quantized"])
 def test_strategies_that_cannot_run_elastically_are_refused_in_one_line(strategy, capsys, tmp_path):
     assert main(["train", "--strategy", strategy, *TINY, "--steps", "2", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()

@@ -72,7 +72,7 @@ RUN_FLAGS = {
     "--max-restarts": Flag("max_restarts", "N", "relaunch all workers from the last good checkpoint up to N times",
                            zero="0: none"),
     "--elastic": Flag("elastic", "", "survivors go on when a worker dies; a restarted worker rejoins with the "
-                                     "live state (ddp, diloco; needs torchft: pip install 'lowcomm[elastic]')",
+                                     "live state (ddp, zero1, diloco; needs torchft: pip install 'lowcomm[elastic]')",
                       switch=True),
     "--min-workers": Flag("min_workers", "N", "with --elastic: the fewest workers a step may run with",
                           zero="all of --workers"),

@@ -16,7 +16,6 @@ notice its announcement at their next commit point and re-form with it.
 """
 from __future__ import annotations
 
-import copy
 import json
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from ..models import lm_loss
 from ..optim import adamw_factory, lr_schedule
 from ..run import link_seed, make_run
 from ..worker import LoopResult, Trainer, build_model, evaluate, pick_device
-from . import support, transfer
+from . import reshard, support, transfer
 from .membership import Membership, View, leave
 
 MAX_REFORMS_WITHOUT_PROGRESS = 20  # re-forming again and again without a commit: give up, one line
@@ -84,11 +83,14 @@ class ElasticWorker:
         view = self.m.agree(committed, joining=joining)
         self._build(view)
         self.joins_seen = self._joins_answered()
-        if self.snapshot is not None:
+        if self.snapshot is None:  # the run's start: every member takes it (collective for zero1)
+            self.snapshot = self._take_snapshot()
+        else:
             self._load(self.snapshot)
-        healed = transfer.heal(view, lambda: self.snapshot, self._load)
+        healed = transfer.heal(view, lambda: self.snapshot, self._resume)
+        resumed = self._hash(self.snapshot)  # the committed state this member resumed from
         self.snapshot = self._take_snapshot()
-        self._record(view, healed)
+        self._record(view, healed, resumed)
         return view
 
     def _build(self, view: View) -> None:
@@ -114,19 +116,28 @@ class ElasticWorker:
         return max(every)
 
     def _take_snapshot(self) -> dict:
-        return {"step": self.step, "strategy": copy.deepcopy(self.t.run.state_dict())}
+        return {"step": self.step, "strategy": reshard.snapshot(self.cfg.strategy, self.t.run)}
 
     def _load(self, snapshot: dict) -> None:
-        self.t.run.load_state_dict(copy.deepcopy(snapshot["strategy"]))
+        reshard.load(self.cfg.strategy, self.t.run, snapshot["strategy"])
         self.step = self.t.step = snapshot["step"]
         self.t.loader = loader_for(self.cfg, self.train_tokens, self.view, self.step)
 
-    def _record(self, view: View, healed: list[int]) -> None:
+    def _resume(self, snapshot: dict) -> None:
+        """Take a peer's newer committed state (transfer.heal)."""
+        self.snapshot = snapshot
+        self._load(snapshot)
+
+    def _hash(self, snapshot: dict) -> str:
+        return transfer.state_hash(support.replicated(self.cfg.strategy, snapshot["strategy"]))
+
+    def _record(self, view: View, healed: list[int], resumed: str) -> None:
         """membership.jsonl (rank 0): the quorum, from which step, who received the state, and
-        each member's hash of the state all must hold alike (equal after a join)."""
-        mine = transfer.state_hash(support.replicated(self.cfg.strategy, self.snapshot["strategy"]))
+        each member's hash of the state all must hold alike (equal after a join), taken after the
+        state was loaded into this membership, with the hash of the committed state each resumed
+        from (equal to it: nothing lost in a transfer or a re-shard)."""
         every = [None] * view.world
-        dist.all_gather_object(every, mine)
+        dist.all_gather_object(every, (self._hash(self.snapshot), resumed))
         if self.log is not None:
             self.log.close()
             self.log = None
@@ -134,7 +145,8 @@ class ElasticWorker:
             with open(self.out_dir / "membership.jsonl", "a") as f:
                 f.write(json.dumps({"step": self.step, "quorum": view.quorum, "slots": list(view.slots),
                                     "committed": list(view.steps), "healed": [view.slots[r] for r in healed],
-                                    "state_sha256": every, "time": time.time()}) + "\n")
+                                    "state_sha256": [h for h, _ in every], "resumed_sha256": [r for _, r in every],
+                                    "time": time.time()}) + "\n")
             self.log = StepLog(self.out_dir, resume_after=self.step)  # a new lead continues the log
             self.totals = Totals(self.cfg.workers)
             for record in self.log.kept:

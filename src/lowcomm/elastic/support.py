@@ -2,15 +2,15 @@
 
 A strategy runs elastically when, at its commit points, the whole state that must agree across
 workers can be rolled back to the last commit and sent to a joiner: ddp (every step; all of its
-state is replicated) and diloco (every outer sync, when every worker is reset to θ_global).
+state is replicated), zero1 (every step, its sharded optimizer state gathered whole: reshard.py)
+and diloco (every outer sync, when every worker is reset to θ_global).
 """
 from __future__ import annotations
 
 from ..errors import UsageError
 
-SUPPORTED = ("ddp", "diloco")
+SUPPORTED = ("ddp", "zero1", "diloco")
 WHY_NOT = {
-    "zero1": "its optimizer state is sharded across the workers and is not re-sharded when the group changes",
     "acco": "its rounds run beside the next step's compute and its optimizer state is sharded, so no step "
             "boundary is a point every worker can roll back to",
     "dpu": "each step applies the previous step's gradient, in flight across the boundary, and its optimizer "
@@ -72,11 +72,11 @@ def member_timeout(cfg) -> float:
 
 
 def replicated(strategy: str, state: dict) -> dict:
-    """The tensors of a run's state (RunDriver.state_dict()) that every member holds alike at a
-    commit point: all of ddp's; diloco's parameters (= θ_global after a sync), θ_global and the
-    outer optimizer (each worker's inner optimizer is its own)."""
+    """The tensors of a commit point's state (reshard.snapshot) that every member holds alike:
+    all of ddp's and of zero1's whole state; diloco's parameters (= θ_global after a sync),
+    θ_global and the outer optimizer (each worker's inner optimizer is its own)."""
     out = {f"model.{k}": v for k, v in state["model"].items()}
-    optimizers = state["optimizers"] if strategy == "ddp" else state["optimizers"][1:]
+    optimizers = state["optimizers"][1:] if strategy == "diloco" else state["optimizers"]
     for i, osd in enumerate(optimizers):
         for p, st in osd["state"].items():
             for k, v in st.items():
