@@ -177,8 +177,9 @@ class ElasticWorker:
         every = t.comm.meta_all_gather(torch.stack(pending + [flags])).cpu()
         first = self.step - len(pending) + 1
         records = [step_record(first + i, every[:, i]) for i in range(len(pending))]
+        now = time.time()  # when the step was committed (bench/chaos.py times recoveries by it)
         for r in records:
-            r["members"] = list(self.view.slots)
+            r["members"], r["committed_at"] = list(self.view.slots), now
         if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
             with t.run.evaluating() as eval_model:
                 self.val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
