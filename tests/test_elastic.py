@@ -92,6 +92,30 @@ def test_a_restarted_worker_rejoins_with_the_live_state(strategy, tmp_path):
     assert summary["elastic"]["members"] == [0, 2]
 
 
+def test_ddp_a_frozen_worker_is_dropped_after_the_member_timeout_and_rejoins_when_continued(tmp_path):
+    out, log = tmp_path / "run", tmp_path / "stopped"
+    # Worker 1 SIGSTOPs itself before step 5: the others wait for it in step 5's all-reduce.
+    proc = start(out, "--strategy", "ddp", "--steps", "80", "--member-timeout", "3", stop_at="1:5",
+                 stop_log=str(log))
+    try:
+        quorums = wait_for(lambda: (out / "membership.jsonl").exists() and
+                           len(q := jsonl(out / "membership.jsonl")) >= 2 and q, "re-formed quorum")
+        stopped_at, pid = log.read_text().split()
+        took = quorums[1]["time"] - float(stopped_at)
+        assert quorums[1]["slots"] == [0, 2] and quorums[1]["step"] == 4, quorums
+        assert 3.0 <= took < 3.0 + 4.0, f"the survivors re-formed {took:.2f} s after the freeze"
+        os.kill(int(pid), signal.SIGCONT)  # it finds its group gone and rejoins as a joiner
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    _, summary = check_finished(out, 80)
+    rejoin = jsonl(out / "membership.jsonl")[2]
+    assert rejoin["slots"] == [0, 1, 2] and rejoin["healed"] == [1], rejoin
+    assert len(set(rejoin["state_sha256"])) == 1, rejoin  # it took the live state, bit for bit
+    assert summary["elastic"]["members"] == [0, 1, 2]
+
+
 def lighthouse_of(launcher: int) -> int:
     """The pid of the lighthouse process the launcher runs (its child running lighthouse_serve.py)."""
     for proc in Path("/proc").iterdir():
