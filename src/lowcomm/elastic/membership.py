@@ -48,6 +48,7 @@ class Membership:
         self._beats = lighthouse.client(address)  # one client a thread
         self._stop = threading.Event()
         self._beats.heartbeat(self.id)  # healthy before the first quorum is asked for (see wait_for_first)
+        self._beat_failed, self._beats_back_at = False, 0.0  # see settling()
         threading.Thread(target=self._heartbeat, name="lowcomm-heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
@@ -57,7 +58,16 @@ class Membership:
                 # then, so that beats resume at once when a stopped lighthouse is restarted.
                 self._beats.heartbeat(self.id, timeout=timedelta(milliseconds=lighthouse.HEARTBEAT_TIMEOUT_MS))
             except Exception:  # the lighthouse is briefly unreachable: the next beat retries
-                pass
+                self._beat_failed = True
+                continue
+            if self._beat_failed:
+                self._beat_failed, self._beats_back_at = False, time.monotonic()
+
+    def settling(self) -> bool:
+        """Whether the lighthouse may not yet know every live worker: it is away, or came back
+        (restarted, it knows only the workers that have beaten since) less than a heartbeat
+        timeout ago. A quorum asked for then could leave out a live worker whose beat is on its way."""
+        return self._beat_failed or time.monotonic() - self._beats_back_at < lighthouse.HEARTBEAT_TIMEOUT_MS / 1000
 
     def wait_for_first(self, workers: int) -> None:
         """The run's first workers wait for each other, so that the first quorum holds them all."""
@@ -100,22 +110,25 @@ class Membership:
                 return
 
     def _quorum(self, step: int):
-        away_since = None
+        away_since, why = None, "its heartbeats failed"
         while True:
-            try:
-                return self._client.quorum(replica_id=self.id, timeout=timedelta(seconds=QUORUM_RPC_S),
-                                           address="", store_address=self.store_address, step=step,
-                                           world_size=1, shrink_only=False)
-            except Exception as e:
-                if waiting_for_peers(e):  # no quorum yet (too few workers): ask again
-                    continue
-                if not lighthouse_away(e):
-                    raise
-                # The lighthouse is down or restarting (the launcher restarts it): ask again, for a while.
-                away_since = away_since or time.monotonic()
-                if time.monotonic() - away_since > LIGHTHOUSE_AWAY_S:
-                    raise RunError(f"the lighthouse did not answer for {LIGHTHOUSE_AWAY_S:.0f} s: {e}") from None
-                time.sleep(lighthouse.HEARTBEAT_S)
+            if not self.settling():
+                try:
+                    return self._client.quorum(replica_id=self.id, timeout=timedelta(seconds=QUORUM_RPC_S),
+                                               address="", store_address=self.store_address, step=step,
+                                               world_size=1, shrink_only=False)
+                except Exception as e:
+                    if waiting_for_peers(e):  # no quorum yet (too few workers): ask again
+                        away_since = None
+                        continue
+                    if not lighthouse_away(e):
+                        raise
+                    why = str(e)
+            # The lighthouse is down or restarting (the launcher restarts it): ask again, for a while.
+            away_since = away_since or time.monotonic()
+            if time.monotonic() - away_since > LIGHTHOUSE_AWAY_S:
+                raise RunError(f"the lighthouse did not answer for {LIGHTHOUSE_AWAY_S:.0f} s: {why}")
+            time.sleep(lighthouse.HEARTBEAT_S)
 
     def _form_group(self, view: View) -> None:
         leave()
