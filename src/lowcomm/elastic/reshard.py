@@ -8,9 +8,10 @@ the whole state, which any member can load into any new membership by cutting ou
 (padding, always zero, rebuilt as zeros). A joiner receives the whole state like any other.
 
 The cost, stated: the gather moves (W-1)/W of the optimizer state a step -- for AdamW in fp32,
-8 bytes a parameter, as much as zero1's own reduce-scatter and all-gather at fp32 -- (counted
-in steps.jsonl's wire bytes, in the next step), and each member holds the whole optimizer state
-at the commit, as ddp does: elastic zero1 keeps zero1's step but not its 1/W optimizer memory.
+8 bytes a parameter, as much as zero1's own reduce-scatter and all-gather at fp32, so twice the
+bytes a step (not in steps.jsonl's wire bytes: it runs between steps) -- and each member holds
+the whole optimizer state at the commit, as ddp does: elastic zero1 keeps zero1's step but not
+its 1/W optimizer memory.
 """
 from __future__ import annotations
 
