@@ -179,7 +179,7 @@ def recoveries(m: dict, faults: list[tuple[float, str]], lines: list[tuple[float
     """Mean seconds from each fault to the next commit, and from each restart to the joiner's first."""
     commits = [(r["committed_at"], r["members"]) for r in m["records"]]
     after = [next((c for c, _ in commits if c > t), None) for t, _ in faults]
-    to_commit = [c - t for (t, _), c in zip(faults, after) if c is not None]
+    to_commit = [(kind, c - t) for (t, kind), c in zip(faults, after) if c is not None]
     to_join = []
     for t, line in lines:
         if "restarting it" in line and "worker " in line:
@@ -188,8 +188,9 @@ def recoveries(m: dict, faults: list[tuple[float, str]], lines: list[tuple[float
             if first is not None:
                 to_join.append(first - t)
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return {"fault_to_commit_s": mean(to_commit), "restart_to_join_s": mean(to_join),
-            "restarts": len(to_join)}
+    by_kind = {k: mean([s for kind, s in to_commit if kind == k]) for k in sorted({k for k, _ in to_commit})}
+    return {"fault_to_commit_s": mean([s for _, s in to_commit]), "by_kind": by_kind,
+            "restart_to_join_s": mean(to_join), "restarts": len(to_join)}
 
 
 def bench(strategy: str, args, root: Path, kinds: list[str]) -> dict:
@@ -235,6 +236,9 @@ def report(rows: list[dict], skipped: str) -> None:
               f"{r['clean']['goodput']:>10.0f} / {r['chaos']['goodput']:>9.0f} {ratio:>6.3f} {target:>6.2f} "
               f"{r['val_clean_at_tokens']:>8.4f} / {r['chaos']['val_loss']:.4f} ({100 * val:+.1f}%) "
               f"{r['fault_to_commit_s']:>16.1f} {r['restart_to_join_s']:>16.1f}")
+    for r in rows:
+        print(f"{r['strategy']}: fault -> next commit by kind: "
+              + ", ".join(f"{k} {v:.1f} s" for k, v in r["by_kind"].items()))
     if skipped:
         print(skipped)
 
