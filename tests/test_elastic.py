@@ -10,6 +10,7 @@ import os
 import subprocess
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -135,6 +136,39 @@ def test_ddp_a_frozen_worker_is_dropped_and_rejoins_when_continued_while_the_lig
     assert rejoin["time"] > killed_at  # formed by the restarted lighthouse
     assert len(set(rejoin["state_sha256"] + rejoin["resumed_sha256"])) == 1, rejoin  # the live state, bit for bit
     assert summary["elastic"]["members"] == [0, 1, 2]
+
+
+def test_a_worker_whose_training_thread_is_stuck_stops_heartbeating_and_is_left_out(tmp_path):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lowcomm.elastic import lighthouse
+    from lowcomm.elastic.membership import Membership
+
+    server = lighthouse.start(1)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stuck, asking = (Membership(server.address(), "127.0.0.1", store.port, slot, timeout_s=0.3) for slot in (0, 1))
+    alive = threading.Event()
+
+    def progressing():
+        while not alive.wait(0.05):
+            stuck.progress()
+    threading.Thread(target=progressing, daemon=True).start()
+    try:
+        # While its training thread makes progress, the lighthouse waits for it to ask too.
+        with pytest.raises(Exception, match="(?i)timeout|timed out|deadline"):
+            asking._client.quorum(replica_id=asking.id, timeout=timedelta(seconds=2), step=0, world_size=1)
+        alive.set()  # stuck from now on: its heartbeats stop 2 x 0.3 s later, the lighthouse drops it 1 s after
+        views = []
+        threading.Thread(target=lambda: views.append(asking.agree(0)), daemon=True).start()
+        wait_for(lambda: views, "quorum without the stuck worker", within=5.0)
+        assert views[0].slots == (1,)
+    finally:
+        alive.set()
+        asking.close()
+        stuck.close()
+        server.shutdown()
 
 
 @pytest.mark.parametrize("strategy", ["dpu", "acco", "streaming_diloco", "quantized"])

@@ -158,6 +158,7 @@ class ElasticWorker:
         cfg, t = self.cfg, self.t
         pending = []
         while self.step < cfg.steps:
+            self.m.progress()
             pending.append(result_vector(t.run.step(t.next_batch, lm_loss)))
             self.step = t.step = self.step + 1
             if not is_commit(cfg, self.step):

@@ -49,10 +49,21 @@ class Membership:
         self._stop = threading.Event()
         self._beats.heartbeat(self.id)  # healthy before the first quorum is asked for (see wait_for_first)
         self._beat_failed, self._beats_back_at = False, 0.0  # see settling()
+        self._progress_at, self._asking = time.monotonic(), False  # see progress()
         threading.Thread(target=self._heartbeat, name="lowcomm-heartbeat", daemon=True).start()
+
+    def progress(self) -> None:
+        """The training thread is alive (called each step and while it waits for a quorum).
+        Without it for twice the member timeout, heartbeats stop: a worker whose training thread
+        is stuck (a deadlock, a hung kernel) while this thread runs on is then dropped by the
+        lighthouse too, as a frozen one is, instead of the lighthouse waiting for it to ask for
+        a quorum (for JOIN_TIMEOUT_MS)."""
+        self._progress_at = time.monotonic()
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(lighthouse.HEARTBEAT_S):
+            if not self._asking and time.monotonic() - self._progress_at > 2 * self.timeout_s:
+                continue
             try:
                 # A beat outliving the lighthouse's heartbeat timeout is worthless: give up on it
                 # then, so that beats resume at once when a stopped lighthouse is restarted.
@@ -74,6 +85,7 @@ class Membership:
         self.store.add(STARTED, 1)
         deadline = time.monotonic() + 300
         while int(self.store.add(STARTED, 0)) < workers:
+            self.progress()
             if time.monotonic() > deadline:
                 raise RunError(f"only {int(self.store.add(STARTED, 0))} of {workers} workers started within 300 s")
             time.sleep(0.02)
@@ -88,9 +100,12 @@ class Membership:
         announcer = threading.Thread(target=self._announce, args=(done,), daemon=True)
         if joining:  # say so until a quorum takes us: the members ask only when told
             announcer.start()
+        self._asking = True  # alive while a quorum request blocks (up to QUORUM_RPC_S)
         try:
             q = self._quorum(step)
         finally:
+            self.progress()
+            self._asking = False
             done.set()
             if joining:  # every announcement of ours lands before the members compare counts
                 announcer.join()
