@@ -42,8 +42,10 @@ class KeptLighthouse:
 
     def _spawn(self, port: int) -> tuple[subprocess.Popen, str]:
         with tempfile.TemporaryFile("w+") as err:
+            # Its own session: a Ctrl-C in the terminal (SIGINT to the foreground process group)
+            # is the launcher's to handle; the lighthouse ends with the launcher (lighthouse_serve.py).
             proc = subprocess.Popen([sys.executable, str(SERVE), str(port), *self._options],
-                                    stdout=subprocess.PIPE, stderr=err, text=True)
+                                    stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
             address = _first_line(proc, START_TIMEOUT_S)
             if not address:
                 proc.kill()
