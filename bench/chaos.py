@@ -43,6 +43,8 @@ def jsonl(path: Path) -> list[dict]:
 
 def flags(args, strategy: str, steps: int, eval_every: int) -> list[str]:
     extra = ["--sync-every", str(args.sync_every)] if strategy == "diloco" else []
+    if args.member_timeout:
+        extra += ["--member-timeout", str(args.member_timeout)]
     return ["--strategy", strategy, "--workers", str(args.workers), "--elastic", "--min-workers", "2",
             "--max-restarts", "1000", "--steps", str(steps), "--eval-every", str(eval_every),
             "--eval-batches", "2", "--seed", str(args.seed), "--data", args.data, "--quiet", *extra]
@@ -251,6 +253,8 @@ def main() -> int:
     p.add_argument("--fault-every", type=float, default=30.0, help="seconds between faults (+-30 %%)")
     p.add_argument("--stop-s", type=float, default=10.0, help="how long a SIGSTOPped worker stays frozen")
     p.add_argument("--sync-every", type=int, default=16, help="diloco's H")
+    p.add_argument("--member-timeout", type=float, default=0.0,
+                   help="lowcomm's --member-timeout (default: lowcomm's, 10 s): what a stop costs")
     p.add_argument("--data", default="pydoc")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", help="keep the runs under this directory (default: a temporary one)")
