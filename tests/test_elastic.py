@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,10 +24,25 @@ TINY = ["--workers", "3", "--elastic", "--min-workers", "2", "--n-layer", "2", "
         "--d-model", "16", "--seq-len", "16", "--data", "pydoc", "--eval-every", "0", "--quiet"]
 
 
+def start(out: Path, *flags: str, **faults: str) -> subprocess.Popen:
+    """The CLI in the background, with test faults (kill="1:5" sets LOWCOMM_TEST_KILL_AT...)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **{f"LOWCOMM_TEST_{k.upper()}": v for k, v in faults.items()}}
+    return subprocess.Popen([sys.executable, "-m", "lowcomm", "train", *TINY, *flags, "--out", str(out)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def train(out: Path, *flags: str, kill: str, log: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOWCOMM_TEST_KILL_AT": kill, "LOWCOMM_TEST_KILL_LOG": str(log)}
-    return subprocess.run([sys.executable, "-m", "lowcomm", "train", *TINY, *flags, "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = start(out, *flags, kill_at=kill, kill_log=str(log))
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def wait_for(ready, what: str, within: float = 60.0):
+    deadline = time.monotonic() + within
+    while not (value := ready()):
+        assert time.monotonic() < deadline, f"no {what} within {within:.0f} s"
+        time.sleep(0.05)
+    return value
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -55,21 +73,105 @@ def test_diloco_survivors_drop_a_killed_worker_within_2s_and_finish(tmp_path):
     assert summary["elastic"]["members"] == [0, 2]
 
 
-def test_ddp_a_restarted_worker_rejoins_with_the_live_state(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_a_restarted_worker_rejoins_with_the_live_state(strategy, tmp_path):
     out, log = tmp_path / "run", tmp_path / "killed"
-    done = train(out, "--strategy", "ddp", "--steps", "16", "--max-restarts", "1", kill="1:5", log=log)
+    # Worker 1 dies after step 5; restarted, it rejoins, and dies again after step 10 (no restart left).
+    done = train(out, "--strategy", strategy, "--steps", "20", "--max-restarts", "1", kill="1:5,1:10", log=log)
     assert done.returncode == 0, done.stderr
     assert "restarting it (1 of 1)" in done.stderr
-    _, summary = check_finished(out, 16)
+    _, summary = check_finished(out, 20)
     quorums = jsonl(out / "membership.jsonl")
+    assert quorums[1]["step"] == 4  # step 5, half done when worker 1 died, was redone
     join = next(q for q in quorums if 1 in q["healed"])
-    assert join["slots"] == [0, 1, 2] and join["step"] == 4
-    # The joiner's state (parameters and optimizer state) equals its peers' when it starts training.
-    assert len(set(join["state_sha256"])) == 1, join
+    assert join["slots"] == [0, 1, 2] and 4 <= join["step"] < 10
+    assert quorums[-1]["slots"] == [0, 2] and quorums[-1]["step"] == 9
+    for q in quorums:
+        # Every member holds the state it resumed from, whole: zero1's optimizer state, gathered
+        # at a commit and cut into 3 shards or 2, is bit for bit the state committed.
+        assert len(set(q["state_sha256"] + q["resumed_sha256"])) == 1, q
+    assert summary["elastic"]["members"] == [0, 2]
+
+
+def lighthouse_of(launcher: int) -> int:
+    """The pid of the lighthouse process the launcher runs (its child running lighthouse_serve.py)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if (proc.name.isdigit() and b"lighthouse_serve.py" in (proc / "cmdline").read_bytes()
+                    and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == launcher):
+                return int(proc.name)
+        except OSError:  # the process ended while we looked
+            continue
+    raise AssertionError(f"no lighthouse process under the launcher {launcher}")
+
+
+def test_ddp_a_frozen_worker_is_dropped_and_rejoins_when_continued_while_the_lighthouse_restarts(tmp_path):
+    out, log = tmp_path / "run", tmp_path / "stopped"
+    # Worker 1 SIGSTOPs itself before step 5: the others wait for it in step 5's all-reduce.
+    proc = start(out, "--strategy", "ddp", "--steps", "80", "--member-timeout", "3", stop_at="1:5",
+                 stop_log=str(log))
+    try:
+        quorums = wait_for(lambda: (out / "membership.jsonl").exists() and
+                           len(q := jsonl(out / "membership.jsonl")) >= 2 and q, "re-formed quorum")
+        stopped_at, pid = log.read_text().split()
+        took = quorums[1]["time"] - float(stopped_at)
+        assert quorums[1]["slots"] == [0, 2] and quorums[1]["step"] == 4, quorums
+        assert 3.0 <= took < 3.0 + 4.0, f"the survivors re-formed {took:.2f} s after the freeze"
+        # Continued, it finds its group gone and rejoins as a joiner -- while the lighthouse is away:
+        # unreachable (requests hang) for 2 s, then dead (refused) until the launcher restarts it.
+        beacon = lighthouse_of(proc.pid)
+        os.kill(beacon, signal.SIGSTOP)
+        os.kill(int(pid), signal.SIGCONT)
+        time.sleep(2.0)
+        os.kill(beacon, signal.SIGKILL)
+        killed_at = time.time()
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "lowcomm: the lighthouse killed by SIGKILL; restarted it on port" in stderr
+    _, summary = check_finished(out, 80)
+    rejoin = jsonl(out / "membership.jsonl")[2]
+    assert rejoin["slots"] == [0, 1, 2] and rejoin["healed"] == [1], rejoin
+    assert rejoin["time"] > killed_at  # formed by the restarted lighthouse
+    assert len(set(rejoin["state_sha256"] + rejoin["resumed_sha256"])) == 1, rejoin  # the live state, bit for bit
     assert summary["elastic"]["members"] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "acco", "streaming_diloco", "quantized"])
+def test_a_worker_whose_training_thread_is_stuck_stops_heartbeating_and_is_left_out(tmp_path):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lowcomm.elastic import lighthouse
+    from lowcomm.elastic.membership import Membership
+
+    server = lighthouse.start(1)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stuck, asking = (Membership(server.address(), "127.0.0.1", store.port, slot, timeout_s=0.3) for slot in (0, 1))
+    alive = threading.Event()
+
+    def progressing():
+        while not alive.wait(0.05):
+            stuck.progress()
+    threading.Thread(target=progressing, daemon=True).start()
+    try:
+        # While its training thread makes progress, the lighthouse waits for it to ask too.
+        with pytest.raises(Exception, match="(?i)timeout|timed out|deadline"):
+            asking._client.quorum(replica_id=asking.id, timeout=timedelta(seconds=2), step=0, world_size=1)
+        alive.set()  # stuck from now on: its heartbeats stop 2 x 0.3 s later, the lighthouse drops it 1 s after
+        views = []
+        threading.Thread(target=lambda: views.append(asking.agree(0)), daemon=True).start()
+        wait_for(lambda: views, "quorum without the stuck worker", within=5.0)
+        assert views[0].slots == (1,)
+    finally:
+        alive.set()
+        asking.close()
+        stuck.close()
+        server.shutdown()
+
+
+@pytest.mark.parametrize("strategy", ["dpu", "acco", "streaming_diloco", "quantized"])
 def test_strategies_that_cannot_run_elastically_are_refused_in_one_line(strategy, capsys, tmp_path):
     assert main(["train", "--strategy", strategy, *TINY, "--steps", "2", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()
@@ -77,6 +179,9 @@ def test_strategies_that_cannot_run_elastically_are_refused_in_one_line(strategy
     assert not (tmp_path / "r").exists()
 
 
-def test_min_workers_needs_elastic(capsys):
-    assert main(["train", "--min-workers", "2", "--steps", "2", "--data", "pydoc"]) == 2
-    assert "--min-workers applies only with --elastic" in capsys.readouterr().err
+def test_min_workers_and_member_timeout_need_elastic(capsys):
+    for flag in ("--min-workers", "--member-timeout"):
+        assert main(["train", flag, "2", "--steps", "2", "--data", "pydoc"]) == 2
+        assert f"error: {flag} applies only with --elastic" in capsys.readouterr().err
+    assert main(["train", *TINY, "--member-timeout", "900", "--timeout", "60", "--steps", "2"]) == 2
+    assert "error: --member-timeout must be positive and at most --timeout (60 s), got 900" in capsys.readouterr().err

@@ -4,7 +4,8 @@ step() misbehaves at the asked step (the tests of supervision and recovery use i
 
     LOWCOMM_TEST_HANG_AT=RANK:STEP    that rank blocks forever before that step (alive but stuck)
     LOWCOMM_TEST_STOP_AT=RANK:STEP    that rank SIGSTOPs itself before that step (frozen, as by a debugger
-                                      or a scheduler: not even its threads run)
+                                      or a scheduler: not even its threads run), once a process (continued,
+                                      an elastic worker that redoes the step is not stopped again)
     LOWCOMM_TEST_NAN_AT=RANK:STEP     that rank's loss is NaN in that step
     LOWCOMM_TEST_KILL_AT=RANK:STEP    that rank is SIGKILLed after that step; the i-th entry fires in
                                       launch attempt i (LOWCOMM_ATTEMPT, or torchrun's restart count)
@@ -50,10 +51,23 @@ def hang_if_asked(rank: int, step: int) -> None:
             time.sleep(3600)
 
 
+_stopped: set[tuple[int, int]] = set()
+
+
 def stop_if_asked(rank: int, step: int) -> None:
-    """Test-only fault: LOWCOMM_TEST_STOP_AT=RANK:STEP SIGSTOPs that rank before that step."""
-    if (rank, step) in _fault_spec("STOP_AT"):
+    """Test-only fault: LOWCOMM_TEST_STOP_AT=RANK:STEP SIGSTOPs that rank before that step, once;
+    LOWCOMM_TEST_STOP_LOG gets "TIME PID" first, for a test to time it and continue it (SIGCONT)."""
+    if (rank, step) in _fault_spec("STOP_AT") and (rank, step) not in _stopped:
+        _stopped.add((rank, step))
+        _note("STOP_LOG", f"{time.time()} {os.getpid()}")
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _note(name: str, line: str) -> None:
+    """Append a line to the file LOWCOMM_TEST_<name> names, if set (when a fault fired)."""
+    if os.environ.get(f"LOWCOMM_TEST_{name}"):
+        with open(os.environ[f"LOWCOMM_TEST_{name}"], "a") as f:
+            f.write(line + "\n")
 
 
 def _fault_spec(name: str) -> list[tuple[int, int]]:
@@ -69,9 +83,7 @@ def kill_if_asked(rank: int, step: int) -> None:
     kills = _fault_spec("KILL_AT")
     attempt = int(os.environ.get("LOWCOMM_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     if attempt < len(kills) and kills[attempt] == (rank, step):
-        if os.environ.get("LOWCOMM_TEST_KILL_LOG"):  # when it died, for bench/faults.py's time to notice
-            with open(os.environ["LOWCOMM_TEST_KILL_LOG"], "a") as f:
-                f.write(f"{time.time()}\n")
+        _note("KILL_LOG", f"{time.time()}")  # when it died, for bench/faults.py's time to notice
         os.kill(os.getpid(), signal.SIGKILL)
 
 

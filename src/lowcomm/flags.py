@@ -72,10 +72,12 @@ RUN_FLAGS = {
     "--max-restarts": Flag("max_restarts", "N", "relaunch all workers from the last good checkpoint up to N times",
                            zero="0: none"),
     "--elastic": Flag("elastic", "", "survivors go on when a worker dies; a restarted worker rejoins with the "
-                                     "live state (ddp, diloco; needs torchft: pip install 'lowcomm[elastic]')",
+                                     "live state (ddp, zero1, diloco; needs torchft: pip install 'lowcomm[elastic]')",
                       switch=True),
     "--min-workers": Flag("min_workers", "N", "with --elastic: the fewest workers a step may run with",
                           zero="all of --workers"),
+    "--member-timeout": Flag("member_timeout", "SECONDS", "with --elastic: a member that a collective waits on "
+                                                          "this long (frozen, hung) is dropped", zero="10 s"),
     "--max-bad-steps": Flag("max_bad_steps", "N", "stop after this many consecutive non-finite (skipped) steps"),
     "--trace": Flag("trace", "", "write trace.json (Chrome/Perfetto) with every rank's spans", switch=True),
     "--tensorboard": Flag("tensorboard", "DIR", "log each step's scalars (loss, tokens/s, bytes, exposed share, "

@@ -120,6 +120,7 @@ class RunConfig:
     # restarted one rejoins at a commit point; at least `min_workers` (0: all of them) train each step.
     elastic: bool = False
     min_workers: int = 0
+    member_timeout: float = 0.0  # a member silent this long in a collective is dropped (0: elastic.support's default)
     # Strategy options by strategy name ([<strategy>] <option> = value), filled from the registry's
     # Options classes; `pending_options` holds values given before the strategy was known
     # (CLI flags, top-level TOML keys) until validate() applies them to the chosen one.

@@ -6,7 +6,9 @@ Built from torchft's lighthouse (membership by heartbeat and quorum) and plain c
 
 - support.py   which strategies run elastically, and the one line that refuses the others;
 - lighthouse.py the launcher's lighthouse (torchft's LighthouseServer) and the workers' client;
+- keeper.py    the lighthouse in its own process (lighthouse_serve.py), restarted when it dies;
 - membership.py a quorum at a commit point, and the c10d group of its members;
 - transfer.py  the live state sent from a peer to a worker that joins or fell behind;
+- reshard.py   the state kept at a commit point, whole (zero1's shards gathered), loadable by any membership;
 - loop.py      the training loop of an elastic worker: commit points, rollback, rejoin.
 """

@@ -81,6 +81,8 @@ class Slots:
                 raise Interrupted(received[0], f"interrupted by {signal.Signals(received[0]).name}: every worker stopped")
             sentinels = {ctx.processes[0].sentinel: slot for slot, ctx in self.live.items()}
             for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=supervise.POLL_S):
+                if received:  # a Ctrl-C reaches the workers too: not a death to restart them from
+                    break
                 self._ended(sentinels[sentinel])
             if self.finished and done_at is None:
                 done_at = time.monotonic()

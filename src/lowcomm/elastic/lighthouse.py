@@ -3,7 +3,7 @@
 Every worker heartbeats to it (HEARTBEAT_S); at a commit point the workers ask it for a quorum
 and it answers every one of them with the same members. A worker whose heartbeats stop for
 HEARTBEAT_TIMEOUT_MS (a SIGKILL, a crash) is left out of the next quorum. The launcher runs it
-in its own process (it lives as long as the run's launcher does).
+in its own process and restarts it there when it dies (keeper.py).
 
 Why the lighthouse and not torchft's Manager: the Manager's process groups are torchft's own
 wrappers, which c10d does not know (dist.get_rank, DDP's reducer and lowcomm's control groups
@@ -42,9 +42,10 @@ def require_torchft() -> None:
 
 
 def start(min_workers: int):
-    """The lighthouse server, on a free port; `.address()` is what workers connect to."""
-    return _torchft().LighthouseServer(bind="[::]:0", min_replicas=min_workers, join_timeout_ms=JOIN_TIMEOUT_MS,
-                            quorum_tick_ms=QUORUM_TICK_MS, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    """The lighthouse server, on a free port, in its own process and restarted there when it dies
+    (keeper.py); `.address()` is what workers connect to."""
+    from .keeper import KeptLighthouse
+    return KeptLighthouse(min_workers, JOIN_TIMEOUT_MS, QUORUM_TICK_MS, HEARTBEAT_TIMEOUT_MS)
 
 
 def client(address: str):

@@ -16,7 +16,6 @@ notice its announcement at their next commit point and re-form with it.
 """
 from __future__ import annotations
 
-import copy
 import json
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from ..models import lm_loss
 from ..optim import adamw_factory, lr_schedule
 from ..run import link_seed, make_run
 from ..worker import LoopResult, Trainer, build_model, evaluate, pick_device
-from . import support, transfer
+from . import reshard, support, transfer
 from .membership import Membership, View, leave
 
 MAX_REFORMS_WITHOUT_PROGRESS = 20  # re-forming again and again without a commit: give up, one line
@@ -82,13 +81,16 @@ class ElasticWorker:
         """A quorum, its group, a run on it, and every member on the newest committed state."""
         committed = self.snapshot["step"] if self.snapshot is not None else (-1 if joining else 0)
         view = self.m.agree(committed, joining=joining)
-        self.joins_seen = self.m.joins()  # what this quorum answered (a later announcement is news)
         self._build(view)
-        if self.snapshot is not None:
+        self.joins_seen = self._joins_answered()
+        if self.snapshot is None:  # the run's start: every member takes it (collective for zero1)
+            self.snapshot = self._take_snapshot()
+        else:
             self._load(self.snapshot)
-        healed = transfer.heal(view, lambda: self.snapshot, self._load)
+        healed = transfer.heal(view, lambda: self.snapshot, self._resume)
+        resumed = self._hash(self.snapshot)  # the committed state this member resumed from
         self.snapshot = self._take_snapshot()
-        self._record(view, healed)
+        self._record(view, healed, resumed)
         return view
 
     def _build(self, view: View) -> None:
@@ -106,20 +108,36 @@ class ElasticWorker:
                          loader_for(cfg, self.train_tokens, view, self.step), val, self.source, None, None)
         self.view = view
 
+    def _joins_answered(self) -> int:
+        """The announcements this quorum answered (a later one is news), alike on every member:
+        the most any member has seen, so that all of them see the same news at a commit point."""
+        every = [None] * self.view.world
+        dist.all_gather_object(every, self.m.joins())
+        return max(every)
+
     def _take_snapshot(self) -> dict:
-        return {"step": self.step, "strategy": copy.deepcopy(self.t.run.state_dict())}
+        return {"step": self.step, "strategy": reshard.snapshot(self.cfg.strategy, self.t.run)}
 
     def _load(self, snapshot: dict) -> None:
-        self.t.run.load_state_dict(copy.deepcopy(snapshot["strategy"]))
+        reshard.load(self.cfg.strategy, self.t.run, snapshot["strategy"])
         self.step = self.t.step = snapshot["step"]
         self.t.loader = loader_for(self.cfg, self.train_tokens, self.view, self.step)
 
-    def _record(self, view: View, healed: list[int]) -> None:
+    def _resume(self, snapshot: dict) -> None:
+        """Take a peer's newer committed state (transfer.heal)."""
+        self.snapshot = snapshot
+        self._load(snapshot)
+
+    def _hash(self, snapshot: dict) -> str:
+        return transfer.state_hash(support.replicated(self.cfg.strategy, snapshot["strategy"]))
+
+    def _record(self, view: View, healed: list[int], resumed: str) -> None:
         """membership.jsonl (rank 0): the quorum, from which step, who received the state, and
-        each member's hash of the state all must hold alike (equal after a join)."""
-        mine = transfer.state_hash(support.replicated(self.cfg.strategy, self.snapshot["strategy"]))
+        each member's hash of the state all must hold alike (equal after a join), taken after the
+        state was loaded into this membership, with the hash of the committed state each resumed
+        from (equal to it: nothing lost in a transfer or a re-shard)."""
         every = [None] * view.world
-        dist.all_gather_object(every, mine)
+        dist.all_gather_object(every, (self._hash(self.snapshot), resumed))
         if self.log is not None:
             self.log.close()
             self.log = None
@@ -127,7 +145,8 @@ class ElasticWorker:
             with open(self.out_dir / "membership.jsonl", "a") as f:
                 f.write(json.dumps({"step": self.step, "quorum": view.quorum, "slots": list(view.slots),
                                     "committed": list(view.steps), "healed": [view.slots[r] for r in healed],
-                                    "state_sha256": every, "time": time.time()}) + "\n")
+                                    "state_sha256": [h for h, _ in every], "resumed_sha256": [r for _, r in every],
+                                    "time": time.time()}) + "\n")
             self.log = StepLog(self.out_dir, resume_after=self.step)  # a new lead continues the log
             self.totals = Totals(self.cfg.workers)
             for record in self.log.kept:
@@ -139,6 +158,7 @@ class ElasticWorker:
         cfg, t = self.cfg, self.t
         pending = []
         while self.step < cfg.steps:
+            self.m.progress()
             pending.append(result_vector(t.run.step(t.next_batch, lm_loss)))
             self.step = t.step = self.step + 1
             if not is_commit(cfg, self.step):
@@ -158,8 +178,9 @@ class ElasticWorker:
         every = t.comm.meta_all_gather(torch.stack(pending + [flags])).cpu()
         first = self.step - len(pending) + 1
         records = [step_record(first + i, every[:, i]) for i in range(len(pending))]
+        now = time.time()  # when the step was committed (bench/chaos.py times recoveries by it)
         for r in records:
-            r["members"] = list(self.view.slots)
+            r["members"], r["committed_at"] = list(self.view.slots), now
         if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
             with t.run.evaluating() as eval_model:
                 self.val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
@@ -235,6 +256,11 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
                 raise
             w.rollback()
             reforms += 1
+            # Announce ourselves as a joiner would: if we were the one cut off (frozen past
+            # --member-timeout, then continued), the members went on without us and ask for a
+            # quorum again only when told; if we are a survivor, the announcement is in the count
+            # the new quorum agrees on (_joins_answered), so it costs nothing.
+            joining = True
         if reforms > MAX_REFORMS_WITHOUT_PROGRESS:
             raise RunError(f"the group changed {reforms} times without committing a step; giving up")
     w.finish(t_start)
@@ -251,7 +277,7 @@ def lost_peer(e: BaseException) -> bool:
 def elastic_entry(_i: int, slot: int, cfg: C.RunConfig, store_port: int, lighthouse_address: str,
                   out_dir: str | None, quiet: bool, joining: bool) -> None:
     """Entry of an elastic worker the launcher started (or restarted, `joining`)."""
-    m = Membership(lighthouse_address, "127.0.0.1", store_port, slot, cfg.timeout)
+    m = Membership(lighthouse_address, "127.0.0.1", store_port, slot, support.member_timeout(cfg))
     try:
         run_elastic(cfg, slot, m, Path(out_dir) if out_dir else None, quiet, joining)
     finally:

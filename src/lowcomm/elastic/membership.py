@@ -24,6 +24,7 @@ from . import lighthouse
 JOINS = "lowcomm/elastic/joins"        # a joiner adds 1: the members ask for a quorum at their next commit
 STARTED = "lowcomm/elastic/started"    # each first worker adds 1: the first quorum holds all of them
 QUORUM_RPC_S = 5.0                     # one quorum request; repeated until the lighthouse answers
+LIGHTHOUSE_AWAY_S = 60.0               # a lighthouse unreachable this long (not restarted): the worker fails
 REANNOUNCE_S = 2.0                     # a waiting joiner announces itself again (it may have missed a quorum)
 
 
@@ -47,20 +48,44 @@ class Membership:
         self._beats = lighthouse.client(address)  # one client a thread
         self._stop = threading.Event()
         self._beats.heartbeat(self.id)  # healthy before the first quorum is asked for (see wait_for_first)
+        self._beat_failed, self._beats_back_at = False, 0.0  # see settling()
+        self._progress_at, self._asking = time.monotonic(), False  # see progress()
         threading.Thread(target=self._heartbeat, name="lowcomm-heartbeat", daemon=True).start()
+
+    def progress(self) -> None:
+        """The training thread is alive (called each step and while it waits for a quorum).
+        Without it for twice the member timeout, heartbeats stop: a worker whose training thread
+        is stuck (a deadlock, a hung kernel) while this thread runs on is then dropped by the
+        lighthouse too, as a frozen one is, instead of the lighthouse waiting for it to ask for
+        a quorum (for JOIN_TIMEOUT_MS)."""
+        self._progress_at = time.monotonic()
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(lighthouse.HEARTBEAT_S):
+            if not self._asking and time.monotonic() - self._progress_at > 2 * self.timeout_s:
+                continue
             try:
-                self._beats.heartbeat(self.id)
+                # A beat outliving the lighthouse's heartbeat timeout is worthless: give up on it
+                # then, so that beats resume at once when a stopped lighthouse is restarted.
+                self._beats.heartbeat(self.id, timeout=timedelta(milliseconds=lighthouse.HEARTBEAT_TIMEOUT_MS))
             except Exception:  # the lighthouse is briefly unreachable: the next beat retries
-                pass
+                self._beat_failed = True
+                continue
+            if self._beat_failed:
+                self._beat_failed, self._beats_back_at = False, time.monotonic()
+
+    def settling(self) -> bool:
+        """Whether the lighthouse may not yet know every live worker: it is away, or came back
+        (restarted, it knows only the workers that have beaten since) less than a heartbeat
+        timeout ago. A quorum asked for then could leave out a live worker whose beat is on its way."""
+        return self._beat_failed or time.monotonic() - self._beats_back_at < lighthouse.HEARTBEAT_TIMEOUT_MS / 1000
 
     def wait_for_first(self, workers: int) -> None:
         """The run's first workers wait for each other, so that the first quorum holds them all."""
         self.store.add(STARTED, 1)
         deadline = time.monotonic() + 300
         while int(self.store.add(STARTED, 0)) < workers:
+            self.progress()
             if time.monotonic() > deadline:
                 raise RunError(f"only {int(self.store.add(STARTED, 0))} of {workers} workers started within 300 s")
             time.sleep(0.02)
@@ -72,12 +97,18 @@ class Membership:
     def agree(self, step: int, joining: bool = False) -> View:
         """Ask for a quorum (this worker's committed step with it), then form its group."""
         done = threading.Event()
+        announcer = threading.Thread(target=self._announce, args=(done,), daemon=True)
         if joining:  # say so until a quorum takes us: the members ask only when told
-            threading.Thread(target=self._announce, args=(done,), daemon=True).start()
+            announcer.start()
+        self._asking = True  # alive while a quorum request blocks (up to QUORUM_RPC_S)
         try:
             q = self._quorum(step)
         finally:
+            self.progress()
+            self._asking = False
             done.set()
+            if joining:  # every announcement of ours lands before the members compare counts
+                announcer.join()
         members = sorted(q.participants, key=lambda m: m.replica_id)
         ids = [m.replica_id for m in members]
         if self.id not in ids:
@@ -94,26 +125,50 @@ class Membership:
                 return
 
     def _quorum(self, step: int):
+        away_since, why = None, "its heartbeats failed"
         while True:
-            try:
-                return self._client.quorum(replica_id=self.id, timeout=timedelta(seconds=QUORUM_RPC_S),
-                                           address="", store_address=self.store_address, step=step,
-                                           world_size=1, shrink_only=False)
-            except Exception as e:  # no quorum yet (too few workers) or the lighthouse is away: ask again
-                text = str(e).lower()
-                if not isinstance(e, TimeoutError) and not any(m in text for m in ("timeout", "timed out",
-                                                                                    "deadline", "connect")):
-                    raise
+            if not self.settling():
+                try:
+                    return self._client.quorum(replica_id=self.id, timeout=timedelta(seconds=QUORUM_RPC_S),
+                                               address="", store_address=self.store_address, step=step,
+                                               world_size=1, shrink_only=False)
+                except Exception as e:
+                    if waiting_for_peers(e):  # no quorum yet (too few workers): ask again
+                        away_since = None
+                        continue
+                    if not lighthouse_away(e):
+                        raise
+                    why = str(e)
+            # The lighthouse is down or restarting (the launcher restarts it): ask again, for a while.
+            away_since = away_since or time.monotonic()
+            if time.monotonic() - away_since > LIGHTHOUSE_AWAY_S:
+                raise RunError(f"the lighthouse did not answer for {LIGHTHOUSE_AWAY_S:.0f} s: {why}")
+            time.sleep(lighthouse.HEARTBEAT_S)
 
     def _form_group(self, view: View) -> None:
         leave()
         prefix = dist.PrefixStore(f"lowcomm/elastic/q{view.quorum}/", self.store)
-        dist.init_process_group("gloo", store=prefix, rank=view.rank, world_size=view.world,
-                                timeout=timedelta(seconds=self.timeout_s))
+        timeout = timedelta(seconds=self.timeout_s)  # a frozen member fails the others' collectives
+        dist.init_process_group("gloo", store=prefix, rank=view.rank, world_size=view.world, timeout=timeout)
+        # The driver's control group, made here with the same timeout (new_group's own is 30 min).
+        control.register_control(dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout))
 
     def close(self) -> None:
         self._stop.set()
         leave()
+
+
+def waiting_for_peers(e: BaseException) -> bool:
+    """A quorum request that timed out (the lighthouse answered no quorum in time, or was frozen)."""
+    text = str(e).lower()
+    return isinstance(e, TimeoutError) or any(m in text for m in ("timeout", "timed out", "deadline"))
+
+
+def lighthouse_away(e: BaseException) -> bool:
+    """How torchft's client reports a lighthouse it cannot reach (gRPC Unavailable: no connection;
+    Unknown "transport error": the connection dropped mid-request, the lighthouse died)."""
+    text = str(e).lower()
+    return any(m in text for m in ("connect", "unavailable", "transport error", "broken pipe", "reset"))
 
 
 def leave() -> None:

@@ -2,15 +2,15 @@
 
 A strategy runs elastically when, at its commit points, the whole state that must agree across
 workers can be rolled back to the last commit and sent to a joiner: ddp (every step; all of its
-state is replicated) and diloco (every outer sync, when every worker is reset to θ_global).
+state is replicated), zero1 (every step, its sharded optimizer state gathered whole: reshard.py)
+and diloco (every outer sync, when every worker is reset to θ_global).
 """
 from __future__ import annotations
 
 from ..errors import UsageError
 
-SUPPORTED = ("ddp", "diloco")
+SUPPORTED = ("ddp", "zero1", "diloco")
 WHY_NOT = {
-    "zero1": "its optimizer state is sharded across the workers and is not re-sharded when the group changes",
     "acco": "its rounds run beside the next step's compute and its optimizer state is sharded, so no step "
             "boundary is a point every worker can roll back to",
     "dpu": "each step applies the previous step's gradient, in flight across the boundary, and its optimizer "
@@ -27,8 +27,9 @@ WHY_NOT = {
 def check(cfg) -> None:
     """UsageError, in one line, when cfg asks for --elastic (or --min-workers) where it cannot run."""
     if not cfg.elastic:
-        if cfg.min_workers:
-            raise UsageError("--min-workers applies only with --elastic")
+        for flag, value in (("--min-workers", cfg.min_workers), ("--member-timeout", cfg.member_timeout)):
+            if value:
+                raise UsageError(f"{flag} applies only with --elastic")
         return
     if cfg.strategy not in SUPPORTED:
         why = WHY_NOT.get(cfg.strategy, "it does not declare how its state survives a change of the group")
@@ -36,6 +37,9 @@ def check(cfg) -> None:
                          f"(elastic strategies: {', '.join(SUPPORTED)})")
     if not 0 <= cfg.min_workers <= cfg.workers:
         raise UsageError(f"--min-workers must be between 1 and --workers ({cfg.workers}), got {cfg.min_workers}")
+    if not 0 <= cfg.member_timeout <= cfg.timeout:
+        raise UsageError(f"--member-timeout must be positive and at most --timeout ({cfg.timeout:g} s), "
+                         f"got {cfg.member_timeout:g}")
     if cfg.replicas and cfg.replicas != cfg.workers:
         raise UsageError("--elastic runs one worker per replica: drop --replicas")
     if cfg.strategy == "diloco":
@@ -56,12 +60,23 @@ def min_workers(cfg) -> int:
     return cfg.min_workers or cfg.workers
 
 
+MEMBER_TIMEOUT_S = 10.0
+
+
+def member_timeout(cfg) -> float:
+    """Seconds a collective of a membership's group waits for a member before the others drop it
+    (its gloo timeout): a frozen member (SIGSTOP, a hung host) is dropped this long after the
+    others reach a collective it does not. Short, unlike --timeout, since dropping a member that
+    was only slow costs one re-form and a state transfer, not the run."""
+    return cfg.member_timeout or min(MEMBER_TIMEOUT_S, cfg.timeout)
+
+
 def replicated(strategy: str, state: dict) -> dict:
-    """The tensors of a run's state (RunDriver.state_dict()) that every member holds alike at a
-    commit point: all of ddp's; diloco's parameters (= θ_global after a sync), θ_global and the
-    outer optimizer (each worker's inner optimizer is its own)."""
+    """The tensors of a commit point's state (reshard.snapshot) that every member holds alike:
+    all of ddp's and of zero1's whole state; diloco's parameters (= θ_global after a sync),
+    θ_global and the outer optimizer (each worker's inner optimizer is its own)."""
     out = {f"model.{k}": v for k, v in state["model"].items()}
-    optimizers = state["optimizers"] if strategy == "ddp" else state["optimizers"][1:]
+    optimizers = state["optimizers"][1:] if strategy == "diloco" else state["optimizers"]
     for i, osd in enumerate(optimizers):
         for p, st in osd["state"].items():
             for k, v in st.items():

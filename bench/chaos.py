@@ -1,0 +1,279 @@
+"""Elastic runs under chaos: a fault every ~30 s, drawn at random, against the same run without.
+
+    python bench/chaos.py                                    # W=4, ddp and diloco, ~5 min fault-free each
+    python bench/chaos.py --minutes 2 --strategies diloco    # shorter
+
+For each strategy, all runs `lowcomm train --elastic --workers W --min-workers 2` on one machine:
+
+1. calibration: a short fault-free run measures the seconds a step takes; the runs below train
+   S = minutes * 60 / step_s steps (a multiple of H for diloco), so the fault-free run lasts
+   about --minutes;
+2. the fault-free run (validation every ~S/10 steps);
+3. the same run with faults: every --fault-every s (+-30 %), one drawn at random of
+     kill        SIGKILL a random worker (the launcher restarts it as a joiner);
+     stop        SIGSTOP a random worker for --stop-s s, then SIGCONT (the others drop it after
+                 --member-timeout; continued, it rejoins);
+     lighthouse  SIGKILL the lighthouse (the launcher restarts it);
+     join        `lowcomm join OUT`, one more worker -- only where this lowcomm has `join`
+                 (otherwise this kind is skipped, and the report says so).
+Reported side by side: goodput (tokens committed per second, first quorum to last commit) and its
+ratio to the fault-free run's (the issue's targets: >= 0.9 diloco, >= 0.8 ddp); validation loss
+at equal committed tokens (the fault-free run's curve read at the faulted run's final tokens);
+the mean time from a fault to the next committed step; and from a restart (the launcher's line)
+to the joiner's first committed step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def flags(args, strategy: str, steps: int, eval_every: int) -> list[str]:
+    extra = ["--sync-every", str(args.sync_every)] if strategy == "diloco" else []
+    if args.member_timeout:
+        extra += ["--member-timeout", str(args.member_timeout)]
+    return ["--strategy", strategy, "--workers", str(args.workers), "--elastic", "--min-workers", "2",
+            "--max-restarts", "1000", "--steps", str(steps), "--eval-every", str(eval_every),
+            "--eval-batches", "2", "--seed", str(args.seed), "--data", args.data, "--quiet", *extra]
+
+
+def launch(out: Path, run_flags: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "lowcomm", "train", *run_flags, "--out", str(out)]
+    print("  $ lowcomm", " ".join(cmd[3:]), flush=True)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, lines: list) -> None:
+    if proc.wait() != 0:
+        sys.exit(f"error: {' '.join(proc.args)} failed:\n" + "".join(line for _, line in lines[-30:]))
+
+
+def run_clean(out: Path, run_flags: list[str]) -> None:
+    proc = launch(out, run_flags)
+    finish(proc, read_stderr(proc))
+
+
+def read_stderr(proc: subprocess.Popen) -> list[tuple[float, str]]:
+    """The launcher's stderr lines with the time each arrived (a restart's time is its line's)."""
+    lines: list[tuple[float, str]] = []
+    threading.Thread(target=lambda: [lines.append((time.time(), line)) for line in proc.stderr],
+                     daemon=True).start()
+    return lines
+
+
+def children() -> dict[int, list[int]]:
+    """Every process's children, from /proc."""
+    tree: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit():
+                tree.setdefault(int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(d.name))
+        except OSError:  # ended while we looked
+            continue
+    return tree
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def workers_and_lighthouse(launcher: int) -> tuple[list[int], int | None]:
+    """The launcher's workers (children of its fork server) and its lighthouse process."""
+    tree = children()
+    workers, beacon = [], None
+    for child in tree.get(launcher, []):
+        line = cmdline(child)
+        if b"multiprocessing.forkserver" in line:
+            workers += tree.get(child, [])
+        elif b"lighthouse_serve.py" in line:
+            beacon = child
+    return workers, beacon
+
+
+class Chaos:
+    """Faults on a running elastic run, each logged as (time, kind)."""
+
+    def __init__(self, proc: subprocess.Popen, out: Path, args, rng: random.Random, kinds: list[str]):
+        self.proc, self.out, self.args, self.rng, self.kinds = proc, out, args, rng, kinds
+        self.faults: list[tuple[float, str]] = []
+        self.stopped: set[int] = set()
+        self.joiners: list[subprocess.Popen] = []
+
+    def run(self) -> None:
+        while self.proc.poll() is None:
+            deadline = time.monotonic() + self.args.fault_every * self.rng.uniform(0.7, 1.3)
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                time.sleep(0.2)
+            if self.proc.poll() is None:
+                self.fault(self.rng.choice(self.kinds))
+
+    def fault(self, kind: str) -> None:
+        workers, beacon = workers_and_lighthouse(self.proc.pid)
+        running = [w for w in workers if w not in self.stopped]
+        if kind in ("kill", "stop") and len(running) <= 2:  # keep --min-workers 2 training
+            return
+        t = time.time()
+        if kind == "kill":
+            os.kill(self.rng.choice(running), signal.SIGKILL)
+        elif kind == "stop":
+            pid = self.rng.choice(running)
+            os.kill(pid, signal.SIGSTOP)
+            self.stopped.add(pid)
+            threading.Timer(self.args.stop_s, self._cont, args=(pid,)).start()
+        elif kind == "lighthouse" and beacon is not None:
+            os.kill(beacon, signal.SIGKILL)
+        elif kind == "join":
+            self.joiners.append(subprocess.Popen([sys.executable, "-m", "lowcomm", "join", str(self.out)],
+                                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        else:
+            return
+        self.faults.append((t, kind))
+        print(f"    {time.strftime('%H:%M:%S')} {kind}", flush=True)
+
+    def _cont(self, pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        self.stopped.discard(pid)
+
+
+def measured(out: Path) -> dict:
+    """Goodput, the validation curve and commit times of a finished run."""
+    records = jsonl(out / "steps.jsonl")
+    start = jsonl(out / "membership.jsonl")[0]["time"]
+    tokens, curve = 0, []
+    for r in records:
+        tokens += r["tokens"]
+        if r.get("val_loss") is not None:
+            curve.append((tokens, r["val_loss"]))
+    end = records[-1]["committed_at"]
+    return {"tokens": tokens, "seconds": end - start, "goodput": tokens / (end - start), "curve": curve,
+            "records": records, "val_loss": curve[-1][1] if curve else float("nan")}
+
+
+def loss_at(curve: list[tuple[int, float]], tokens: int) -> float:
+    """The validation loss of `curve` at `tokens`, read linearly between its points."""
+    for (t0, v0), (t1, v1) in zip(curve, curve[1:]):
+        if t0 <= tokens <= t1:
+            return v0 + (v1 - v0) * (tokens - t0) / max(1, t1 - t0)
+    return curve[-1][1] if tokens > curve[-1][0] else curve[0][1]
+
+
+def recoveries(m: dict, faults: list[tuple[float, str]], lines: list[tuple[float, str]]) -> dict:
+    """Mean seconds from each fault to the next commit, and from each restart to the joiner's first."""
+    commits = [(r["committed_at"], r["members"]) for r in m["records"]]
+    after = [next((c for c, _ in commits if c > t), None) for t, _ in faults]
+    to_commit = [(kind, c - t) for (t, kind), c in zip(faults, after) if c is not None]
+    to_join = []
+    for t, line in lines:
+        if "restarting it" in line and "worker " in line:
+            slot = int(line.split("worker ", 1)[1].split()[0])
+            first = next((c for c, members in commits if c > t and slot in members), None)
+            if first is not None:
+                to_join.append(first - t)
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    by_kind = {k: mean([s for kind, s in to_commit if kind == k]) for k in sorted({k for k, _ in to_commit})}
+    return {"fault_to_commit_s": mean([s for _, s in to_commit]), "by_kind": by_kind,
+            "restart_to_join_s": mean(to_join), "restarts": len(to_join)}
+
+
+def bench(strategy: str, args, root: Path, kinds: list[str]) -> dict:
+    print(f"{strategy}:", flush=True)
+    calib = root / f"{strategy}-calibrate"
+    steps = 3 * (args.sync_every if strategy == "diloco" else 10)
+    run_clean(calib, flags(args, strategy, steps, steps))
+    step_s = measured(calib)["seconds"] / steps
+    unit = args.sync_every if strategy == "diloco" else 1
+    steps = max(unit, round(args.minutes * 60 / step_s / unit) * unit)
+    every = max(unit, round(steps / 10 / unit) * unit)
+    clean_out, chaos_out = root / f"{strategy}-clean", root / f"{strategy}-chaos"
+    run_clean(clean_out, flags(args, strategy, steps, every))
+    proc = launch(chaos_out, flags(args, strategy, steps, every))
+    lines = read_stderr(proc)
+    chaos = Chaos(proc, chaos_out, args, random.Random(args.seed), kinds)
+    try:
+        chaos.run()
+    finally:
+        for joiner in chaos.joiners:  # a `lowcomm join` ends with the run; one that does not is stopped
+            try:
+                joiner.wait(30)
+            except subprocess.TimeoutExpired:
+                joiner.kill()
+    finish(proc, lines)
+    clean, faulted = measured(clean_out), measured(chaos_out)
+    return {"strategy": strategy, "steps": steps, "clean": clean, "chaos": faulted, "faults": chaos.faults,
+            **recoveries(faulted, chaos.faults, lines),
+            "val_clean_at_tokens": loss_at(clean["curve"], faulted["tokens"])}
+
+
+def report(rows: list[dict], skipped: str) -> None:
+    print(f"\n{'':>8} {'steps':>6} {'faults':>22} {'goodput tok/s':>22} {'ratio':>6} {'target':>6} "
+          f"{'val loss @ equal tokens':>26} {'fault->commit s':>16} {'restart->join s':>16}")
+    for r in rows:
+        kinds = {}
+        for _, k in r["faults"]:
+            kinds[k] = kinds.get(k, 0) + 1
+        ratio = r["chaos"]["goodput"] / r["clean"]["goodput"]
+        target = 0.9 if r["strategy"] == "diloco" else 0.8
+        val = r["chaos"]["val_loss"] / r["val_clean_at_tokens"] - 1
+        print(f"{r['strategy']:>8} {r['steps']:>6} {' '.join(f'{k}:{n}' for k, n in kinds.items()) or '-':>22} "
+              f"{r['clean']['goodput']:>10.0f} / {r['chaos']['goodput']:>9.0f} {ratio:>6.3f} {target:>6.2f} "
+              f"{r['val_clean_at_tokens']:>8.4f} / {r['chaos']['val_loss']:.4f} ({100 * val:+.1f}%) "
+              f"{r['fault_to_commit_s']:>16.1f} {r['restart_to_join_s']:>16.1f}")
+    for r in rows:
+        print(f"{r['strategy']}: fault -> next commit by kind: "
+              + ", ".join(f"{k} {v:.1f} s" for k, v in r["by_kind"].items()))
+    if skipped:
+        print(skipped)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--strategies", default="diloco,ddp")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--minutes", type=float, default=5.0, help="length of the fault-free run")
+    p.add_argument("--fault-every", type=float, default=30.0, help="seconds between faults (+-30 %%)")
+    p.add_argument("--stop-s", type=float, default=10.0, help="how long a SIGSTOPped worker stays frozen")
+    p.add_argument("--sync-every", type=int, default=16, help="diloco's H")
+    p.add_argument("--member-timeout", type=float, default=0.0,
+                   help="lowcomm's --member-timeout (default: lowcomm's, 10 s): what a stop costs")
+    p.add_argument("--data", default="pydoc")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", help="keep the runs under this directory (default: a temporary one)")
+    args = p.parse_args()
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="lowcomm-chaos-"))
+    root.mkdir(parents=True, exist_ok=True)
+    kinds, skipped = ["kill", "stop", "lighthouse"], ""
+    has_join = subprocess.run([sys.executable, "-m", "lowcomm", "join", "--help"], capture_output=True).returncode == 0
+    if has_join:
+        kinds.append("join")
+    else:
+        skipped = "join: skipped (this lowcomm has no `lowcomm join`)"
+    print(f"W={args.workers}, ~{args.minutes:g} min fault-free, a fault every ~{args.fault_every:g} s of "
+          f"{', '.join(kinds)}; runs in {root}; load {os.getloadavg()[0]:.1f}", flush=True)
+    rows = [bench(s, args, root, kinds) for s in args.strategies.split(",")]
+    report(rows, skipped)
+    print(f"load {os.getloadavg()[0]:.1f} at the end")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
