@@ -37,6 +37,7 @@ from ..optim import adamw_factory, lr_schedule
 from ..run import link_seed, make_run
 from ..worker import LoopResult, Trainer, build_model, evaluate, pick_device
 from . import support, transfer
+from .join import hold_for_joiner_if_asked
 from .membership import Membership, View, leave
 
 MAX_REFORMS_WITHOUT_PROGRESS = 20  # re-forming again and again without a commit: give up, one line
@@ -86,7 +87,8 @@ class ElasticWorker:
         self._build(view)
         if self.snapshot is not None:
             self._load(self.snapshot)
-        healed = transfer.heal(view, lambda: self.snapshot, self._load)
+        # the first quorum has no snapshot yet: a joiner already there takes the state at step 0
+        healed = transfer.heal(view, lambda: self.snapshot or self._take_snapshot(), self._load)
         self.snapshot = self._take_snapshot()
         self._record(view, healed)
         return view
@@ -143,7 +145,7 @@ class ElasticWorker:
             self.step = t.step = self.step + 1
             if not is_commit(cfg, self.step):
                 continue
-            joins = self._commit(pending)
+            joins = max(self._commit(pending), hold_for_joiner_if_asked(self.step, self.m))
             pending = []
             if joins > self.joins_seen:
                 return False
@@ -176,7 +178,8 @@ class ElasticWorker:
     def _add(self, record: dict) -> None:
         """Totals per slot: a record's per-rank values go to the slots of its members."""
         slots = record.get("members") or list(range(len(record["per_rank"]["micro_batches"])))
-        padded = {k: [0] * self.cfg.workers for k in record["per_rank"]}
+        grow(self.totals, max(slots) + 1)  # a joiner's slot is W or above (lowcomm join)
+        padded = {k: [0] * len(self.totals.micro_per_rank) for k in record["per_rank"]}
         for rank, slot in enumerate(slots):
             for k, values in record["per_rank"].items():
                 padded[k][slot] = values[rank]
@@ -211,6 +214,13 @@ class ElasticWorker:
             summary["elastic"] = {"members": list(self.view.slots), "final_params_sha256": every,
                                   "min_workers": support.min_workers(self.cfg)}
             write_json_atomic(self.out_dir / "summary.json", summary)
+
+
+def grow(totals: Totals, slots: int) -> None:
+    """Per-slot totals for `slots` slots at least."""
+    for name in ("compute_per_rank", "exposed_per_rank", "micro_per_rank"):
+        values = getattr(totals, name)
+        values.extend([type(values[0])(0) if values else 0] * (slots - len(values)))
 
 
 def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Path | None, quiet: bool,

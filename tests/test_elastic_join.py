@@ -1,0 +1,81 @@
+"""`lowcomm join RUNDIR` as a user meets it: one more worker, started from another terminal while
+a W=2 elastic run trains, joins at a commit point with the live state (its hash equals its
+peers'), trains to the end with them, and its steps go into the run's own steps.jsonl; a
+RUNDIR that is not a run, a run that is not elastic, a finished run and a run whose launcher is
+gone are each refused in one line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
+
+from lowcomm.cli import main  # noqa: E402
+from test_elastic import TINY, check_finished, jsonl  # noqa: E402
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# The members wait at HOLD's commit point until the joiner has announced itself (a test-only
+# hook): its start, a fresh python importing torch, takes 3 to 15 s with the machine's load.
+STEPS, HOLD = 40, 12
+
+
+def lowcomm(*args: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lowcomm", *args], env={**ENV, **env}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.stat().st_size):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+        time.sleep(0.05)
+
+
+def refused(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def test_ddp_a_worker_joined_from_another_terminal_trains_with_the_live_state(tmp_path, capsys):
+    out = tmp_path / "run"
+    run = lowcomm("train", *TINY, "--workers", "2", "--strategy", "ddp", "--steps", str(STEPS), "--out", str(out),
+                  LOWCOMM_TEST_HOLD_FOR_JOINER=str(HOLD))
+    wait_for(out / "steps.jsonl", run)  # the run is training
+    joiner = lowcomm("join", str(out))
+    run_out, run_err = run.communicate(timeout=150)
+    join_out, join_err = joiner.communicate(timeout=30)
+    assert run.returncode == 0, run_err
+    assert joiner.returncode == 0, join_err
+    assert "joining the run" in join_out and "as worker 2" in join_out
+    records, summary = check_finished(out, STEPS)
+    assert summary["elastic"]["members"] == [0, 1, 2]  # ends with 3 members, equal hashes (check_finished)
+    join = next(q for q in jsonl(out / "membership.jsonl") if 2 in q["healed"])
+    assert join["slots"] == [0, 1, 2] and join["committed"][2] == -1 and join["step"] == HOLD
+    # The joiner's state (parameters and optimizer state) equals its peers' when it starts training.
+    assert len(set(join["state_sha256"])) == 1, join
+    # Its steps are the run's: from the join on, every record names it, and it trained each of them.
+    assert [r["members"] for r in records] == [[0, 1]] * join["step"] + [[0, 1, 2]] * (STEPS - join["step"])
+    assert summary["micro_batches_per_rank"][2] == (STEPS - join["step"]) * summary["micro_batches_per_rank"][0] // STEPS
+    assert not (out / "elastic.json").exists()  # the launcher ended: the run takes no more joiners
+
+    # What a joiner is told when there is nothing to join, one line each.
+    assert "has finished" in refused(["join", str(out)], capsys)
+    (out / "summary.json").unlink()
+    assert "is not running (no elastic.json" in refused(["join", str(out)], capsys)
+    (out / "elastic.json").write_text(json.dumps({"lighthouse": "http://127.0.0.1:9", "store": "127.0.0.1:9"}))
+    assert "is not reachable: its store at 127.0.0.1:9 does not answer" in refused(["join", str(out)], capsys)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.toml").write_text((out / "config.toml").read_text().replace("elastic = true", "elastic = false"))
+    assert "is not elastic" in refused(["join", str(plain)], capsys)
+    assert "is not a lowcomm run directory" in refused(["join", str(tmp_path)], capsys)
