@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
 
 from lowcomm.cli import main  # noqa: E402
+from lowcomm.elastic.address import check_reachable  # noqa: E402
 from test_elastic import TINY, check_finished, jsonl  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -46,10 +47,20 @@ def refused(argv: list[str], capsys) -> str:
     return err
 
 
-def test_ddp_a_worker_joined_from_another_terminal_trains_with_the_live_state(tmp_path, capsys):
+@pytest.fixture
+def lighthouse():
+    """A torchft lighthouse of the test's own (as an operator runs one for several launches)."""
+    from lowcomm.elastic.lighthouse import start
+    server = start(2)
+    yield server.address().replace("http://", "")
+    server.shutdown()
+
+
+def test_ddp_a_worker_joined_from_another_terminal_trains_with_the_live_state(tmp_path, capsys, lighthouse):
     out = tmp_path / "run"
+    # The run also uses a lighthouse given with --lighthouse, which outlives it.
     run = lowcomm("train", *TINY, "--workers", "2", "--strategy", "ddp", "--steps", str(STEPS), "--out", str(out),
-                  LOWCOMM_TEST_HOLD_FOR_JOINER=str(HOLD))
+                  "--lighthouse", lighthouse, LOWCOMM_TEST_HOLD_FOR_JOINER=str(HOLD))
     wait_for(out / "steps.jsonl", run)  # the run is training
     joiner = lowcomm("join", str(out))
     run_out, run_err = run.communicate(timeout=150)
@@ -67,6 +78,8 @@ def test_ddp_a_worker_joined_from_another_terminal_trains_with_the_live_state(tm
     assert [r["members"] for r in records] == [[0, 1]] * join["step"] + [[0, 1, 2]] * (STEPS - join["step"])
     assert summary["micro_batches_per_rank"][2] == (STEPS - join["step"]) * summary["micro_batches_per_rank"][0] // STEPS
     assert not (out / "elastic.json").exists()  # the launcher ended: the run takes no more joiners
+    assert json.loads((out / "config.toml").read_text().split("lighthouse = ")[1].split("\n")[0]) == lighthouse
+    check_reachable(f"http://{lighthouse}", "the lighthouse given")  # not the launcher's to stop
 
     # What a joiner is told when there is nothing to join, one line each.
     assert "has finished" in refused(["join", str(out)], capsys)
@@ -79,3 +92,17 @@ def test_ddp_a_worker_joined_from_another_terminal_trains_with_the_live_state(tm
     (plain / "config.toml").write_text((out / "config.toml").read_text().replace("elastic = true", "elastic = false"))
     assert "is not elastic" in refused(["join", str(plain)], capsys)
     assert "is not a lowcomm run directory" in refused(["join", str(tmp_path)], capsys)
+
+
+i = TINY.index("--elastic")
+PLAIN = TINY[:i] + TINY[i + 3:]  # without --elastic --min-workers 2
+
+
+@pytest.mark.parametrize("argv, line", [
+    ([*TINY, "--lighthouse", "nowhere"], "--lighthouse must be HOST:PORT (a running torchft lighthouse), got 'nowhere'"),
+    ([*TINY, "--lighthouse", "127.0.0.1:9"], "--lighthouse 127.0.0.1:9: nothing answers at 127.0.0.1:9"),
+    ([*PLAIN, "--lighthouse", "127.0.0.1:9"], "--lighthouse applies only with --elastic"),
+])
+def test_a_bad_lighthouse_is_refused_in_one_line(argv, line, capsys, tmp_path):
+    assert line in refused(["train", *argv, "--steps", "2", "--out", str(tmp_path / "r")], capsys)
+    assert not (tmp_path / "r").exists()

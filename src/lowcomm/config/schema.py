@@ -120,6 +120,7 @@ class RunConfig:
     # restarted one rejoins at a commit point; at least `min_workers` (0: all of them) train each step.
     elastic: bool = False
     min_workers: int = 0
+    lighthouse: str = ""  # HOST:PORT of a running torchft lighthouse ("": the launcher starts one)
     # Strategy options by strategy name ([<strategy>] <option> = value), filled from the registry's
     # Options classes; `pending_options` holds values given before the strategy was known
     # (CLI flags, top-level TOML keys) until validate() applies them to the chosen one.

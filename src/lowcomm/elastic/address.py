@@ -38,3 +38,17 @@ def check_reachable(url: str, what: str) -> None:
         socket.create_connection((host, port), timeout=CONNECT_S).close()
     except OSError as e:
         raise UsageError(f"{what}: nothing answers at {host}:{port} ({e.strerror or e})") from None
+
+
+class UsedLighthouse:
+    """A running lighthouse given with --lighthouse: the launcher uses it, and leaves it running
+    at its end (it is not the launcher's to stop)."""
+
+    def __init__(self, value: str):
+        self.url = parse_lighthouse(value)
+
+    def address(self) -> str:
+        return self.url
+
+    def shutdown(self) -> None:
+        pass

@@ -20,13 +20,14 @@ import torch.distributed as dist
 from ..errors import Interrupted, RunError
 from .. import supervise
 from . import lighthouse, support
+from .address import UsedLighthouse
 from .join import publish, unpublish
 
 FINISH_GRACE_S = 10.0  # after the first worker finishes, the rest may take this long
 
 
 def launch_elastic(cfg, out: Path | None, quiet: bool) -> None:
-    server = lighthouse.start(support.min_workers(cfg))
+    server = UsedLighthouse(cfg.lighthouse) if cfg.lighthouse else lighthouse.start(support.min_workers(cfg))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
         publish(out, server.address(), store.port)  # where `lowcomm join` finds the run

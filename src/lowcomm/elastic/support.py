@@ -27,8 +27,9 @@ WHY_NOT = {
 def check(cfg) -> None:
     """UsageError, in one line, when cfg asks for --elastic (or --min-workers) where it cannot run."""
     if not cfg.elastic:
-        if cfg.min_workers:
-            raise UsageError("--min-workers applies only with --elastic")
+        for flag, value in (("--min-workers", cfg.min_workers), ("--lighthouse", cfg.lighthouse)):
+            if value:
+                raise UsageError(f"{flag} applies only with --elastic")
         return
     if cfg.strategy not in SUPPORTED:
         why = WHY_NOT.get(cfg.strategy, "it does not declare how its state survives a change of the group")
@@ -50,6 +51,9 @@ def check(cfg) -> None:
             raise UsageError(f"{flag} does not run with --elastic yet")
     from .lighthouse import require_torchft
     require_torchft()
+    if cfg.lighthouse:  # refused before anything is written, not after the workers started
+        from .address import check_reachable, parse_lighthouse
+        check_reachable(parse_lighthouse(cfg.lighthouse), f"--lighthouse {cfg.lighthouse}")
 
 
 def min_workers(cfg) -> int:
