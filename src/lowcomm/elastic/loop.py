@@ -100,7 +100,8 @@ class ElasticWorker:
         comm = Comm(link=C.make_link(cfg, seed=link_seed(cfg.seed, view.slots[view.rank])), level="cross")
         run = make_run(cfg.strategy, self.model, comm, adamw_factory(cfg.optim), accum=cfg.accum,
                        schedule=lr_schedule(cfg.optim, cfg.steps), total_steps=cfg.steps,
-                       options=cfg.strategy_options())
+                       options=support.strategy_options(cfg))
+        support.configure(run, cfg)
         run = faults.inject(run, view.slots[view.rank])  # test-only faults, by slot
         val = val_batches(self.val_tokens, view.rank, view.world, cfg.model.seq_len, cfg.micro_batch,
                           cfg.eval_batches)
@@ -162,6 +163,9 @@ class ElasticWorker:
         records = [step_record(first + i, every[:, i]) for i in range(len(pending))]
         for r in records:
             r["members"] = list(self.view.slots)
+        outer = support.outer_record(t.run)
+        if outer is not None:  # diloco: who contributed to this commit's outer sync, and how much
+            records[-1]["outer"] = outer
         if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
             with t.run.evaluating() as eval_model:
                 self.val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)

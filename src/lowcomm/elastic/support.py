@@ -6,6 +6,8 @@ state is replicated) and diloco (every outer sync, when every worker is reset to
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..errors import UsageError
 
 SUPPORTED = ("ddp", "diloco")
@@ -85,3 +87,22 @@ def _tensors(obj, prefix: str = "") -> dict:
     if isinstance(obj, (list, tuple)):
         return {k2: v2 for i, v in enumerate(obj) for k2, v2 in _tensors(v, f"{prefix}.{i}").items()}
     return {}
+
+
+def strategy_options(cfg):
+    """The strategy's options as an elastic run uses them: the local-SGD family's outer merge
+    weighted by the tokens each member trained since the last sync (token_weights.py)."""
+    options = cfg.strategy_options()
+    return dataclasses.replace(options, outer_weights="tokens") if hasattr(options, "outer_weights") else options
+
+
+def configure(run, cfg) -> None:
+    """--min-workers is the quorum of an outer step too: members that trained (diloco)."""
+    if hasattr(run.strategy, "min_contributors"):
+        run.strategy.min_contributors = min_workers(cfg)
+
+
+def outer_record(run) -> dict | None:
+    """steps.jsonl's `outer` at an outer sync: the workers that contributed, their tokens."""
+    contribution = getattr(run.strategy, "contribution", None)
+    return contribution() if contribution is not None else None
