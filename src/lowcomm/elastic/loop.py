@@ -36,16 +36,12 @@ from ..models import lm_loss
 from ..optim import adamw_factory, lr_schedule
 from ..run import link_seed, make_run
 from ..worker import LoopResult, Trainer, build_model, evaluate, pick_device
-from . import support, transfer
+from . import checkpoints, support, transfer
 from .join import hold_for_joiner_if_asked
+from .support import commit_every
 from .membership import Membership, View, leave
 
 MAX_REFORMS_WITHOUT_PROGRESS = 20  # re-forming again and again without a commit: give up, one line
-
-
-def commit_every(cfg: C.RunConfig) -> int:
-    """Steps between commit points: ddp every step, diloco every outer sync (H)."""
-    return cfg.strategy_options().sync_every if cfg.strategy == "diloco" else 1
 
 
 def is_commit(cfg: C.RunConfig, step: int) -> bool:
@@ -76,6 +72,7 @@ class ElasticWorker:
         self.loss = self.val_loss = float("nan")
         self.joins_seen = 0
         self.view: View | None = None
+        self.t_start = time.perf_counter()  # less the earlier parts' wall time in a resumed run
         self.log: StepLog | None = None  # rank 0's steps.jsonl
 
     # -- membership ---------------------------------------------------------------------
@@ -87,6 +84,8 @@ class ElasticWorker:
         self._build(view)
         if self.snapshot is not None:
             self._load(self.snapshot)
+        elif self.cfg.resume_from and not joining:  # the first quorum of a resumed run
+            self.t_start -= checkpoints.load(self, view)
         # the first quorum has no snapshot yet: a joiner already there takes the state at step 0
         healed = transfer.heal(view, lambda: self.snapshot or self._take_snapshot(), self._load)
         self.snapshot = self._take_snapshot()
@@ -115,6 +114,10 @@ class ElasticWorker:
     def _load(self, snapshot: dict) -> None:
         self.t.run.load_state_dict(copy.deepcopy(snapshot["strategy"]))
         self.step = self.t.step = snapshot["step"]
+        self.restart_data()
+
+    def restart_data(self) -> None:
+        """This member's data from self.step on, as its membership gives it."""
         self.t.loader = loader_for(self.cfg, self.train_tokens, self.view, self.step)
 
     def _record(self, view: View, healed: list[int]) -> None:
@@ -141,7 +144,7 @@ class ElasticWorker:
         """Train to the end or to a commit point where a joiner waits. True at the end."""
         cfg, t = self.cfg, self.t
         pending = []
-        while self.step < cfg.steps:
+        while self.step < checkpoints.end_step(cfg):
             pending.append(result_vector(t.run.step(t.next_batch, lm_loss)))
             self.step = t.step = self.step + 1
             if not is_commit(cfg, self.step):
@@ -175,6 +178,8 @@ class ElasticWorker:
             if self.log is not None:
                 self.log.write(r)
         self.loss = records[-1]["loss"]
+        if checkpoints.due(cfg, self.step):  # the members of this quorum, at this commit point
+            checkpoints.write(self, time.perf_counter() - self.t_start)
         if self.log is not None and not self.quiet:
             print(f"step {self.step}/{cfg.steps} loss {self.loss:.4f} on {self.view.world} worker(s)", flush=True)
         return int(every[:, -1, 0].max())
@@ -203,7 +208,16 @@ class ElasticWorker:
         leave()
         self.step = self.snapshot["step"] if self.snapshot is not None else 0
 
-    def finish(self, t_start: float) -> None:
+    def stop(self) -> None:
+        """--stop-at: the checkpoint is written; this part of the run ends without summary.json."""
+        self.t.run.release()
+        if self.log is not None:
+            self.log.close()
+            if not self.quiet:
+                print(f"lowcomm: stopped after step {self.step} of {self.cfg.steps} with a checkpoint; continue "
+                      f"with: lowcomm train --resume {self.out_dir}", flush=True)
+
+    def finish(self) -> None:
         t = self.t
         t.run.close()  # collective: every member ends on the same final parameters
         if self.log is not None:
@@ -211,7 +225,7 @@ class ElasticWorker:
         final = transfer.state_hash({f"model.{k}": v for k, v in self.model.state_dict().items()})
         every = [None] * self.view.world
         dist.all_gather_object(every, final)
-        result = LoopResult(self.totals, self.loss, self.val_loss, time.perf_counter() - t_start)
+        result = LoopResult(self.totals, self.loss, self.val_loss, time.perf_counter() - self.t_start)
         summary = run_end.summarize(t, result, self.out_dir if t.rank == 0 else None, self.quiet)
         if summary is not None and self.out_dir is not None:
             from ..metrics.runlog import write_json_atomic
@@ -234,7 +248,7 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
     w = ElasticWorker(cfg, slot, membership, out_dir, quiet)
     if not joining:
         membership.wait_for_first(cfg.workers)
-    t_start = time.perf_counter()
+    w.t_start = time.perf_counter()
     reforms = 0
     while True:
         try:
@@ -251,7 +265,7 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
             reforms += 1
         if reforms > MAX_REFORMS_WITHOUT_PROGRESS:
             raise RunError(f"the group changed {reforms} times without committing a step; giving up")
-    w.finish(t_start)
+    w.stop() if w.step < cfg.steps else w.finish()
 
 
 def lost_peer(e: BaseException) -> bool:

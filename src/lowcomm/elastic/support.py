@@ -46,9 +46,9 @@ def check(cfg) -> None:
         if o.sync_by != "steps":
             raise UsageError("--elastic needs diloco's --sync-by steps: its commit points are the outer syncs, "
                              "which must fall on the same step on every worker")
-    for flag, value in (("--checkpoint-every", cfg.checkpoint_every), ("--stop-at", cfg.stop_at),
-                        ("--checkpoint-on-signal", cfg.checkpoint_on_signal), ("--resume", cfg.resume_from),
-                        ("--trace", cfg.trace), ("--slowdown", cfg.slowdown), ("--stragglers", cfg.stragglers)):
+    from .checkpoints import check as check_checkpoints
+    check_checkpoints(cfg, commit_every(cfg))
+    for flag, value in (("--checkpoint-on-signal", cfg.checkpoint_on_signal), ("--trace", cfg.trace), ("--slowdown", cfg.slowdown), ("--stragglers", cfg.stragglers)):
         if value:
             raise UsageError(f"{flag} does not run with --elastic yet")
     from .lighthouse import require_torchft
@@ -56,6 +56,11 @@ def check(cfg) -> None:
     if cfg.lighthouse:  # refused before anything is written, not after the workers started
         from .address import check_reachable, parse_lighthouse
         check_reachable(parse_lighthouse(cfg.lighthouse), f"--lighthouse {cfg.lighthouse}")
+
+
+def commit_every(cfg) -> int:
+    """Steps between commit points: ddp every step, diloco every outer sync (H)."""
+    return cfg.strategy_options().sync_every if cfg.strategy == "diloco" else 1
 
 
 def min_workers(cfg) -> int:
