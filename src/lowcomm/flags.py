@@ -77,8 +77,8 @@ RUN_FLAGS = {
     "--min-workers": Flag("min_workers", "N", "with --elastic: the fewest workers a step may run with",
                           zero="all of --workers"),
     "--lighthouse": Flag("lighthouse", "HOST:PORT", "with --elastic: use this running torchft lighthouse (its "
-                                                    "--min_replicas is the quorum) instead of starting one; needed "
-                                                    "under torchrun", zero="the launcher starts one"),
+                                                    "--min_replicas is the quorum) instead of starting one",
+                         zero="the launcher starts one"),
     "--max-bad-steps": Flag("max_bad_steps", "N", "stop after this many consecutive non-finite (skipped) steps"),
     "--trace": Flag("trace", "", "write trace.json (Chrome/Perfetto) with every rank's spans", switch=True),
     "--tensorboard": Flag("tensorboard", "DIR", "log each step's scalars (loss, tokens/s, bytes, exposed share, "

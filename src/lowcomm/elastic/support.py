@@ -33,6 +33,11 @@ def check(cfg) -> None:
             if value:
                 raise UsageError(f"{flag} applies only with --elastic")
         return
+    from ..nodes import under_torchrun
+    if under_torchrun():  # it would otherwise run as a plain run, --elastic silently dropped
+        raise UsageError("--elastic does not run under torchrun yet: torchrun's agent stops every worker of its "
+                         "job when one fails; start the run with `lowcomm train --elastic` and add workers on "
+                         "other machines with `lowcomm join RUNDIR`")
     if cfg.strategy not in SUPPORTED:
         why = WHY_NOT.get(cfg.strategy, "it does not declare how its state survives a change of the group")
         raise UsageError(f"--elastic does not run strategy '{cfg.strategy}': {why} "
