@@ -95,7 +95,8 @@ def connect(run: Path, where: dict):
     """The run's TCP store, or one line saying it does not answer (the launcher was killed)."""
     import torch.distributed as dist
     host, port = where["store"]
-    try:
+    try:  # a refused connection first, at once (c10d's client retries it until its timeout)
+        socket.create_connection((host, port), timeout=REACH_S).close()
         return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=REACH_S))
     except Exception:  # refused, timed out, unknown host: c10d raises several types
         raise UsageError(f"the run in '{run}' is not reachable: its store at {host}:{port} does not "
