@@ -11,8 +11,10 @@ discarded, never half-applied -- and asks the lighthouse for a quorum with its c
 In the new quorum the members behind the newest take its state from a peer (transfer.py), so a
 step that some member committed is kept and none is applied twice; the members then train on
 from that step, each on the data its new rank and the new world size give (see `loader_for`).
-A joiner (a restarted worker) asks for a quorum as soon as it has built its model; the members
-notice its announcement at their next commit point and re-form with it.
+A joiner (a restarted worker, or one more from `lowcomm join`) asks for a quorum as soon as it
+has built its model; the members notice its announcement at their next commit point and re-form
+with it. Checkpoints are written at commit points, and a resumed run loads one at its first
+quorum (checkpoints.py).
 """
 from __future__ import annotations
 
@@ -80,7 +82,6 @@ class ElasticWorker:
         """A quorum, its group, a run on it, and every member on the newest committed state."""
         committed = self.snapshot["step"] if self.snapshot is not None else (-1 if joining else 0)
         view = self.m.agree(committed, joining=joining)
-        self.joins_seen = self.m.joins()  # what this quorum answered (a later announcement is news)
         self._build(view)
         if self.snapshot is not None:
             self._load(self.snapshot)
@@ -124,8 +125,12 @@ class ElasticWorker:
         """membership.jsonl (rank 0): the quorum, from which step, who received the state, and
         each member's hash of the state all must hold alike (equal after a join)."""
         mine = transfer.state_hash(support.replicated(self.cfg.strategy, self.snapshot["strategy"]))
-        every = [None] * view.world
-        dist.all_gather_object(every, mine)
+        gathered = [None] * view.world
+        # with the joins this quorum answered, agreed (the most any member saw): each member read
+        # its count at its own time, and all must compare the next commit's count to the same one
+        dist.all_gather_object(gathered, (mine, self.m.joins()))
+        every = [h for h, _ in gathered]
+        self.joins_seen = max(j for _, j in gathered)
         if self.log is not None:
             self.log.close()
             self.log = None
@@ -238,7 +243,7 @@ def grow(totals: Totals, slots: int) -> None:
     """Per-slot totals for `slots` slots at least."""
     for name in ("compute_per_rank", "exposed_per_rank", "micro_per_rank"):
         values = getattr(totals, name)
-        values.extend([type(values[0])(0) if values else 0] * (slots - len(values)))
+        values.extend([0] * (slots - len(values)))
 
 
 def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Path | None, quiet: bool,
@@ -265,7 +270,10 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
             reforms += 1
         if reforms > MAX_REFORMS_WITHOUT_PROGRESS:
             raise RunError(f"the group changed {reforms} times without committing a step; giving up")
-    w.stop() if w.step < cfg.steps else w.finish()
+    if w.step < cfg.steps:  # --stop-at
+        w.stop()
+    else:
+        w.finish()
 
 
 def lost_peer(e: BaseException) -> bool:
