@@ -85,6 +85,8 @@ def test_a_worker_joined_from_another_terminal_trains_with_the_live_state(strate
     assert [r["members"] for r in records] == [[0, 1]] * HOLD + [[0, 1, 2]] * (STEPS - HOLD)
     assert summary["micro_batches_per_rank"][2] == (STEPS - HOLD) * summary["micro_batches_per_rank"][0] // STEPS
     assert not (out / "elastic.json").exists()  # the launcher ended: the run takes no more joiners
+    if strategy[0] == "diloco":  # the outer syncs' contributors: 2 before the join, 3 after
+        assert summary["elastic"]["contributors_per_outer_sync"] == {"4": 2, "8": 2, "12": 2, "16": 3, "20": 3, "24": 3}
     assert (out / "config.toml").read_text().count(f'lighthouse = "{lighthouse}"') == 1
     check_reachable(f"http://{lighthouse}", "the lighthouse given")  # not the launcher's to stop
 

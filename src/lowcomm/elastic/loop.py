@@ -76,6 +76,7 @@ class ElasticWorker:
         self.view: View | None = None
         self.t_start = time.perf_counter()  # less the earlier parts' wall time in a resumed run
         self.log: StepLog | None = None  # rank 0's steps.jsonl
+        self.contributors: dict[int, int] = {}  # rank 0: outer sync step -> workers that contributed (diloco)
 
     # -- membership ---------------------------------------------------------------------
     def form(self, joining: bool) -> View:
@@ -143,6 +144,7 @@ class ElasticWorker:
             self.totals = Totals(self.cfg.workers)
             for record in self.log.kept:
                 self._add(record)
+            self.contributors = {r["step"]: r["outer"]["contributors"] for r in self.log.kept if "outer" in r}
 
     # -- training -----------------------------------------------------------------------
     def train_until_commit_or_change(self) -> bool:
@@ -174,6 +176,7 @@ class ElasticWorker:
         outer = support.outer_record(t.run)
         if outer is not None:  # diloco: who contributed to this commit's outer sync, and how much
             records[-1]["outer"] = outer
+            self.contributors[self.step] = outer["contributors"]
         if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
             with t.run.evaluating() as eval_model:
                 self.val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
@@ -235,7 +238,8 @@ class ElasticWorker:
         if summary is not None and self.out_dir is not None:
             from ..metrics.runlog import write_json_atomic
             summary["elastic"] = {"members": list(self.view.slots), "final_params_sha256": every,
-                                  "min_workers": support.min_workers(self.cfg)}
+                                  "min_workers": support.min_workers(self.cfg),
+                                  **({"contributors_per_outer_sync": self.contributors} if self.contributors else {})}
             write_json_atomic(self.out_dir / "summary.json", summary)
 
 
