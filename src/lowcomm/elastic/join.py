@@ -41,8 +41,19 @@ REACH_S = 5.0  # a run's store that does not answer within this is not reachable
 def publish(out: Path | None, lighthouse: str, store_port: int) -> None:
     """Where a joiner finds the run: written atomically, so it never reads half a file."""
     if out is not None:
-        store = f"{socket.gethostname()}:{store_port}"
+        store = f"{_this_host()}:{store_port}"
         write_text_atomic(out / PUBLISHED, json.dumps({"lighthouse": lighthouse, "store": store}) + "\n")
+
+
+def _this_host() -> str:
+    """This machine's name, as another one would reach the store (which listens on every
+    interface); the loopback address where the name does not resolve (a bare container)."""
+    name = socket.gethostname()
+    try:
+        socket.gethostbyname(name)
+        return name
+    except OSError:
+        return "127.0.0.1"
 
 
 def unpublish(out: Path | None) -> None:
