@@ -70,6 +70,8 @@ def test_diloco_survivors_drop_a_killed_worker_within_2s_and_finish(tmp_path):
     took = quorums[1]["time"] - float(log.read_text())
     assert took < 2.5, f"the survivors re-formed {took:.2f} s after the kill"
     assert records[3]["members"] == [0, 1, 2] and records[4]["members"] == [0, 2]
+    # each outer sync records its contributors (token-weighted merge): three, then the two survivors
+    assert [r["outer"]["contributors"] for r in records if "outer" in r] == [3, 2, 2, 2, 2, 2]
     assert summary["elastic"]["members"] == [0, 2]
 
 

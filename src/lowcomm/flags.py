@@ -78,6 +78,9 @@ RUN_FLAGS = {
                           zero="all of --workers"),
     "--member-timeout": Flag("member_timeout", "SECONDS", "with --elastic: a member that a collective waits on "
                                                           "this long (frozen, hung) is dropped", zero="10 s"),
+    "--lighthouse": Flag("lighthouse", "HOST:PORT", "with --elastic: use this running torchft lighthouse (its "
+                                                    "--min_replicas is the quorum) instead of starting one",
+                         zero="the launcher starts one"),
     "--max-bad-steps": Flag("max_bad_steps", "N", "stop after this many consecutive non-finite (skipped) steps"),
     "--trace": Flag("trace", "", "write trace.json (Chrome/Perfetto) with every rank's spans", switch=True),
     "--tensorboard": Flag("tensorboard", "DIR", "log each step's scalars (loss, tokens/s, bytes, exposed share, "

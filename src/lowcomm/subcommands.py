@@ -109,6 +109,11 @@ def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
     _hidden(plan, TRAIN_ONLY)
 
 
+def _join_arguments(parser: argparse.ArgumentParser) -> None:
+    from .elastic.join import add_join_arguments
+    add_join_arguments(parser)
+
+
 SUBCOMMANDS = {  # name -> (one line for `lowcomm --help`, description, what declares its arguments)
     "bench": ("run several strategies side by side and report which to pick",
               "Train each strategy on the same model, data order, seed, workers, link and slowdowns (a train flag "
@@ -121,14 +126,23 @@ SUBCOMMANDS = {  # name -> (one line for `lowcomm --help`, description, what dec
              "An analytic model of every strategy on a cluster: compute 6*N*tokens/FLOP/s (or measured with "
              "--calibrate), each strategy's communication plan priced by the link emulator's formulas, what it "
              "overlaps as it declares.", add_plan_arguments),
+    "join": ("add one more worker to an elastic run that is training",
+             "Join the elastic run in RUNDIR (lowcomm train --elastic --out RUNDIR) as one more worker: it takes "
+             "the run's config.toml and the addresses its launcher published, receives the live state from a "
+             "member at their next commit point and trains with them to the end of the run.", _join_arguments),
 }
+
+
+def _join(args) -> int:
+    from .elastic.join import join
+    return join(args)
 
 
 def run_subcommand(args: argparse.Namespace) -> int:
     for flag, hint in TRAIN_ONLY.items():
         if getattr(args, flag[2:], None) is not None:
             raise UsageError(f"{flag} does not apply to lowcomm {args.command} ({hint})")
-    return {"bench": _bench, "report": _report, "plan": _plan}[args.command](args)
+    return {"bench": _bench, "report": _report, "plan": _plan, "join": _join}[args.command](args)
 
 
 def _target(args) -> float | None:

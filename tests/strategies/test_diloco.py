@@ -21,6 +21,8 @@ BYTE_CASES = [  # (options, steps): run lengths not multiples of H, every precis
     (dict(sync_every=3, outer_precision="int8"), 8),
     (dict(sync_every=2, outer_precision="int4", sync_by="time"), 5),
     (dict(sync_every=3, outer_compress="topk:0.02,bits:2"), 7),
+    (dict(sync_every=3, outer_weights="tokens"), 7),
+    (dict(sync_every=3, outer_precision="int8", outer_weights="tokens"), 7),
 ]
 
 

@@ -94,7 +94,8 @@ def latest(out_dir: Path, cfg: C.RunConfig, world: int, warn=None) -> Found | No
     for step, path in candidates:
         try:
             found = verify(path, cfg, world)
-            check_world(found, cfg.strategy, world)  # the run's problem, not this checkpoint's: no fallback
+            if not cfg.elastic:  # an elastic run continues with the workers it finds (elastic/checkpoints.py)
+                check_world(found, cfg.strategy, world)  # the run's problem, not this checkpoint's: no fallback
             return found
         except UsageError as e:
             if isinstance(e, WorldSizeError):

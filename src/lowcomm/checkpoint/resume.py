@@ -67,8 +67,10 @@ def prepare_resume(cfg: C.RunConfig, create: bool) -> Path | None:
     if cfg.steps < found.step:
         raise UsageError(f"--steps {cfg.steps} is below the checkpoint's step {found.step} ({found.path})")
     if found.world != cfg.workers:
-        print(f"warning: {found.path} was written by {found.world} workers, resuming on {cfg.workers}: the "
-              f"replicated state is loaded, each worker's data order starts anew", file=sys.stderr, flush=True)
+        what = ("an elastic run goes on with the workers it finds (a worker the checkpoint has no state for "
+                "takes worker 0's)" if cfg.elastic else "the replicated state is loaded")
+        print(f"warning: {found.path} was written by {found.world} workers, resuming on {cfg.workers}: {what}, "
+              f"each worker's data order starts anew", file=sys.stderr, flush=True)
     cfg.resume_from = str(found.path)
     if create:
         write_text_atomic(out / "config.toml", C.to_toml(cfg))

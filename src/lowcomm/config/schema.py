@@ -121,6 +121,7 @@ class RunConfig:
     elastic: bool = False
     min_workers: int = 0
     member_timeout: float = 0.0  # a member silent this long in a collective is dropped (0: elastic.support's default)
+    lighthouse: str = ""  # HOST:PORT of a running torchft lighthouse ("": the launcher starts one)
     # Strategy options by strategy name ([<strategy>] <option> = value), filled from the registry's
     # Options classes; `pending_options` holds values given before the strategy was known
     # (CLI flags, top-level TOML keys) until validate() applies them to the chosen one.

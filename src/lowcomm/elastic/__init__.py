@@ -10,5 +10,7 @@ Built from torchft's lighthouse (membership by heartbeat and quorum) and plain c
 - membership.py a quorum at a commit point, and the c10d group of its members;
 - transfer.py  the live state sent from a peer to a worker that joins or fell behind;
 - reshard.py   the state kept at a commit point, whole (zero1's shards gathered), loadable by any membership;
-- loop.py      the training loop of an elastic worker: commit points, rollback, rejoin.
+- loop.py      the training loop of an elastic worker: commit points, rollback, rejoin;
+- join.py      `lowcomm join RUNDIR`: one more worker for a run that is training;
+- address.py   `--lighthouse HOST:PORT` (a lighthouse the launcher uses, not starts) and reachability.
 """

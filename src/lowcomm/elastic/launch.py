@@ -8,7 +8,6 @@ worker is stopped and the run fails in one line.
 """
 from __future__ import annotations
 
-import json
 import multiprocessing.connection
 import os
 import signal
@@ -21,19 +20,20 @@ import torch.distributed as dist
 from ..errors import Interrupted, RunError
 from .. import supervise
 from . import lighthouse, support
+from .address import UsedLighthouse
+from .join import publish, unpublish
 
 FINISH_GRACE_S = 10.0  # after the first worker finishes, the rest may take this long
 
 
 def launch_elastic(cfg, out: Path | None, quiet: bool) -> None:
-    server = lighthouse.start(support.min_workers(cfg))
+    server = UsedLighthouse(cfg.lighthouse) if cfg.lighthouse else lighthouse.start(support.min_workers(cfg))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
-        if out is not None:  # where a joiner finds the run (lowcomm join)
-            (out / "elastic.json").write_text(json.dumps({"lighthouse": server.address(),
-                                                          "store": f"127.0.0.1:{store.port}"}) + "\n")
+        publish(out, server.address(), store.port)  # where `lowcomm join` finds the run
         Slots(cfg, store.port, server.address(), out, quiet).run()
     finally:
+        unpublish(out)
         server.shutdown()
         del store
 

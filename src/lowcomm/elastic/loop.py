@@ -11,8 +11,10 @@ discarded, never half-applied -- and asks the lighthouse for a quorum with its c
 In the new quorum the members behind the newest take its state from a peer (transfer.py), so a
 step that some member committed is kept and none is applied twice; the members then train on
 from that step, each on the data its new rank and the new world size give (see `loader_for`).
-A joiner (a restarted worker) asks for a quorum as soon as it has built its model; the members
-notice its announcement at their next commit point and re-form with it.
+A joiner (a restarted worker, or one more from `lowcomm join`) asks for a quorum as soon as it
+has built its model; the members notice its announcement at their next commit point and re-form
+with it. Checkpoints are written at commit points, and a resumed run loads one at its first
+quorum (checkpoints.py).
 """
 from __future__ import annotations
 
@@ -35,15 +37,12 @@ from ..models import lm_loss
 from ..optim import adamw_factory, lr_schedule
 from ..run import link_seed, make_run
 from ..worker import LoopResult, Trainer, build_model, evaluate, pick_device
-from . import reshard, support, transfer
+from . import checkpoints, reshard, support, transfer
+from .join import hold_for_joiner_if_asked
+from .support import commit_every
 from .membership import Membership, View, leave
 
 MAX_REFORMS_WITHOUT_PROGRESS = 20  # re-forming again and again without a commit: give up, one line
-
-
-def commit_every(cfg: C.RunConfig) -> int:
-    """Steps between commit points: ddp every step, diloco every outer sync (H)."""
-    return cfg.strategy_options().sync_every if cfg.strategy == "diloco" else 1
 
 
 def is_commit(cfg: C.RunConfig, step: int) -> bool:
@@ -74,7 +73,9 @@ class ElasticWorker:
         self.loss = self.val_loss = float("nan")
         self.joins_seen = 0
         self.view: View | None = None
+        self.t_start = time.perf_counter()  # less the earlier parts' wall time in a resumed run
         self.log: StepLog | None = None  # rank 0's steps.jsonl
+        self.contributors: dict[int, int] = {}  # rank 0: outer sync step -> workers that contributed (diloco)
 
     # -- membership ---------------------------------------------------------------------
     def form(self, joining: bool) -> View:
@@ -83,10 +84,12 @@ class ElasticWorker:
         view = self.m.agree(committed, joining=joining)
         self._build(view)
         self.joins_seen = self._joins_answered()
-        if self.snapshot is None:  # the run's start: every member takes it (collective for zero1)
-            self.snapshot = self._take_snapshot()
-        else:
+        if self.snapshot is not None:
             self._load(self.snapshot)
+        else:  # the run's start: every member takes its snapshot (collective for zero1)
+            if self.cfg.resume_from and not joining:  # the first quorum of a resumed run
+                self.t_start -= checkpoints.load(self, view)
+            self.snapshot = self._take_snapshot()
         healed = transfer.heal(view, lambda: self.snapshot, self._resume)
         resumed = self._hash(self.snapshot)  # the committed state this member resumed from
         self.snapshot = self._take_snapshot()
@@ -100,7 +103,8 @@ class ElasticWorker:
         comm = Comm(link=C.make_link(cfg, seed=link_seed(cfg.seed, view.slots[view.rank])), level="cross")
         run = make_run(cfg.strategy, self.model, comm, adamw_factory(cfg.optim), accum=cfg.accum,
                        schedule=lr_schedule(cfg.optim, cfg.steps), total_steps=cfg.steps,
-                       options=cfg.strategy_options())
+                       options=support.strategy_options(cfg))
+        support.configure(run, cfg)
         run = faults.inject(run, view.slots[view.rank])  # test-only faults, by slot
         val = val_batches(self.val_tokens, view.rank, view.world, cfg.model.seq_len, cfg.micro_batch,
                           cfg.eval_batches)
@@ -121,6 +125,10 @@ class ElasticWorker:
     def _load(self, snapshot: dict) -> None:
         reshard.load(self.cfg.strategy, self.t.run, snapshot["strategy"])
         self.step = self.t.step = snapshot["step"]
+        self.restart_data()
+
+    def restart_data(self) -> None:
+        """This member's data from self.step on, as its membership gives it."""
         self.t.loader = loader_for(self.cfg, self.train_tokens, self.view, self.step)
 
     def _resume(self, snapshot: dict) -> None:
@@ -151,19 +159,20 @@ class ElasticWorker:
             self.totals = Totals(self.cfg.workers)
             for record in self.log.kept:
                 self._add(record)
+            self.contributors = {r["step"]: r["outer"]["contributors"] for r in self.log.kept if "outer" in r}
 
     # -- training -----------------------------------------------------------------------
     def train_until_commit_or_change(self) -> bool:
         """Train to the end or to a commit point where a joiner waits. True at the end."""
         cfg, t = self.cfg, self.t
         pending = []
-        while self.step < cfg.steps:
+        while self.step < checkpoints.end_step(cfg):
             self.m.progress()
             pending.append(result_vector(t.run.step(t.next_batch, lm_loss)))
             self.step = t.step = self.step + 1
             if not is_commit(cfg, self.step):
                 continue
-            joins = self._commit(pending)
+            joins = max(self._commit(pending), hold_for_joiner_if_asked(self.step, self.m))
             pending = []
             if joins > self.joins_seen:
                 return False
@@ -181,6 +190,10 @@ class ElasticWorker:
         now = time.time()  # when the step was committed (bench/chaos.py times recoveries by it)
         for r in records:
             r["members"], r["committed_at"] = list(self.view.slots), now
+        outer = support.outer_record(t.run)
+        if outer is not None:  # diloco: who contributed to this commit's outer sync, and how much
+            records[-1]["outer"] = outer
+            self.contributors[self.step] = outer["contributors"]
         if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
             with t.run.evaluating() as eval_model:
                 self.val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
@@ -190,6 +203,8 @@ class ElasticWorker:
             if self.log is not None:
                 self.log.write(r)
         self.loss = records[-1]["loss"]
+        if checkpoints.due(cfg, self.step):  # the members of this quorum, at this commit point
+            checkpoints.write(self, time.perf_counter() - self.t_start)
         if self.log is not None and not self.quiet:
             print(f"step {self.step}/{cfg.steps} loss {self.loss:.4f} on {self.view.world} worker(s)", flush=True)
         return int(every[:, -1, 0].max())
@@ -197,7 +212,8 @@ class ElasticWorker:
     def _add(self, record: dict) -> None:
         """Totals per slot: a record's per-rank values go to the slots of its members."""
         slots = record.get("members") or list(range(len(record["per_rank"]["micro_batches"])))
-        padded = {k: [0] * self.cfg.workers for k in record["per_rank"]}
+        grow(self.totals, max(slots) + 1)  # a joiner's slot is W or above (lowcomm join)
+        padded = {k: [0] * len(self.totals.micro_per_rank) for k in record["per_rank"]}
         for rank, slot in enumerate(slots):
             for k, values in record["per_rank"].items():
                 padded[k][slot] = values[rank]
@@ -217,7 +233,16 @@ class ElasticWorker:
         leave()
         self.step = self.snapshot["step"] if self.snapshot is not None else 0
 
-    def finish(self, t_start: float) -> None:
+    def stop(self) -> None:
+        """--stop-at: the checkpoint is written; this part of the run ends without summary.json."""
+        self.t.run.release()
+        if self.log is not None:
+            self.log.close()
+            if not self.quiet:
+                print(f"lowcomm: stopped after step {self.step} of {self.cfg.steps} with a checkpoint; continue "
+                      f"with: lowcomm train --resume {self.out_dir}", flush=True)
+
+    def finish(self) -> None:
         t = self.t
         t.run.close()  # collective: every member ends on the same final parameters
         if self.log is not None:
@@ -225,13 +250,21 @@ class ElasticWorker:
         final = transfer.state_hash({f"model.{k}": v for k, v in self.model.state_dict().items()})
         every = [None] * self.view.world
         dist.all_gather_object(every, final)
-        result = LoopResult(self.totals, self.loss, self.val_loss, time.perf_counter() - t_start)
+        result = LoopResult(self.totals, self.loss, self.val_loss, time.perf_counter() - self.t_start)
         summary = run_end.summarize(t, result, self.out_dir if t.rank == 0 else None, self.quiet)
         if summary is not None and self.out_dir is not None:
             from ..metrics.runlog import write_json_atomic
             summary["elastic"] = {"members": list(self.view.slots), "final_params_sha256": every,
-                                  "min_workers": support.min_workers(self.cfg)}
+                                  "min_workers": support.min_workers(self.cfg),
+                                  **({"contributors_per_outer_sync": self.contributors} if self.contributors else {})}
             write_json_atomic(self.out_dir / "summary.json", summary)
+
+
+def grow(totals: Totals, slots: int) -> None:
+    """Per-slot totals for `slots` slots at least."""
+    for name in ("compute_per_rank", "exposed_per_rank", "micro_per_rank"):
+        values = getattr(totals, name)
+        values.extend([0] * (slots - len(values)))
 
 
 def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Path | None, quiet: bool,
@@ -241,7 +274,7 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
     w = ElasticWorker(cfg, slot, membership, out_dir, quiet)
     if not joining:
         membership.wait_for_first(cfg.workers)
-    t_start = time.perf_counter()
+    w.t_start = time.perf_counter()
     reforms = 0
     while True:
         try:
@@ -263,7 +296,10 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
             joining = True
         if reforms > MAX_REFORMS_WITHOUT_PROGRESS:
             raise RunError(f"the group changed {reforms} times without committing a step; giving up")
-    w.finish(t_start)
+    if w.step < cfg.steps:  # --stop-at
+        w.stop()
+    else:
+        w.finish()
 
 
 def lost_peer(e: BaseException) -> bool:

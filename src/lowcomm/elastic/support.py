@@ -7,6 +7,8 @@ and diloco (every outer sync, when every worker is reset to θ_global).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..errors import UsageError
 
 SUPPORTED = ("ddp", "zero1", "diloco")
@@ -27,10 +29,16 @@ WHY_NOT = {
 def check(cfg) -> None:
     """UsageError, in one line, when cfg asks for --elastic (or --min-workers) where it cannot run."""
     if not cfg.elastic:
-        for flag, value in (("--min-workers", cfg.min_workers), ("--member-timeout", cfg.member_timeout)):
+        for flag, value in (("--min-workers", cfg.min_workers), ("--member-timeout", cfg.member_timeout),
+                            ("--lighthouse", cfg.lighthouse)):
             if value:
                 raise UsageError(f"{flag} applies only with --elastic")
         return
+    from ..nodes import under_torchrun
+    if under_torchrun():  # it would otherwise run as a plain run, --elastic silently dropped
+        raise UsageError("--elastic does not run under torchrun yet: torchrun's agent stops every worker of its "
+                         "job when one fails; start the run with `lowcomm train --elastic` and add workers on "
+                         "other machines with `lowcomm join RUNDIR`")
     if cfg.strategy not in SUPPORTED:
         why = WHY_NOT.get(cfg.strategy, "it does not declare how its state survives a change of the group")
         raise UsageError(f"--elastic does not run strategy '{cfg.strategy}': {why} "
@@ -47,13 +55,21 @@ def check(cfg) -> None:
         if o.sync_by != "steps":
             raise UsageError("--elastic needs diloco's --sync-by steps: its commit points are the outer syncs, "
                              "which must fall on the same step on every worker")
-    for flag, value in (("--checkpoint-every", cfg.checkpoint_every), ("--stop-at", cfg.stop_at),
-                        ("--checkpoint-on-signal", cfg.checkpoint_on_signal), ("--resume", cfg.resume_from),
-                        ("--trace", cfg.trace), ("--slowdown", cfg.slowdown), ("--stragglers", cfg.stragglers)):
+    from .checkpoints import check as check_checkpoints
+    check_checkpoints(cfg, commit_every(cfg))
+    for flag, value in (("--checkpoint-on-signal", cfg.checkpoint_on_signal), ("--trace", cfg.trace), ("--slowdown", cfg.slowdown), ("--stragglers", cfg.stragglers)):
         if value:
             raise UsageError(f"{flag} does not run with --elastic yet")
     from .lighthouse import require_torchft
     require_torchft()
+    if cfg.lighthouse:  # refused before anything is written, not after the workers started
+        from .address import check_reachable, parse_lighthouse
+        check_reachable(parse_lighthouse(cfg.lighthouse), f"--lighthouse {cfg.lighthouse}")
+
+
+def commit_every(cfg) -> int:
+    """Steps between commit points: ddp every step, diloco every outer sync (H)."""
+    return cfg.strategy_options().sync_every if cfg.strategy == "diloco" else 1
 
 
 def min_workers(cfg) -> int:
@@ -96,3 +112,22 @@ def _tensors(obj, prefix: str = "") -> dict:
     if isinstance(obj, (list, tuple)):
         return {k2: v2 for i, v in enumerate(obj) for k2, v2 in _tensors(v, f"{prefix}.{i}").items()}
     return {}
+
+
+def strategy_options(cfg):
+    """The strategy's options as an elastic run uses them: the local-SGD family's outer merge
+    weighted by the tokens each member trained since the last sync (token_weights.py)."""
+    options = cfg.strategy_options()
+    return dataclasses.replace(options, outer_weights="tokens") if hasattr(options, "outer_weights") else options
+
+
+def configure(run, cfg) -> None:
+    """--min-workers is the quorum of an outer step too: members that trained (diloco)."""
+    if hasattr(run.strategy, "min_contributors"):
+        run.strategy.min_contributors = min_workers(cfg)
+
+
+def outer_record(run) -> dict | None:
+    """steps.jsonl's `outer` at an outer sync: the workers that contributed, their tokens."""
+    contribution = getattr(run.strategy, "contribution", None)
+    return contribution() if contribution is not None else None

@@ -28,6 +28,7 @@ from .context import all_finite
 from .options import Options, option
 from .outer_wire import PRECISIONS, WireFormat
 from .registry import register
+from .token_weights import WEIGHTS, contribution
 
 
 @dataclass
@@ -45,16 +46,22 @@ class DiLoCoOptions(Options):
                                  "all-gathered: topk:F|K, chunk:N, bits:B, quant:absmax|stat (e.g. topk:0.02,bits:2)")
     outer_ef_decay: float = option(1.0, "--outer-compress error feedback: e <- decay*e + delta before "
                                    "compressing (1: classic, 0: no error feedback)", min=0, max=1)
+    outer_weights: str = option("equal", "outer gradients averaged with equal weights, or weighted by the tokens "
+                                "each worker trained since the last sync (Decoupled DiLoCo; --elastic uses tokens)",
+                                choices=WEIGHTS)
 
     def check(self) -> None:
         self.wire().check()
+        if self.sync_by == "time" and self.outer_weights == "tokens":
+            raise UsageError("--outer-weights tokens does not run with --sync-by time, whose FedNova averaging "
+                             "already weights each worker by its inner steps")
 
     def check_run(self, cfg) -> None:
         if self.sync_by == "time" and (cfg.replicas or cfg.workers) < cfg.workers:
             raise UsageError(f"--sync-by time does not run across replica groups (--replicas {cfg.replicas}) yet")
 
     def wire(self) -> WireFormat:
-        return WireFormat(self.outer_precision, self.outer_compress, self.outer_ef_decay)
+        return WireFormat(self.outer_precision, self.outer_compress, self.outer_ef_decay, self.outer_weights)
 
     def streaming(self) -> tuple[int, int, float]:
         """(fragments F, merge delay τ, merge weight α): one, none, θ_global (Streaming DiLoCo's vary)."""
@@ -95,6 +102,7 @@ class DiLoCo(Strategy):
         self.outer = torch.optim.SGD(self.sync.globals, lr=o.outer_lr, momentum=o.outer_momentum,
                                      nesterov=o.outer_nesterov and o.outer_momentum > 0)
         self.inner_steps, self.last_loss = 0, float("nan")
+        self.min_contributors = 1  # --outer-weights tokens: an outer step needs this many workers that trained
 
     def begin_step(self, ctx):
         ctx.lr = self.set_lr(ctx.step, [self.inner])
@@ -110,7 +118,7 @@ class DiLoCo(Strategy):
         ctx.skip() if bad else self.inner.step()
         self.inner.zero_grad(set_to_none=True)
         self.inner_steps, self.last_loss = self.inner_steps + 1, ctx.mean_loss
-        self.sync.inner_step(time.perf_counter() - ctx.t0)
+        self.sync.inner_step(time.perf_counter() - ctx.t0, 0 if bad else ctx.tokens)  # a skipped step trained none
         self._end_of_slot(ctx)
 
     def _end_of_slot(self, ctx) -> None:
@@ -130,12 +138,23 @@ class DiLoCo(Strategy):
     def _collect(self, ctx=None, *fragments: int) -> None:
         """Wait for the reductions in flight (of `fragments`, else all); outer step on each."""
         for i, delta in self.sync.wait(*fragments):
+            if not self.quorate():  # too few trained: θ_global stays, every rank resets to it
+                continue
             if all_finite(delta):  # the same Δ on every rank: all keep θ_global alike
                 self.sync.globals[i].grad = delta
                 self.outer.step()
                 self.sync.globals[i].grad = None
             elif ctx is not None:
                 ctx.skip()
+
+    def quorate(self) -> bool:
+        """Did enough workers train since the last sync (tokens > 0)? Always with equal weights."""
+        info = self.contribution()
+        return info is None or info["contributors"] >= self.min_contributors
+
+    def contribution(self) -> dict | None:
+        """The last outer sync's workers that contributed and their tokens (--outer-weights tokens)."""
+        return contribution(self.sync.wire.last_tokens)
 
     def rounds_started(self) -> int:  # 1 while a sync is owed: the driver takes the most over the ranks
         return int(self.sync.owed())

@@ -71,15 +71,17 @@ class OuterSync:
         self.globals = [nn.Parameter(flat_of(ps).float().clone(), requires_grad=False) for _, ps in self.fragments]
         n = len(self.fragments)
         self.since = [0] * n                          # inner steps since fragment i's last sync (τ_r)
+        self.tokens = [0] * n                         # tokens trained since fragment i's last sync
         self.in_flight: dict[int, Ticket] = {}        # fragment i -> its reduction in flight
         self.landed: dict[int, torch.Tensor] = {}     # fragment i -> (τ, c) of a reduction done, not merged
         self.pending: dict[int, int] = {}             # fragment i -> trainer step its merge is due
         self.syncs = 0                                # merges done (diloco: outer steps)
 
     # -- the schedule -------------------------------------------------------------
-    def inner_step(self, cost: float) -> None:
-        """This rank took an inner step costing `cost` seconds."""
+    def inner_step(self, cost: float, tokens: int = 0) -> None:
+        """This rank took an inner step costing `cost` seconds, training `tokens` tokens."""
         self.since = [s + 1 for s in self.since]
+        self.tokens = [t + tokens for t in self.tokens]
         if self.clock is not None:
             self.clock.record(cost)
 
@@ -116,8 +118,8 @@ class OuterSync:
         f, ps = self.fragments[i]
         delta = self.globals[i].detach() - flat_of(ps).float()
         self.in_flight[i] = self.wire.issue(self.comm, f"fragment{f}", delta, self.since[i], c,
-                                            [p.numel() for p in ps])
-        self.since[i] = 0
+                                            [p.numel() for p in ps], self.tokens[i])
+        self.since[i] = self.tokens[i] = 0
         self.pending[i] = merge_at
 
     def wait(self, *fragments: int) -> list[tuple[int, torch.Tensor]]:
@@ -179,6 +181,7 @@ class OuterSync:
         """Everything but what is in flight (`wait` first)."""
         assert not self.in_flight, "state_dict() with an outer sync in flight"
         return {"globals": [g.detach().clone() for g in self.globals], "since": list(self.since),
+                "tokens": list(self.tokens),
                 "pending": dict(self.pending), "landed": {i: v.clone() for i, v in self.landed.items()},
                 "syncs": self.syncs, "outer_residuals": self.wire.state_dict(),
                 **(self.clock.state_dict() if self.clock is not None else {})}
@@ -187,6 +190,7 @@ class OuterSync:
         for g, saved in zip(self.globals, sd["globals"], strict=True):
             g.data.copy_(saved)
         self.since, self.pending, self.syncs = list(sd["since"]), dict(sd["pending"]), sd["syncs"]
+        self.tokens = list(sd.get("tokens", [0] * len(self.since)))  # a checkpoint from before tokens were kept
         self.landed = {i: v.clone() for i, v in sd["landed"].items()}
         self.wire.load_state_dict(sd.get("outer_residuals", {}))
         if self.clock is not None:

@@ -20,7 +20,8 @@ A compressor (int8/int4 or a SPEC) runs on each tensor of a fragment alone
 SparseLoCo's reference (per parameter), so a replica whose ranks own whole tensors sends
 exactly what one worker holding them all would.
 
-w_r is 1/W, or FedNova's weight under --sync-by time (sync_by_time.py). Collectives are
+w_r is 1/W, FedNova's weight under --sync-by time (sync_by_time.py), or with --outer-weights
+tokens each rank's share of the tokens trained since the last sync (token_weights.py). Collectives are
 issued asynchronously on the calling (compute) thread, so every rank issues them in the
 same order; `complete` waits for them and combines.
 """
@@ -36,6 +37,7 @@ from ..compress import Compressor, ErrorFeedback, IntQuantizer, parse_spec, per_
 from ..errors import UsageError
 from .plan import PlannedOp
 from .sync_by_time import INFO_BYTES, fednova_factor, fednova_scale, fednova_weights, step_info
+from .token_weights import TOKEN_BYTES, token_weights
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": 8, "int4": 4}
 OUTER_BLOCK = 64  # values per quantization scale of an outer gradient
@@ -52,6 +54,7 @@ class WireFormat:
     precision: str = "fp32"
     compress: str = "none"
     ef_decay: float = 1.0
+    weights: str = "equal"  # or "tokens": each Δ_r weighted by the tokens its rank trained (token_weights.py)
 
     def check(self) -> None:
         if self.compress == "none":
@@ -86,6 +89,9 @@ class WireFormat:
         if fednova:  # the τ_r travel beside the all-reduce
             ops.append(PlannedOp("all_gather", world * INFO_BYTES, every, offset,
                                  what=f"fragment {f}: inner steps and step time"))
+        elif self.weights == "tokens":  # each rank's weight is known before it scales its Δ_r
+            ops.append(PlannedOp("all_gather", world * TOKEN_BYTES, every, offset,
+                                 what=f"fragment {f}: tokens trained since the last sync"))
         return ops
 
 
@@ -112,11 +118,15 @@ class OuterWire:
             if self.compressor is not None else None
         self.per_fragment: dict[str, Compressor] = {}  # key -> the compressor on its tensors
         self.compress_s = 0.0  # CPU time spent compressing and decoding outer gradients
+        self.by_tokens = fmt.weights == "tokens"
+        self.last_tokens: torch.Tensor | None = None  # --outer-weights tokens: every rank's, at the last sync
 
-    def issue(self, comm: Comm, key: str, delta: torch.Tensor, tau: int, c: float, sizes: list[int]) -> Ticket:
+    def issue(self, comm: Comm, key: str, delta: torch.Tensor, tau: int, c: float, sizes: list[int],
+              tokens: int = 0) -> Ticket:
         """Start reducing Δ_r (async) of a fragment of tensors of `sizes` values; `tau`, `c`:
-        this rank's step info (see sync_by_time)."""
-        W, info = comm.world, step_info(tau, c)
+        this rank's step info (see sync_by_time); `tokens`: what it trained since the last sync
+        (its weight with --outer-weights tokens)."""
+        W, info = comm.world, step_info(tokens, 0.0) if self.by_tokens else step_info(tau, c)
         if self.compressor is not None:
             comp = self.per_fragment.setdefault(key, self.fmt.compressor(sizes))
             t0 = time.perf_counter()
@@ -132,6 +142,10 @@ class OuterWire:
             infos = torch.empty(W * 2, dtype=torch.float64)
             handles.append(comm.all_gather(infos, info, async_op=True))
             scale = fednova_scale(tau)
+        elif self.by_tokens:  # blocking: this rank's weight needs every rank's tokens
+            self.last_tokens = torch.empty(W, dtype=torch.float64)
+            comm.all_gather(self.last_tokens, torch.tensor([float(tokens)], dtype=torch.float64))
+            scale = float(token_weights(self.last_tokens)[comm.rank])
         else:
             scale = 1.0 / W
         buf = (delta * scale).to(PRECISIONS[self.fmt.precision])
@@ -154,7 +168,10 @@ class OuterWire:
         (nq, numel), W = ticket.sizes, ticket.world
         every = ticket.buf.view(W, -1)
         infos = torch.stack([every[r, nq:].clone().view(torch.float64) for r in range(W)])
-        weights = fednova_weights(infos[:, 0]) if self.fednova else torch.full((W,), 1.0 / W, dtype=torch.float64)
+        if self.by_tokens:
+            self.last_tokens = infos[:, 0].clone()
+        weights = fednova_weights(infos[:, 0]) if self.fednova else token_weights(infos[:, 0]) if self.by_tokens \
+            else torch.full((W,), 1.0 / W, dtype=torch.float64)
         # rank order: every rank combines the same values the same way
         t0 = time.perf_counter()
         comp = ticket.compressor
