@@ -46,16 +46,18 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote wo
 _PR_SET_PDEATHSIG = 1
 
 
-def run_workers(fn: Callable, args: tuple, nprocs: int, ask_first: bool = False) -> None:
+def run_workers(fn: Callable, args: tuple, nprocs: int, ask_first: bool = False,
+                watch: Callable | None = None) -> None:
     """Run fn(rank, *args) on `nprocs` worker processes until all of them return.
     Raises RunError when one fails and Interrupted on SIGINT/SIGTERM; either way
-    every worker is gone when this returns or raises."""
+    every worker is gone when this returns or raises. `watch(processes)` is called at
+    every turn of the watch loop (at least every POLL_S) while they run."""
     received: list[int] = []
     previous = _catch_signals(received)
     ctx = None
     try:
         ctx = start_workers(fn, args, nprocs)
-        _watch(ctx, received, ask_first)
+        _watch(ctx, received, ask_first, watch)
     finally:
         if ctx is not None:
             stop(ctx.processes)
@@ -85,9 +87,11 @@ def start_method() -> str:
     return "forkserver"
 
 
-def _watch(ctx, received: list[int], ask_first: bool) -> None:
+def _watch(ctx, received: list[int], ask_first: bool, watch: Callable | None = None) -> None:
     running = {p.sentinel: rank for rank, p in enumerate(ctx.processes)}
     while running:
+        if watch is not None:
+            watch(ctx.processes)
         if received:
             _interrupt(ctx, received, ask_first)
         ready = multiprocessing.connection.wait(list(running), timeout=POLL_S)

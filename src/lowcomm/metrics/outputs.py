@@ -1,4 +1,5 @@
-"""Where each gathered step goes: rank 0's steps.jsonl, progress view and flags (stragglers, slow link),
+"""Where each gathered step goes: rank 0's steps.jsonl, progress view and flags (stragglers, slow link,
+the launcher's stalled collectives),
 and TensorBoard when asked for (--tensorboard). The training loop (worker.loop) hands
 records over; this module knows where they are written."""
 from __future__ import annotations
@@ -8,6 +9,7 @@ from pathlib import Path
 from .progress import ProgressView
 from .runlog import StepLog
 from .slowlink import SlowLinkFlags
+from .stalls import StallFlags
 from .stragglers import StragglerFlags
 from .summary import Totals
 
@@ -25,6 +27,7 @@ class StepOutputs:
                                  levels=leveled)
         self.stragglers = StragglerFlags() if self.lead else None
         self.slow_link = SlowLinkFlags() if self.lead else None
+        self.stalls = StallFlags.for_run() if self.lead else None  # None without lowcomm's launcher
         self.board = None
         if t.rank == 0 and cfg.tensorboard:
             from .tensorboard import TensorBoardLog  # the optional extra, checked before the run
@@ -55,6 +58,8 @@ class StepOutputs:
     def flag(self, record: dict) -> None:
         """Every analysis' flags of this step, together in the record's `flags`."""
         found = self.stragglers.flags(record) + self.slow_link.flags(record)
+        if self.stalls is not None:
+            found += self.stalls.flags(record)
         if found:
             record["flags"] = found
 

@@ -44,6 +44,11 @@ class Stall:
         return f"{_ranks(self.culprits)} stalled {self.silent_s:.1f} s before {what}; " \
                f"{_ranks(self.waiting)} waiting for it"
 
+    def flag(self) -> str:
+        """The short form a step record's `flags` carry (metrics/stalls.py): who held it up, how long."""
+        who = _ranks(self.culprits) if self.culprits else "every rank"
+        return f"stalled {self.op.name} #{self.op.seq} {who} {self.waited_s:.1f} s"
+
 
 def failed_at(rings: dict[int, list[Event]]) -> float:
     """When the run failed, as the rings saw it: the latest time any rank recorded (a timed-out
