@@ -43,9 +43,9 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resu
         raise UsageError(f"backend '{backend}' on device '{cfg.device}' needs CUDA, and no GPU is visible")
     check_fits(cfg, "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and backend == "nccl") else "cpu")
     check_model(cfg)
-    if cfg.tensorboard:  # an optional package: missing, the run is refused before it starts
-        from .metrics.tensorboard import require
-        require(cfg.tensorboard)
+    if cfg.tensorboard or cfg.wandb:  # optional packages: missing, the run is refused before it starts
+        from .metrics.scalars import require
+        require(cfg)
     tokens, label = load_bytes(cfg.data.source, quiet=True)
     check_sizes(tokens, cfg.data.val_fraction, cfg.model.seq_len, cfg.workers, label)
     if resume:

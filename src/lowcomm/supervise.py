@@ -29,6 +29,7 @@ import os
 import pickle
 import select
 import signal
+import sys
 import threading
 import time
 from typing import Callable
@@ -68,10 +69,10 @@ def run_workers(fn: Callable, args: tuple, nprocs: int, ask_first: bool = False,
 
 def start_workers(fn: Callable, args: tuple, nprocs: int):
     """Start fn(rank, *args) on `nprocs` processes (forked from the server, see start_method)
-    with this process's environment and directory, dying with it; torch's process context
-    (join, error files) is returned unwatched. run_workers watches it; tests' run_dist too."""
-    return mp.start_processes(_child, args=(os.getpid(), dict(os.environ), os.getcwd(), fn, args),
-                              nprocs=nprocs, start_method=start_method(), join=False)
+    with this process's environment, directory and import path, dying with it; torch's process
+    context (join, error files) is returned unwatched. run_workers watches it; tests' run_dist too."""
+    here = (os.getpid(), dict(os.environ), os.getcwd(), list(sys.path))
+    return mp.start_processes(_child, args=(*here, fn, args), nprocs=nprocs, start_method=start_method(), join=False)
 
 
 def start_method() -> str:
@@ -233,10 +234,11 @@ def _restore_signals(previous: dict) -> None:
         signal.signal(signum, handler)
 
 
-def _child(rank: int, launcher: int, environ: dict, cwd: str, fn: Callable, args: tuple) -> None:
-    """A worker's first lines: take the launcher's environment and directory (a forkserver
-    child starts with the server's, from when it was started), die with the launcher,
-    leave SIGINT to it, then run."""
+def _child(rank: int, launcher: int, environ: dict, cwd: str, path: list, fn: Callable, args: tuple) -> None:
+    """A worker's first lines: take the launcher's environment, directory and import path (a
+    forkserver child starts with the server's, from when it was started: a module the launcher
+    can import now, say an optional package found since, would be missing), die with the
+    launcher, leave SIGINT to it, then run."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # What the fork server imported is never garbage: keep the collector (worker.leave_group
     # runs it) from walking those objects again in every worker.
@@ -244,6 +246,7 @@ def _child(rank: int, launcher: int, environ: dict, cwd: str, fn: Callable, args
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
+    sys.path[:] = path
     die_with(launcher)
     fn(rank, *args)
 

@@ -1,6 +1,6 @@
 """Where each gathered step goes: rank 0's steps.jsonl, progress view and flags (stragglers, slow link,
 the launcher's stalled collectives),
-and TensorBoard when asked for (--tensorboard). The training loop (worker.loop) hands
+and the dashboards asked for (--tensorboard, --wandb). The training loop (worker.loop) hands
 records over; this module knows where they are written."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .progress import ProgressView
 from .runlog import StepLog
+from .scalars import ScalarLogs
 from .slowlink import SlowLinkFlags
 from .stalls import StallFlags
 from .stragglers import StragglerFlags
@@ -28,10 +29,7 @@ class StepOutputs:
         self.stragglers = StragglerFlags() if self.lead else None
         self.slow_link = SlowLinkFlags() if self.lead else None
         self.stalls = StallFlags.for_run() if self.lead else None  # None without lowcomm's launcher
-        self.board = None
-        if t.rank == 0 and cfg.tensorboard:
-            from .tensorboard import TensorBoardLog  # the optional extra, checked before the run
-            self.board = TensorBoardLog(cfg.tensorboard)
+        self.board = ScalarLogs.for_run(cfg) if t.rank == 0 else None  # optional extras, checked before the run
 
     def kept_totals(self, world: int) -> tuple[Totals, float, float]:
         """The totals, last loss and last validation loss of the steps before a resumed checkpoint."""
@@ -50,10 +48,8 @@ class StepOutputs:
             if self.lead:
                 self.flag(record)
                 self.log.write(record)
-            if self.board is not None:
-                self.board.write(record)
         if self.board is not None:
-            self.board.levels({c.level: c.snapshot().wire_bytes for c in self.levels}, step)
+            self.board.write(records, {c.level: c.snapshot().wire_bytes for c in self.levels})
 
     def flag(self, record: dict) -> None:
         """Every analysis' flags of this step, together in the record's `flags`."""
