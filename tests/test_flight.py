@@ -10,7 +10,8 @@ launcher makes of the rings after a run failed (metrics/postmortem.py).
 - a worker stopped for a few seconds (less than --timeout) is flagged while the run goes on, on
   the progress lines and in steps.jsonl's flags of the step it held up; the launcher's live
   diagnosis judges a collective every rank is in against its usual duration, and a rank in a
-  checkpoint as busy, not stalled.
+  checkpoint as busy, not stalled;
+- the benchmark's switch records on alternate pairs of steps of one run and times the recorder.
 """
 from __future__ import annotations
 
@@ -225,3 +226,16 @@ def test_the_live_diagnosis_judges_every_rank_waiting_by_the_usual_duration_and_
         recs[1].open(CODE["barrier"], 0.6, seq=6, meta=True)
         stall = watch.poll(now=0.6 + 5.0)
         assert (stall is None) if busy else stall.flag() == "stalled barrier #6 rank 0 5.0 s"
+
+
+def test_the_benchmark_switch_records_on_alternate_pairs_of_steps_and_times_the_recorder(tmp_path, data_file,
+                                                                                        monkeypatch):
+    monkeypatch.setenv("LOWCOMM_FLIGHT", "alternate")
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "9", "--data", str(data_file), "--out", str(out)]) == 0
+    for rank in (0, 1):
+        cost = json.loads((out / f"flight-cost-rank-{rank}.json").read_text())
+        assert cost["steps_held"] == [0, 1, 4, 5, 8, 9]  # 0: set-up's collectives, before the first step
+        assert cost["steps_recorded"] == 5
+        assert cost["calls"] > 5 * 4 and 0 < cost["median_s"] <= cost["seconds"]
+        assert cost["dump_bytes"] > 100 * cost["events_held"]

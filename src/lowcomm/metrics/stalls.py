@@ -71,10 +71,9 @@ class StallWatch:
         if stall is None or stall.op.step < 1 or len(paces) < MIN_STEPS:
             return None
         threshold = max(STALL_MIN_S, STALL_STEPS * statistics.median(paces))
-        if stall.culprits:
-            if all(self.tails[r].in_span(*BUSY) for r in stall.culprits):
-                return None
-        else:
+        if stall.culprits and all(self.tails[r].in_span(*BUSY) for r in stall.culprits):
+            return None
+        if not stall.culprits:
             stall.culprits = [r for r in stall.waiting if r < len(pids) and stopped(pids[r])]
             usual = self.tails[stall.waiting[0]].usual_s(stall.op)
             if not stall.culprits:
