@@ -74,7 +74,14 @@ def within(runs, skip: int) -> None:
     q1, _, q3 = statistics.quantiles(ratios, n=4)
     print(f"1. inside one run, on/off step time: {statistics.median(ratios):.4f} (median of {len(ratios)} pairs of "
           f"adjacent steps, 90% bootstrap interval {low:.4f}-{high:.4f}; the pairs' middle half {q1:.3f}-{q3:.3f}; "
-          f"each run's median {', '.join(f'{r:.4f}' for r in per_run)})", flush=True)
+          f"each run's median {', '.join(f'{r:.4f}' for r in per_run)}); the least-disturbed steps (each arm's "
+          f"10th percentile): {_fastest(runs, skip, True) / _fastest(runs, skip, False):.4f}", flush=True)
+
+
+def _fastest(runs, skip: int, on: bool) -> float:
+    """An arm's 10th-percentile step: other jobs only ever add time, so the fast steps show the cost bare."""
+    walls = [r["wall_s"] for run in runs for r in run.steps[skip:] if recording_on(r["step"]) == on]
+    return statistics.quantiles(walls, n=10)[0]
 
 
 def _bootstrap_median(values: list[float], draws: int = 2000) -> tuple[float, float]:

@@ -91,9 +91,8 @@ class StallWatch:
             return
         key = f"{stall.op.level}:{stall.op.seq}"
         flag = stall.flag()
-        if self._current is None or self._current[0] != key:
-            if not self.quiet:
-                print(f"lowcomm: step {stall.op.step}: {stall.line()}", flush=True)
+        if (self._current is None or self._current[0] != key) and not self.quiet:
+            print(f"lowcomm: step {stall.op.step}: {stall.line()}", flush=True)
         if self._current is None or self._current != (key, flag):
             try:
                 with open(self.dir / FILE, "a") as f:  # one short line: rank 0 reads whole lines only
