@@ -183,9 +183,9 @@ def test_a_worker_stopped_for_seconds_is_flagged_stalled_while_the_run_goes_on(t
     assert list(stalls) == [8], stalls
     m = re.fullmatch(r"stalled (\w+) #(\d+) rank 1 (\d+\.\d) s", stalls[8])
     assert m, stalls[8]
-    # held 2.5 s; seen at the launcher's last poll before it resolved (every 0.2 s, later on a busy machine)
-    assert 1.5 <= float(m[3]) <= 2.6 + 1.0, stalls[8]
-    assert records[7]["wall_s"] >= 2.0  # the step it hit
+    # held 2.5 s, seen at the launcher's last poll before it resolved (every 0.2 s; later on a busy
+    # machine), inside the step it hit
+    assert 1.5 <= float(m[3]) <= records[7]["wall_s"] + 0.05, (stalls[8], records[7]["wall_s"])
 
 
 def _rings(tmp_path, world: int = 2) -> list[FlightRecorder]:
