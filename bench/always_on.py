@@ -26,6 +26,7 @@ import os
 import random
 import statistics
 import sys
+from collections import Counter
 import tempfile
 from pathlib import Path
 
@@ -133,11 +134,19 @@ def sizes(runs, costs) -> None:
                   for r in records)
     print(f"kept: a fixed ring of {ring / 1024:.0f} KiB per rank in shared memory ({CAPACITY} events); on disk "
           f"per 1,000 steps {1000 * flagged / len(records):,.0f} bytes of flags in steps.jsonl "
-          f"({sum(1 for r in records if 'flags' in r)} of {len(records)} steps flagged; steps.jsonl itself "
+          f"({sum(1 for r in records if 'flags' in r)} of {len(records)} steps flagged: {_kinds(records)}; "
+          f"steps.jsonl itself "
           f"{1000 * log / len(records) / 1e6:.2f} MB per 1,000 steps, written with or without the recorder), "
           f"nothing else unless the run fails: then flight/rank-N.json, at most "
           f"{per_event * CAPACITY / 1e6:.2f} MB per rank (a full ring at {per_event:.0f} bytes per event) whatever "
           f"the run's length")
+
+
+def _kinds(records: list[dict]) -> str:
+    """How many flags of each kind ('straggler', 'slow link', 'stalled')."""
+    kinds = Counter(" ".join(f.split()[:2]) if f.startswith("slow") else f.split()[0]
+                    for r in records for f in r.get("flags", []))
+    return ", ".join(f"{n} {kind}" for kind, n in kinds.most_common()) or "none"
 
 
 def _load() -> str:

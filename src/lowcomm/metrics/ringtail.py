@@ -96,8 +96,8 @@ class RingTail:
     def _slot(self, eid: int, any_eid: bool = False) -> Event | None:
         eid_, seq, step, nbytes, wire, t0, t1, code, level, flags = \
             SLOT.unpack_from(self._buf, HEADER.size + (eid % self.capacity) * SLOT.size)
-        if eid_ == 0 or (eid_ != eid and not any_eid):
-            return None
+        if eid_ == 0 or (eid_ != eid and not any_eid) or code >= len(NAMES) or level >= len(LEVELS):
+            return None  # empty, another event's, or caught half-written
         return Event(eid_, seq, step, nbytes, wire, t0, t1, NAMES[code], LEVELS[level], flags)
 
     # -- what the stall analysis asks ----------------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -51,9 +52,22 @@ class StallWatch:
         self.dir, self.world, self.quiet = Path(ring_dir), world, quiet
         self.tails: dict[int, RingTail] = {}
         self._current: tuple | None = None  # the stall being watched: (key, last flag written)
+        self.broken = False
 
     def poll(self, processes=(), now: float | None = None) -> Stall | None:
-        """Read the new events; flag a stall (or its end). Returns the stall flagged, if any."""
+        """Read the new events; flag a stall (or its end). Returns the stall flagged, if any.
+        Best effort: whatever goes wrong in the watch ends the watch, never the run."""
+        if self.broken:
+            return None
+        try:
+            return self._poll(processes, now)
+        except Exception as e:  # noqa: BLE001 -- a torn read, a vanished file: the run matters more
+            self.broken = True
+            print(f"lowcomm: warning: the stalled-collective watch stopped ({type(e).__name__}: {e})",
+                  file=sys.stderr, flush=True)
+            return None
+
+    def _poll(self, processes, now: float | None) -> Stall | None:
         for rank in range(self.world):
             if rank not in self.tails:
                 tail = RingTail.of_file(self.dir / ring_name(rank))
