@@ -15,7 +15,7 @@ import statistics
 from collections import deque
 from pathlib import Path
 
-from .flight import HEADER, LEVELS, MAGIC, NAMES, SLOT, Event
+from .flight import COLLECTIVES, HEADER, LEVELS, MAGIC, NAMES, OFF_MAIN, SLOT, Event
 
 STEPS_KEPT = 16     # recent step durations: the run's own pace
 DURATIONS_KEPT = 8  # recent durations of one kind of collective (level, name, bytes)
@@ -29,7 +29,7 @@ class RingTail:
         self._next = 1  # the next event number to read
         self.open: dict[int, Event] = {}        # eid -> an event not ended yet
         self.latest: dict[str, Event] = {}      # level -> the last collective issued on it
-        self.last: Event | None = None
+        self._last: tuple | None = None  # the last event, as unpacked
         self._step, self._step_t0 = 0, 0.0
         self.step_s: deque[float] = deque(maxlen=STEPS_KEPT)
         self._durations: dict[tuple, deque[float]] = {}
@@ -62,21 +62,29 @@ class RingTail:
                 del self.open[eid]
                 if now is not None:
                     self._ended(now)
+        # The hot loop of the launcher's watch: most events are spans already ended (a micro-batch,
+        # a wait), of which only the step and time matter; they stay raw tuples, not Events.
+        unpack, buf, cap, at = SLOT.unpack_from, self._buf, self.capacity, HEADER.size
         while True:
-            e = self._slot(self._next, any_eid=True)
-            if e is None or e.eid < self._next:  # not written yet
+            raw = unpack(buf, at + (self._next % cap) * SLOT.size)
+            if raw[0] < self._next or raw[7] >= len(NAMES) or raw[8] >= len(LEVELS):  # not written yet
                 return
-            self._next = e.eid + 1  # e.eid > _next: the ring wrapped between two polls; go on from here
-            self._take(e)
+            self._next = raw[0] + 1  # above the one asked: the ring wrapped between two polls; go on from here
+            self._last = raw
+            if raw[2] != self._step and not raw[9] & OFF_MAIN:
+                self._paced(raw[2], raw[5])
+            if raw[7] < len(COLLECTIVES) or raw[6] == 0.0:
+                self._take(Event(*raw[:7], NAMES[raw[7]], LEVELS[raw[8]], raw[9]))
+
+    def _paced(self, step: int, t0: float) -> None:
+        """A new step on the main thread: the last one's duration, when they follow each other."""
+        if self._step and step == self._step + 1:
+            self.step_s.append(t0 - self._step_t0)
+        self._step, self._step_t0 = step, t0
 
     def _take(self, e: Event) -> None:
-        self.last = e
         if e.collective:
             self.latest[e.level] = e
-        if e.main_thread and e.step != self._step:
-            if self._step and e.step == self._step + 1:
-                self.step_s.append(e.t0 - self._step_t0)
-            self._step, self._step_t0 = e.step, e.t0
         if e.t1 == 0.0 and e.state != "failed":
             self.open[e.eid] = e
         else:
@@ -104,7 +112,9 @@ class RingTail:
     def view(self) -> list[Event]:
         """The events a diagnosis needs (postmortem.diagnose): the open ones, the last collective
         of each level and the last event, oldest first."""
-        kept = {e.eid: e for e in [*self.open.values(), *self.latest.values(), *([self.last] if self.last else [])]}
+        last = [] if self._last is None else [Event(*self._last[:7], NAMES[self._last[7]], LEVELS[self._last[8]],
+                                                    self._last[9])]
+        kept = {e.eid: e for e in [*self.open.values(), *self.latest.values(), *last]}
         return sorted(kept.values(), key=lambda e: e.eid)
 
     def in_span(self, *names: str) -> bool:

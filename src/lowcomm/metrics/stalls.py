@@ -52,6 +52,7 @@ class StallWatch:
         self.dir, self.world, self.quiet = Path(ring_dir), world, quiet
         self.tails: dict[int, RingTail] = {}
         self._current: tuple | None = None  # the stall being watched: (key, last flag written)
+        self._who: tuple = ([], [])  # its culprits and waiting ranks, as first named
         self.broken = False
 
     def poll(self, processes=(), now: float | None = None) -> Stall | None:
@@ -76,6 +77,8 @@ class StallWatch:
                 self.tails[rank] = tail
             self.tails[rank].poll()
         stall = self.find(time.perf_counter() if now is None else now, [p.pid for p in processes])
+        if stall is not None:
+            self._who = (stall.culprits, stall.waiting)
         self._report(stall)
         return stall
 
@@ -85,6 +88,10 @@ class StallWatch:
         if stall is None or stall.op.step < 1 or len(paces) < MIN_STEPS:
             return None
         threshold = max(STALL_MIN_S, STALL_STEPS * statistics.median(paces))
+        if not stall.culprits and self._current is not None and self._current[0] == _key(stall):
+            # the stall seen before: its late rank stays named once it is in the collective too
+            # (continued, it joins a moment before the collective completes)
+            stall.culprits, stall.waiting = self._who
         if stall.culprits and all(self.tails[r].in_span(*BUSY) for r in stall.culprits):
             return None
         if not stall.culprits:
@@ -103,8 +110,7 @@ class StallWatch:
                 print(f"lowcomm: {self._current[1]} (resolved)", flush=True)
             self._current = None
             return
-        key = f"{stall.op.level}:{stall.op.seq}"
-        flag = stall.flag()
+        key, flag = _key(stall), stall.flag()
         if (self._current is None or self._current[0] != key) and not self.quiet:
             print(f"lowcomm: step {stall.op.step}: {stall.line()}", flush=True)
         if self._current is None or self._current != (key, flag):
@@ -119,6 +125,10 @@ class StallWatch:
         for tail in self.tails.values():
             tail.close()
         self.tails.clear()
+
+
+def _key(stall: Stall) -> str:
+    return f"{stall.op.level}:{stall.op.seq}"
 
 
 def stopped(pid: int) -> bool:
