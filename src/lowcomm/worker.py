@@ -239,7 +239,7 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
             if evaluate_now:
                 with recorded(t.flight, "evaluate"), run.evaluating() as eval_model:
                     val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
-            outputs.write(records, totals, step)
+            outputs.write(records, totals)
             loss = records[-1]["loss"]
             if checkpoint_now or asked:
                 from .checkpoint import save

@@ -1,7 +1,6 @@
-"""Where each gathered step goes: rank 0's steps.jsonl, progress view and flags (stragglers, slow link,
-the launcher's stalled collectives),
-and the dashboards asked for (--tensorboard, --wandb). The training loop (worker.loop) hands
-records over; this module knows where they are written."""
+"""Where each gathered step goes: rank 0's steps.jsonl, progress view and flags (stragglers, slow
+link, the launcher's stalled collectives), and the dashboards asked for (--tensorboard, --wandb).
+The training loop (worker.loop) hands records over; this module knows where they are written."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,7 +40,7 @@ class StepOutputs:
             loss, val_loss = record["loss"], record.get("val_loss", val_loss)
         return totals, loss, val_loss
 
-    def write(self, records: list[dict], totals: Totals, step: int) -> None:
+    def write(self, records: list[dict], totals: Totals) -> None:
         """The steps' records into the totals and the logs (the flags first: they go in the record)."""
         for record in records:
             totals.add(record)
