@@ -6,19 +6,28 @@ launcher makes of the rings after a run failed (metrics/postmortem.py).
 - the diagnosis names the rank that never reached the collective the others wait in;
 - end to end: a worker SIGSTOPped past --timeout fails the run with one line naming that rank and
   the collective rank 0 waits in, and every rank's flight record is in the run directory;
-- a worker SIGKILLed in a run with --trace still leaves a trace.json of every rank's last steps.
+- a worker SIGKILLed in a run with --trace still leaves a trace.json of every rank's last steps;
+- a worker stopped for 3 s (less than --timeout) is flagged while the run goes on, on
+  the progress lines and in steps.jsonl's flags of the step it held up; the launcher's live
+  diagnosis judges a collective every rank is in against its usual duration, and a rank in a
+  checkpoint as busy, not stalled;
+- the benchmark's switch records on alternate pairs of steps of one run and times the recorder.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import threading
+import time
 
-from test_faults import TINY, data_file, error_line  # noqa: F401 (data_file: a fixture)
+from test_faults import TINY, data_file, error_line, workers_of  # noqa: F401 (data_file: a fixture)
 
 from lowcomm.cli import main
 from lowcomm.metrics.flight import CODE, FlightRecorder, read_dir, ring_name
 from lowcomm.metrics.postmortem import diagnose
+from lowcomm.metrics.stalls import STALL_MIN_S, StallWatch, stopped
 from lowcomm.metrics.trace import nesting_errors
 
 
@@ -68,6 +77,10 @@ def test_the_rank_that_never_reached_the_collective_is_named():
              3: _ring([1, 2, 3], open_seq=4)}
     stall = diagnose(rings, 4)
     assert stall.line() == "rank 1 stalled 12.0 s before all_reduce #4 (4.2 MB, cross); ranks 0,2,3 waiting for it"
+    # rank 1's ring still shows #4 open (stopped before its completion was recorded), yet rank 0
+    # went past #4: what it waits in is #5, which rank 1 never reached
+    stall = diagnose({0: _ring([1, 2, 3, 4], open_seq=5), 1: _ring([1, 2, 3], open_seq=4)}, 2)
+    assert (stall.culprits, stall.waiting, stall.op.seq) == ([1], [0], 5)
     # every rank in it: no rank to blame, the collective itself is stuck
     stall = diagnose({0: _ring([1], open_seq=2), 1: _ring([1], open_seq=2)}, 2)
     assert stall.culprits == [] and "every rank reached it" in stall.line()
@@ -136,3 +149,100 @@ def test_a_slowed_rank_is_flagged_as_a_straggler_during_the_run(tmp_path, data_f
         ratio = float(re.fullmatch(r"straggler rank 1 x(\d+\.\d)", flag)[1])
         # 4 emulated; a tiny model's few ms of compute make it noisy (both ways on a busy machine)
         assert ratio >= 2.0, flag
+
+
+def _continue_after(seconds: float, found: list[int]) -> threading.Thread:
+    """A thread that finds this process's stopped worker, leaves it stopped `seconds`, then SIGCONTs it."""
+    def run():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for pid in workers_of(os.getpid()):
+                if stopped(pid):
+                    found.append(pid)
+                    time.sleep(seconds)
+                    os.kill(pid, signal.SIGCONT)
+                    return
+            time.sleep(0.05)
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th
+
+
+def test_a_worker_stopped_for_seconds_is_flagged_stalled_while_the_run_goes_on(tmp_path, data_file, monkeypatch,
+                                                                               capfd):
+    monkeypatch.setenv("LOWCOMM_TEST_STOP_AT", "1:8")  # rank 1 SIGSTOPs itself before step 8
+    found: list[int] = []
+    th = _continue_after(3.0, found)
+    out = tmp_path / "run"
+    flags = [f for f in TINY if f != "--quiet"]  # the live lines are part of what is checked
+    assert main(["train", *flags, "--steps", "12", "--timeout", "30", "--data", str(data_file),
+                 "--out", str(out)]) == 0
+    th.join()
+    assert found, "rank 1 never stopped"
+    printed = capfd.readouterr().out
+    assert re.search(r"lowcomm: step 8: rank 1 stalled \d+\.\d s before \w+ #\d+ .*; rank 0 waiting for it", printed), \
+        printed
+    records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    stalls = {r["step"]: f for r in records for f in r.get("flags", []) if f.startswith("stalled")}
+    assert list(stalls) == [8], stalls
+    m = re.fullmatch(r"stalled (\w+) #(\d+) rank 1 (\d+\.\d) s", stalls[8])
+    assert m, stalls[8]
+    # held 3 s; flagged past the threshold, as seen at the launcher's last poll before it resolved
+    # (every 0.2 s; later on a busy machine), inside the step it hit
+    assert STALL_MIN_S <= float(m[3]) <= records[7]["wall_s"] + 0.05, (stalls[8], records[7]["wall_s"])
+
+
+def _rings(tmp_path, world: int = 2) -> list[FlightRecorder]:
+    tmp_path.mkdir(exist_ok=True)
+    recs = [FlightRecorder(r, capacity=64, path=tmp_path / ring_name(r)) for r in range(world)]
+    for step in range(1, 6):  # five steps of 0.1 s: a pace to judge by, and the usual all_reduce (0.01 s)
+        for rec in recs:
+            rec.step = step
+            t = step * 0.1
+            rec.span(CODE["micro-batch"], t, t + 0.05)
+            rec.close(rec.open(CODE["all_reduce"], t + 0.05, seq=step, nbytes=4000), t + 0.06)
+    for rec in recs:
+        rec.step = 6
+    return recs
+
+
+def test_the_live_diagnosis_judges_every_rank_waiting_by_the_usual_duration_and_spares_a_checkpoint(tmp_path):
+    recs = _rings(tmp_path)
+    watch = StallWatch(tmp_path, 2, quiet=True)
+    for rec in recs:  # both ranks in all_reduce #6 since t=0.6
+        rec.open(CODE["all_reduce"], 0.6, seq=6, nbytes=4000)
+    assert watch.poll(now=0.6 + 0.9) is None  # under STALL_MIN_S
+    stall = watch.poll(now=0.6 + 1.5)  # 150 times the usual 0.01 s: the collective itself is stuck
+    assert stall is not None and stall.flag() == "stalled all_reduce #6 every rank 1.5 s"
+    assert json.loads((tmp_path / "stalls.jsonl").read_text().splitlines()[-1])["step"] == 6
+    # a bigger all_reduce, never seen before, on every rank: nothing to judge it by but --timeout
+    recs = _rings(tmp_path / "b")
+    watch = StallWatch(tmp_path / "b", 2, quiet=True)
+    for rec in recs:
+        rec.open(CODE["all_reduce"], 0.6, seq=6, nbytes=4_000_000)
+    assert watch.poll(now=0.6 + 5.0) is None
+    # rank 1 waits at a barrier for rank 0: flagged when rank 0 is silent, spared while it writes a checkpoint
+    for where, busy in (("d", True), ("c", False)):
+        recs = _rings(tmp_path / where)
+        watch = StallWatch(tmp_path / where, 2, quiet=True)
+        if busy:
+            recs[0].open(CODE["checkpoint"], 0.6)
+        recs[1].open(CODE["barrier"], 0.6, seq=6, meta=True)
+        stall = watch.poll(now=0.6 + 5.0)
+        assert (stall is None) if busy else stall.flag() == "stalled barrier #6 rank 0 5.0 s"
+    # rank 0, continued, joins the barrier a moment before it completes: still the one named
+    recs[0].open(CODE["barrier"], 0.6 + 5.1, seq=6, meta=True)
+    assert watch.poll(now=0.6 + 5.2).flag() == "stalled barrier #6 rank 0 5.2 s"
+
+
+def test_the_benchmark_switch_records_on_alternate_pairs_of_steps_and_times_the_recorder(tmp_path, data_file,
+                                                                                        monkeypatch):
+    monkeypatch.setenv("LOWCOMM_FLIGHT", "alternate")
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "9", "--data", str(data_file), "--out", str(out)]) == 0
+    for rank in (0, 1):
+        cost = json.loads((out / f"flight-cost-rank-{rank}.json").read_text())
+        assert cost["steps_held"] == [0, 1, 4, 5, 8, 9]  # 0: set-up's collectives, before the first step
+        assert cost["steps_recorded"] == 5
+        assert cost["calls"] > 5 * 4 and 0 < cost["median_s"] <= cost["seconds"]
+        assert cost["dump_bytes"] > 100 * cost["events_held"]

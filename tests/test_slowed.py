@@ -1,5 +1,6 @@
 """What slowed a run: the slow-link flag while it runs (metrics/slowlink.py, fed records here),
-and the report's "What slowed this run" section and per-rank time plot (report/slowed.py)."""
+and the report's "What slowed this run" section and per-rank time plot (report/slowed.py),
+which also names the stalled collectives flagged during the run."""
 from __future__ import annotations
 
 import json
@@ -71,6 +72,16 @@ def test_the_section_names_a_slow_link_from_its_flagged_steps():
     assert cause == "slow link"
     assert text == ("the link was slower than its model on 3 of 4 steps (median exposed 240 ms per step vs "
                     "100 ms the link model prices the bytes at, x2.4)")
+
+
+def test_the_section_names_the_stalled_collectives_with_the_longest():
+    calm = _step([0.1, 0.1], [0.1, 0.1], step=7, flags=["stalled barrier #29 every rank 1.5 s"])
+    late = _step([0.1, 0.1], [2.6, 0.1], step=9, flags=["stalled all_reduce #33 rank 1 2.5 s (step 8)"])
+    run = _run([calm, _step([0.1, 0.1], [0.1, 0.1], step=8), late])
+    ((cause, text),) = [(c["cause"], c["text"]) for c in causes(run)]
+    assert cause == "stalled collective"
+    assert text == ("2 stalled collectives held every rank up for 4.0 s, 40 % of the wall time; the longest at "
+                    "step 8: stalled all_reduce #33 rank 1 2.5 s")
 
 
 def test_the_section_splits_exposed_time_by_level_and_says_when_nothing_stood_out():

@@ -86,6 +86,9 @@ RUN_FLAGS = {
     "--tensorboard": Flag("tensorboard", "DIR", "log each step's scalars (loss, tokens/s, bytes, exposed share, "
                                                 "per-rank compute) to DIR for TensorBoard; needs lowcomm[tensorboard]",
                           zero="off"),
+    "--wandb": Flag("wandb", "PROJECT", "log the same scalars as --tensorboard to this Weights & Biases project "
+                                        "(W&B's settings apply: wandb login, WANDB_MODE); needs lowcomm[wandb]",
+                    zero="off"),
     "--checkpoint-on-signal": Flag("checkpoint_on_signal", "", "on SIGINT/SIGTERM write a checkpoint before "
                                                                "stopping", switch=True),
 }

@@ -18,6 +18,7 @@ from . import rundir
 from .data import check_sizes, load_bytes
 from .errors import DiskFull, Interrupted, RunError, UsageError
 from .metrics.flight import ENV_DIR as FLIGHT_ENV_DIR
+from .metrics.stalls import StallWatch
 from .nodes import default_replicas, under_torchrun
 from .resources import check_fits
 from .storage import remove_partial, write_text_atomic
@@ -42,9 +43,9 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resu
         raise UsageError(f"backend '{backend}' on device '{cfg.device}' needs CUDA, and no GPU is visible")
     check_fits(cfg, "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and backend == "nccl") else "cpu")
     check_model(cfg)
-    if cfg.tensorboard:  # an optional package: missing, the run is refused before it starts
-        from .metrics.tensorboard import require
-        require(cfg.tensorboard)
+    if cfg.tensorboard or cfg.wandb:  # optional packages: missing, the run is refused before it starts
+        from .metrics.scalars import require
+        require(cfg)
     tokens, label = load_bytes(cfg.data.source, quiet=True)
     check_sizes(tokens, cfg.data.val_fraction, cfg.model.seq_len, cfg.workers, label)
     if resume:
@@ -88,9 +89,10 @@ def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> None:
         # The parent hosts the rendezvous store on a free port the OS picks: no port races.
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         rings = os.environ[FLIGHT_ENV_DIR] = ring_dir()  # the workers' flight recorders (metrics/flight.py)
+        stalls = StallWatch(rings, cfg.workers, quiet)  # stalled collectives flagged as they happen
         try:
             run_workers(spawned_entry, (cfg.workers, cfg, store.port, str(out) if out else None, quiet),
-                        cfg.workers, ask_first=cfg.checkpoint_on_signal)
+                        cfg.workers, ask_first=cfg.checkpoint_on_signal, watch=stalls.poll)
             return
         except Interrupted as e:
             explain_failure(e, rings, cfg, out)
@@ -105,6 +107,7 @@ def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> None:
             from .checkpoint import restart_from
             restart_from(cfg, out, e, attempt + 1)
         finally:
+            stalls.close()
             del store
             os.environ.pop("LOWCOMM_ATTEMPT", None)
             os.environ.pop(FLIGHT_ENV_DIR, None)

@@ -29,6 +29,7 @@ import os
 import pickle
 import select
 import signal
+import sys
 import threading
 import time
 from typing import Callable
@@ -46,16 +47,18 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote wo
 _PR_SET_PDEATHSIG = 1
 
 
-def run_workers(fn: Callable, args: tuple, nprocs: int, ask_first: bool = False) -> None:
+def run_workers(fn: Callable, args: tuple, nprocs: int, ask_first: bool = False,
+                watch: Callable | None = None) -> None:
     """Run fn(rank, *args) on `nprocs` worker processes until all of them return.
     Raises RunError when one fails and Interrupted on SIGINT/SIGTERM; either way
-    every worker is gone when this returns or raises."""
+    every worker is gone when this returns or raises. `watch(processes)` is called at
+    every turn of the watch loop (at least every POLL_S) while they run."""
     received: list[int] = []
     previous = _catch_signals(received)
     ctx = None
     try:
         ctx = start_workers(fn, args, nprocs)
-        _watch(ctx, received, ask_first)
+        _watch(ctx, received, ask_first, watch)
     finally:
         if ctx is not None:
             stop(ctx.processes)
@@ -66,10 +69,10 @@ def run_workers(fn: Callable, args: tuple, nprocs: int, ask_first: bool = False)
 
 def start_workers(fn: Callable, args: tuple, nprocs: int):
     """Start fn(rank, *args) on `nprocs` processes (forked from the server, see start_method)
-    with this process's environment and directory, dying with it; torch's process context
-    (join, error files) is returned unwatched. run_workers watches it; tests' run_dist too."""
-    return mp.start_processes(_child, args=(os.getpid(), dict(os.environ), os.getcwd(), fn, args),
-                              nprocs=nprocs, start_method=start_method(), join=False)
+    with this process's environment, directory and import path, dying with it; torch's process
+    context (join, error files) is returned unwatched. run_workers watches it; tests' run_dist too."""
+    here = (os.getpid(), dict(os.environ), os.getcwd(), list(sys.path))
+    return mp.start_processes(_child, args=(*here, fn, args), nprocs=nprocs, start_method=start_method(), join=False)
 
 
 def start_method() -> str:
@@ -85,9 +88,11 @@ def start_method() -> str:
     return "forkserver"
 
 
-def _watch(ctx, received: list[int], ask_first: bool) -> None:
+def _watch(ctx, received: list[int], ask_first: bool, watch: Callable | None = None) -> None:
     running = {p.sentinel: rank for rank, p in enumerate(ctx.processes)}
     while running:
+        if watch is not None:
+            watch(ctx.processes)
         if received:
             _interrupt(ctx, received, ask_first)
         ready = multiprocessing.connection.wait(list(running), timeout=POLL_S)
@@ -229,10 +234,11 @@ def _restore_signals(previous: dict) -> None:
         signal.signal(signum, handler)
 
 
-def _child(rank: int, launcher: int, environ: dict, cwd: str, fn: Callable, args: tuple) -> None:
-    """A worker's first lines: take the launcher's environment and directory (a forkserver
-    child starts with the server's, from when it was started), die with the launcher,
-    leave SIGINT to it, then run."""
+def _child(rank: int, launcher: int, environ: dict, cwd: str, path: list, fn: Callable, args: tuple) -> None:
+    """A worker's first lines: take the launcher's environment, directory and import path (a
+    forkserver child starts with the server's, from when it was started: a module the launcher
+    can import now, say an optional package found since, would be missing), die with the
+    launcher, leave SIGINT to it, then run."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # What the fork server imported is never garbage: keep the collector (worker.leave_group
     # runs it) from walking those objects again in every worker.
@@ -240,6 +246,7 @@ def _child(rank: int, launcher: int, environ: dict, cwd: str, fn: Callable, args
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
+    sys.path[:] = path
     die_with(launcher)
     fn(rank, *args)
 

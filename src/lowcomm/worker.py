@@ -27,6 +27,7 @@ from .checkpoint import take_request as take_checkpoint_request
 from .metrics.outputs import StepOutputs
 from .metrics.runlog import result_vector, step_record
 from .metrics.flight import FlightRecorder, recorded
+from .metrics.flight_cost import alternate
 from .metrics.trace import Tracer
 from .data.loader import ShardedBatches
 from .models import GPT, build_hf_causal_lm, lm_loss
@@ -190,7 +191,7 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
         tracer.align(comm, device)
         for c in {id(c): c for c in [comm, *run.levels]}.values():
             c.tracer = tracer
-    run = faults.inject(run, rank)  # test-only faults, when a test asked for them
+    run = alternate(faults.inject(run, rank), flight, [comm, *run.levels], cfg.out, rank)  # test faults; bench switch
     return Trainer(cfg, rank, world, device, backend, comm, model, run, loader, val, source, tracer, flight,
                    mem_before=mem_before)
 
@@ -238,7 +239,7 @@ def loop(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
             if evaluate_now:
                 with recorded(t.flight, "evaluate"), run.evaluating() as eval_model:
                     val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
-            outputs.write(records, totals, step)
+            outputs.write(records, totals)
             loss = records[-1]["loss"]
             if checkpoint_now or asked:
                 from .checkpoint import save

@@ -13,8 +13,8 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 # Config keys a resumed run may change: they do not change what a step computes
 # (`steps` extends the run and re-sizes its lr schedule; emulation changes timing only).
-SAFE_KEYS = {"steps", "stop_at", "checkpoint_every", "keep", "max_restarts", "lighthouse", "max_bad_steps",
-             "out", "workers", "eval_every", "eval_batches", "log_every", "threads", "trace", "tensorboard",
+SAFE_KEYS = {"steps", "stop_at", "checkpoint_every", "keep", "max_restarts", "lighthouse", "member_timeout", "max_bad_steps",
+             "out", "workers", "eval_every", "eval_batches", "log_every", "threads", "trace", "tensorboard", "wandb",
              "link", "slowdown", "stragglers"}
 
 

@@ -107,6 +107,7 @@ class RunConfig:
     stragglers: tuple | None = field(default=None, metadata=_typed(parse_stragglers, format_numbers))
     trace: bool = False   # write a Chrome/Perfetto trace.json of every rank
     tensorboard: str = ""  # rank 0 logs each step's scalars to this directory ("" = off; metrics/tensorboard.py)
+    wandb: str = ""  # rank 0 logs the same scalars to this W&B project ("" = off; metrics/wandb_log.py)
     timeout: float = 600.0  # seconds a collective may wait for a peer before the run fails
     checkpoint_on_signal: bool = False  # SIGINT/SIGTERM: write a checkpoint, then stop
     # Checkpoints and resume (checkpoint.py): every N steps and at the end (0: off), the last

@@ -32,7 +32,8 @@ from typing import NamedTuple
 
 CAPACITY = 4096  # events per rank: at ~10 events a step (ddp, tiny model), the last ~400 steps
 ENV_DIR = "LOWCOMM_FLIGHT_DIR"  # set by the launcher: map the ring from a file in this directory
-ENV_OFF = "LOWCOMM_FLIGHT"  # "off": no recorder, for bench/always_on.py's comparison only (not a user setting)
+ENV_OFF = "LOWCOMM_FLIGHT"  # "off": no recorder; "alternate": on every other pair of steps (metrics/flight_cost.py);
+#                            bench/always_on.py's switch only, not a user setting
 
 MAGIC = b"LCFLIGHT"
 HEADER = struct.Struct("<8sqqq32x")  # magic, capacity, rank, pid; 64 bytes
@@ -101,6 +102,7 @@ class FlightRecorder:
         self._main = threading.main_thread().ident
         self._local = threading.local()
         self.step = 0  # the trainer step in progress (the run driver sets it)
+        self.paused = False  # the optimizer hooks record nothing (metrics/flight_cost.py's off steps)
 
     @classmethod
     def for_rank(cls, rank: int) -> "FlightRecorder | None":
@@ -108,6 +110,9 @@ class FlightRecorder:
         (None when the benchmark switched recording off)."""
         if os.environ.get(ENV_OFF) == "off":
             return None
+        if os.environ.get(ENV_OFF) == "alternate":  # the benchmark's measurement inside one run
+            from .flight_cost import TimedRecorder
+            cls = TimedRecorder
         where = os.environ.get(ENV_DIR)
         return cls(rank, path=Path(where) / ring_name(rank) if where and os.path.isdir(where) else None)
 
@@ -142,7 +147,7 @@ class FlightRecorder:
         import time
 
         def pre(*_):
-            self._local.opt_eid = self.open(CODE["optimizer"], time.perf_counter())
+            self._local.opt_eid = None if self.paused else self.open(CODE["optimizer"], time.perf_counter())
 
         def post(*_):
             eid = getattr(self._local, "opt_eid", None)

@@ -1,13 +1,15 @@
-"""Where each gathered step goes: rank 0's steps.jsonl, progress view and flags (stragglers, slow link),
-and TensorBoard when asked for (--tensorboard). The training loop (worker.loop) hands
-records over; this module knows where they are written."""
+"""Where each gathered step goes: rank 0's steps.jsonl, progress view and flags (stragglers, slow
+link, the launcher's stalled collectives), and the dashboards asked for (--tensorboard, --wandb).
+The training loop (worker.loop) hands records over; this module knows where they are written."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from .progress import ProgressView
 from .runlog import StepLog
+from .scalars import ScalarLogs
 from .slowlink import SlowLinkFlags
+from .stalls import StallFlags
 from .stragglers import StragglerFlags
 from .summary import Totals
 
@@ -25,10 +27,8 @@ class StepOutputs:
                                  levels=leveled)
         self.stragglers = StragglerFlags() if self.lead else None
         self.slow_link = SlowLinkFlags() if self.lead else None
-        self.board = None
-        if t.rank == 0 and cfg.tensorboard:
-            from .tensorboard import TensorBoardLog  # the optional extra, checked before the run
-            self.board = TensorBoardLog(cfg.tensorboard)
+        self.stalls = StallFlags.for_run() if self.lead else None  # None without lowcomm's launcher
+        self.board = ScalarLogs.for_run(cfg) if t.rank == 0 else None  # optional extras, checked before the run
 
     def kept_totals(self, world: int) -> tuple[Totals, float, float]:
         """The totals, last loss and last validation loss of the steps before a resumed checkpoint."""
@@ -40,21 +40,21 @@ class StepOutputs:
             loss, val_loss = record["loss"], record.get("val_loss", val_loss)
         return totals, loss, val_loss
 
-    def write(self, records: list[dict], totals: Totals, step: int) -> None:
+    def write(self, records: list[dict], totals: Totals) -> None:
         """The steps' records into the totals and the logs (the flags first: they go in the record)."""
         for record in records:
             totals.add(record)
             if self.lead:
                 self.flag(record)
                 self.log.write(record)
-            if self.board is not None:
-                self.board.write(record)
         if self.board is not None:
-            self.board.levels({c.level: c.snapshot().wire_bytes for c in self.levels}, step)
+            self.board.write(records, {c.level: c.snapshot().wire_bytes for c in self.levels})
 
     def flag(self, record: dict) -> None:
         """Every analysis' flags of this step, together in the record's `flags`."""
         found = self.stragglers.flags(record) + self.slow_link.flags(record)
+        if self.stalls is not None:
+            found += self.stalls.flags(record)
         if found:
             record["flags"] = found
 

@@ -44,6 +44,11 @@ class Stall:
         return f"{_ranks(self.culprits)} stalled {self.silent_s:.1f} s before {what}; " \
                f"{_ranks(self.waiting)} waiting for it"
 
+    def flag(self) -> str:
+        """The short form a step record's `flags` carry (metrics/stalls.py): who held it up, how long."""
+        who = _ranks(self.culprits) if self.culprits else "every rank"
+        return f"stalled {self.op.name} #{self.op.seq} {who} {self.waited_s:.1f} s"
+
 
 def failed_at(rings: dict[int, list[Event]]) -> float:
     """When the run failed, as the rings saw it: the latest time any rank recorded (a timed-out
@@ -61,11 +66,17 @@ def diagnose(rings: dict[int, list[Event]], world: int, at: float | None = None)
         pending = {r: min((e for e in evs if e.state != "done"), key=lambda e: e.seq, default=None)
                    for r, evs in ops.items()}
         pending = {r: e for r, e in pending.items() if e is not None}
-        if not pending:
+        top = {r: max((e.seq for e in evs), default=0) for r, evs in ops.items()}
+        # A collective some rank went past was not what stopped it (that rank's peers took part):
+        # one still open on another rank's ring is one it left unrecorded (stopped before its
+        # completion callback ran), or the last leg of its own transfer.
+        unpassed = [e.seq for e in pending.values()
+                    if not any(top[q] > e.seq and (q not in pending or pending[q].seq > e.seq) for q in ops)]
+        if not unpassed:
             continue
-        seq = min(e.seq for e in pending.values())  # the first collective some rank has not completed
+        seq = min(unpassed)  # the first collective some rank has not completed and none went past
         waiting = sorted(r for r, e in pending.items() if e.seq == seq)
-        culprits = [r for r in range(world) if max((e.seq for e in ops[r]), default=0) < seq]
+        culprits = [r for r in range(world) if top[r] < seq]
         op = pending[waiting[0]]
         since = min(pending[r].t0 for r in waiting)
         last_seen = [max((max(e.t0, e.t1) for e in rings[r]), default=since) for r in culprits if rings.get(r)]

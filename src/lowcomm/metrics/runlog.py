@@ -15,7 +15,8 @@ every rank's StepResult gathered each step). Field meanings:
                   step's collectives at (no queueing or jitter), max over ranks
   flags           present on steps where the run's analysis found something, e.g.
                   "straggler rank 1 x3.0" (metrics/stragglers.py), "slow link x2.4 (exposed
-                  240 ms, link model 100 ms)" (metrics/slowlink.py)
+                  240 ms, link model 100 ms)" (metrics/slowlink.py), "stalled all_reduce #412
+                  rank 1 3.2 s" (the launcher's, metrics/stalls.py)
 With replica groups (--replicas R < W) each level's share of the above, L = cross or intra:
   wire_bytes_L         summed over ranks (wire_bytes_cross + wire_bytes_intra = wire_bytes)
   exposed_comm_s_L     max over ranks

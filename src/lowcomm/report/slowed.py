@@ -3,13 +3,16 @@ what the run already wrote (summary.json, and steps.jsonl's per-rank times and f
 
 The causes are tried in an order, and the first found is the main one: a straggler first,
 since the fast ranks wait for it inside the collectives, so it also shows as exposed
-communication (naming that instead would send the user to the network); then a slow link
+communication (naming that instead would send the user to the network); then stalled
+collectives (a peer that had not reached a collective for seconds, flagged while the run went,
+metrics/stalls.py: rare and specific, always named); then a slow link
 (waits above what the emulated link model prices the bytes at, metrics/slowlink.py); then
 communication exposed for much of the wall time; then time outside compute and communication.
 The others found are named after it; a run where none is found says that nothing stood out.
 """
 from __future__ import annotations
 
+import re
 import statistics
 
 from ..metrics.levels import LEVEL_WORDS, has_levels, level_figures
@@ -36,7 +39,7 @@ def causes(run: RecordedRun) -> list[dict]:
     """What slowed `run`, main cause first: {"cause", "text"} each ([] when nothing stood out)."""
     straggler = _straggler(run)
     # With a straggler, the others' exposed time is mostly their wait for it: not named twice.
-    found = [straggler, _slow_link(run), None if straggler else _exposed(run), _other(run)]
+    found = [straggler, _stalls(run), _slow_link(run), None if straggler else _exposed(run), _other(run)]
     return [c for c in found if c is not None]
 
 
@@ -89,6 +92,21 @@ def _straggler(run: RecordedRun) -> dict | None:
         text += (f"; the others waited for it, {100 * (others_wait - times[rank][1]) / wall:.0f} % of the wall "
                  f"time more in communication than it")
     return {"cause": "straggler", "rank": rank, "ratio": medians[rank] / others, "text": text}
+
+
+def _stalls(run: RecordedRun) -> dict | None:
+    """The stalled-collective flags of the run: how many, how long in all, the longest."""
+    stalls = [(float(m[2]), m[1], int(m[3] or r["step"])) for r in run.steps for f in r.get("flags", [])
+              for m in [re.fullmatch(r"(stalled .* (\d+(?:\.\d+)?) s)(?: \(step (\d+)\))?", f)] if m]
+    if not stalls:
+        return None
+    _, flag, step = max(stalls)
+    total = sum(s for s, _, _ in stalls)
+    wall = run.summary["wall_s"]
+    share = f", {100 * total / wall:.0f} % of the wall time" if wall > 0 else ""
+    return {"cause": "stalled collective", "text": (
+        f"{len(stalls)} stalled collective{'s' if len(stalls) > 1 else ''} held every rank up for "
+        f"{total:.1f} s{share}; the longest at step {step}: {flag}")}
 
 
 def _slow_link(run: RecordedRun) -> dict | None:
