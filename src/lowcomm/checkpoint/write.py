@@ -21,6 +21,7 @@ import torch
 from .. import config as C
 from ..errors import RunError
 from ..storage import disk_full, write_text_atomic
+from ..strategies.context import tensor_bytes
 from .layout import FORMAT, MANIFEST, checksums, config_hash, name_of, prune
 from .state import to_dcp
 
@@ -59,7 +60,7 @@ def save(trainer, out_dir: Path, keep: int, wall_s: float = 0.0) -> Path | None:
         return _save(trainer, state, out_dir, tmp, keep, replicated)
     except BaseException as e:
         # Checked before the partial checkpoint is removed: its bytes are part of what filled the disk.
-        full = disk_full(e, tmp, need=_nbytes(state))
+        full = disk_full(e, tmp, need=tensor_bytes(state))
         # DCP raises on every rank once every rank's write is over (it gathers the errors), so
         # rank 0 may remove the partial checkpoint: left there, it would keep a full disk full.
         if rank == 0:
@@ -67,17 +68,6 @@ def save(trainer, out_dir: Path, keep: int, wall_s: float = 0.0) -> Path | None:
         if full is not None:
             raise full from e
         raise
-
-
-def _nbytes(obj) -> int:
-    """Bytes of the tensors in a nested state (what this rank's checkpoint file needs)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return len(obj) if isinstance(obj, bytes) else 0
 
 
 def _save(trainer, state: dict, out_dir: Path, tmp: Path, keep: int, replicated: bool) -> Path | None:

@@ -44,9 +44,13 @@ class ModelLayout:
             return [[j for j, b in enumerate(self.blocks) if max(b, 0) % F == f] for f in range(F)]
         return contiguous_groups(self.numels, F)
 
-    def fragment_numels(self, F: int) -> list[int]:
+    def fragment_sizes(self, F: int) -> list[list[int]]:
+        """Each fragment's tensor sizes (an outer gradient is compressed tensor by tensor)."""
         numels = self.numels
-        return [sum(numels[j] for j in group) for group in self.fragments(F)]
+        return [[numels[j] for j in group] for group in self.fragments(F)]
+
+    def fragment_numels(self, F: int) -> list[int]:
+        return [sum(sizes) for sizes in self.fragment_sizes(F)]
 
     @functools.lru_cache(maxsize=64)  # the planner asks the same split for every strategy and replica count
     def positions(self, K: int) -> list[list[int]]:

@@ -154,11 +154,12 @@ def batch_tokens(batch: Any) -> int:
 
 
 def tensor_bytes(obj: Any) -> int:
-    """Bytes of every tensor in a nested state (dicts, lists, tuples)."""
+    """Bytes of every tensor (and bytes object) in a nested state (dicts, lists, tuples): what the
+    state takes in memory, or in a checkpoint file."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
         return sum(tensor_bytes(v) for v in obj)
-    return 0
+    return len(obj) if isinstance(obj, bytes) else 0

@@ -84,8 +84,7 @@ class DiLoCo(Strategy):
 
     @classmethod
     def comm_plan(cls, layout, world, options):
-        numels = layout.numels
-        sizes = [[numels[j] for j in group] for group in layout.fragments(options.streaming()[0])]
+        sizes = layout.fragment_sizes(options.streaming()[0])
         return outer_sync.comm_plan(sizes, world, options.sync_every, options.wire(), options.sync_by == "time")
 
     @classmethod

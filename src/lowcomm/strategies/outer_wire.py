@@ -128,7 +128,9 @@ class OuterWire:
         (its weight with --outer-weights tokens)."""
         W, info = comm.world, step_info(tokens, 0.0) if self.by_tokens else step_info(tau, c)
         if self.compressor is not None:
-            comp = self.per_fragment.setdefault(key, self.fmt.compressor(sizes))
+            comp = self.per_fragment.get(key)
+            if comp is None:  # built once per fragment, not at every sync
+                comp = self.per_fragment[key] = self.fmt.compressor(sizes)
             t0 = time.perf_counter()
             payload, _ = self.ef.compress(key, delta.reshape(-1), comp)
             packed = comp.to_bytes(payload)  # e.g. codes and scales, bit-packed
