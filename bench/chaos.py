@@ -10,7 +10,9 @@ For each strategy, all runs `lowcomm train --elastic --workers W --min-workers 2
    about --minutes;
 2. the fault-free run (validation every ~S/10 steps);
 3. the same run with faults: every --fault-every s (+-30 %), one drawn at random of
-     kill        SIGKILL a random worker (the launcher restarts it as a joiner);
+     kill        SIGKILL a random worker (the launcher restarts it as a joiner); while a joined
+                 worker has made the run one larger than W, the joined one instead (not
+                 restarted: the run keeps W or W+1 workers, not one more for good at every join);
      stop        SIGSTOP a random worker for --stop-s s, then SIGCONT (the others drop it after
                  --member-timeout; continued, it rejoins);
      lighthouse  SIGKILL the lighthouse (the launcher restarts it);
@@ -127,10 +129,16 @@ class Chaos:
     def fault(self, kind: str) -> None:
         workers, beacon = workers_and_lighthouse(self.proc.pid)
         running = [w for w in workers if w not in self.stopped]
+        joined = [j for j in self.joiners if j.poll() is None]
         if kind in ("kill", "stop") and len(running) <= 2:  # keep --min-workers 2 training
             return
+        if kind == "join" and joined:  # one joined worker at a time: the run stays at W or W+1
+            kind = "kill"
         t = time.time()
-        if kind == "kill":
+        if kind == "kill" and joined:
+            joined[0].kill()
+            kind = "kill-joined"
+        elif kind == "kill":
             os.kill(self.rng.choice(running), signal.SIGKILL)
         elif kind == "stop":
             pid = self.rng.choice(running)
@@ -269,7 +277,13 @@ def main() -> int:
         skipped = "join: skipped (this lowcomm has no `lowcomm join`)"
     print(f"W={args.workers}, ~{args.minutes:g} min fault-free, a fault every ~{args.fault_every:g} s of "
           f"{', '.join(kinds)}; runs in {root}; load {os.getloadavg()[0]:.1f}", flush=True)
-    rows = [bench(s, args, root, kinds) for s in args.strategies.split(",")]
+    rows = []
+    for strategy in args.strategies.split(","):
+        rows.append(bench(strategy, args, root, kinds))
+        # each strategy's figures on disk as soon as they exist (a later strategy may fail)
+        (root / "chaos.json").write_text(json.dumps([{k: v for k, v in r.items() if k not in ("clean", "chaos")}
+                                                     | {"goodput": [r["clean"]["goodput"], r["chaos"]["goodput"]],
+                                                        "val_loss": r["chaos"]["val_loss"]} for r in rows], indent=1))
     report(rows, skipped)
     print(f"load {os.getloadavg()[0]:.1f} at the end")
     return 0

@@ -38,6 +38,7 @@ from ..optim import adamw_factory, lr_schedule
 from ..run import link_seed, make_run
 from ..worker import LoopResult, Trainer, build_model, evaluate, pick_device
 from . import checkpoints, reshard, support, transfer
+from .rounds import RoundState
 from .join import hold_for_joiner_if_asked
 from .support import commit_every
 from .membership import Membership, View, leave
@@ -76,6 +77,8 @@ class ElasticWorker:
         self.t_start = time.perf_counter()  # less the earlier parts' wall time in a resumed run
         self.log: StepLog | None = None  # rank 0's steps.jsonl
         self.contributors: dict[int, int] = {}  # rank 0: outer sync step -> workers that contributed (diloco)
+        self.pending: list[torch.Tensor] = []  # this member's records of the steps since the last commit
+        self.round = RoundState() if commit_every(cfg) > 1 else None  # diloco: a failed sync redoes one step
 
     # -- membership ---------------------------------------------------------------------
     def form(self, joining: bool) -> View:
@@ -93,7 +96,8 @@ class ElasticWorker:
         healed = transfer.heal(view, lambda: self.snapshot, self._resume)
         resumed = self._hash(self.snapshot)  # the committed state this member resumed from
         self.snapshot = self._take_snapshot()
-        self._record(view, healed, resumed)
+        in_round = self.round.rejoin(self) if self.round is not None else None
+        self._record(view, healed, resumed, in_round)
         return view
 
     def _build(self, view: View) -> None:
@@ -139,11 +143,12 @@ class ElasticWorker:
     def _hash(self, snapshot: dict) -> str:
         return transfer.state_hash(support.replicated(self.cfg.strategy, snapshot["strategy"]))
 
-    def _record(self, view: View, healed: list[int], resumed: str) -> None:
-        """membership.jsonl (rank 0): the quorum, from which step, who received the state, and
-        each member's hash of the state all must hold alike (equal after a join), taken after the
-        state was loaded into this membership, with the hash of the committed state each resumed
-        from (equal to it: nothing lost in a transfer or a re-shard)."""
+    def _record(self, view: View, healed: list[int], resumed: str, in_round: int | None) -> None:
+        """membership.jsonl (rank 0): the quorum, from which committed step (and, for diloco, the
+        round step it went back to: rounds.py), who received the state, and each member's hash of
+        the committed state all must hold alike (equal after a join), taken after the state was
+        loaded into this membership, with the hash of the committed state each resumed from
+        (equal to it: nothing lost in a transfer or a re-shard)."""
         every = [None] * view.world
         dist.all_gather_object(every, (self._hash(self.snapshot), resumed))
         if self.log is not None:
@@ -151,11 +156,11 @@ class ElasticWorker:
             self.log = None
         if view.rank == 0 and self.out_dir is not None:
             with open(self.out_dir / "membership.jsonl", "a") as f:
-                f.write(json.dumps({"step": self.step, "quorum": view.quorum, "slots": list(view.slots),
+                f.write(json.dumps({"step": self.snapshot["step"], "round": in_round, "quorum": view.quorum, "slots": list(view.slots),
                                     "committed": list(view.steps), "healed": [view.slots[r] for r in healed],
                                     "state_sha256": [h for h, _ in every], "resumed_sha256": [r for _, r in every],
                                     "time": time.time()}) + "\n")
-            self.log = StepLog(self.out_dir, resume_after=self.step)  # a new lead continues the log
+            self.log = StepLog(self.out_dir, resume_after=self.snapshot["step"])  # a new lead continues the log
             self.totals = Totals(self.cfg.workers)
             for record in self.log.kept:
                 self._add(record)
@@ -165,15 +170,18 @@ class ElasticWorker:
     def train_until_commit_or_change(self) -> bool:
         """Train to the end or to a commit point where a joiner waits. True at the end."""
         cfg, t = self.cfg, self.t
-        pending = []
         while self.step < checkpoints.end_step(cfg):
             self.m.progress()
-            pending.append(result_vector(t.run.step(t.next_batch, lm_loss)))
+            if self.round is not None and is_commit(cfg, self.step + 1):
+                self.round.keep(self)
+            self.pending.append(result_vector(t.run.step(t.next_batch, lm_loss)))
             self.step = t.step = self.step + 1
             if not is_commit(cfg, self.step):
                 continue
-            joins = max(self._commit(pending), hold_for_joiner_if_asked(self.step, self.m))
-            pending = []
+            joins = max(self._commit(self.pending), hold_for_joiner_if_asked(self.step, self.m))
+            self.pending = []
+            if self.round is not None:
+                self.round.forget()
             if joins > self.joins_seen:
                 return False
         return True
@@ -232,6 +240,7 @@ class ElasticWorker:
         # fails at once instead of after --timeout, and joins the quorum too.
         leave()
         self.step = self.snapshot["step"] if self.snapshot is not None else 0
+        self.pending = []  # diloco's round state (rounds.py) may bring back those of the round
 
     def stop(self) -> None:
         """--stop-at: the checkpoint is written; this part of the run ends without summary.json."""

@@ -50,13 +50,24 @@ def _level_values(stats: CommStats | None) -> tuple[float, float]:
     return (0.0, 0.0) if stats is None else (stats.wire_bytes, stats.exposed_s)
 
 
+def absent_vector() -> torch.Tensor:
+    """A rank's row for a step it did not train (an elastic joiner that came in mid-round): no
+    tokens, bytes or time, and no loss or lr (NaN: left out of the step's loss and lr)."""
+    row = torch.zeros(len(FIELDS) + len(LEVEL_FIELDS), dtype=torch.float64)
+    row[FIELDS.index("loss")] = row[FIELDS.index("lr")] = float("nan")
+    return row
+
+
 def step_record(step: int, per_rank: torch.Tensor, levels: bool = False) -> dict:
     """Merge every rank's StepResult (rows of `per_rank`, columns FIELDS then LEVEL_FIELDS);
     `levels`: the run has replica groups, so the record splits its traffic by level."""
     col = {f: per_rank[:, i] for i, f in enumerate(FIELDS + LEVEL_FIELDS)}
+    present = ~col["lr"].isnan()  # rows of ranks that trained this step (an lr is never NaN otherwise)
+    if not present.any():
+        present = torch.ones_like(present)
     record = {
         "step": step,
-        "loss": float(col["loss"].mean()),
+        "loss": float(col["loss"][present].mean()),  # a rank's non-finite loss shows, an absent rank's not
         "tokens": int(col["tokens"].sum()),
         "micro_batches": int(col["micro_batches"].sum()),
         "wire_bytes": int(col["wire_bytes"].sum()),
@@ -65,7 +76,7 @@ def step_record(step: int, per_rank: torch.Tensor, levels: bool = False) -> dict
         "comm_s": float(col["comm_s"].max()),
         "exposed_comm_s": float(col["exposed_comm_s"].max()),
         "wall_s": float(col["wall_s"].max()),
-        "lr": float(col["lr"][0]),
+        "lr": float(col["lr"][present][0]),
         "per_rank": {
             "compute_s": [round(float(v), 6) for v in col["compute_s"]],
             "exposed_comm_s": [round(float(v), 6) for v in col["exposed_comm_s"]],
