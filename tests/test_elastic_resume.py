@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
 
@@ -34,10 +35,33 @@ def stopped_after_4(run: Path, copy: Path) -> Path:
     return copy
 
 
-def test_an_elastic_run_resumes_bit_for_bit_and_with_the_workers_it_finds(tmp_path, capfd, monkeypatch):
+def whole_state_hash(checkpoint: Path, strategy: str) -> str:
+    """The hash of the state every member must hold, read from a checkpoint's files here: zero1's
+    moments and master copy joined from the ranks' shards in rank order (cut to the model's size)."""
+    from lowcomm.checkpoint import read, read_state
+    from lowcomm.elastic.support import replicated
+    from lowcomm.elastic.transfer import state_hash
+
+    found = read(checkpoint)
+    states = [read_state(found, r)["strategy"] for r in range(found.world)]
+    state = states[0]
+    if strategy == "zero1":
+        numel = sum(v.numel() for k, v in state["model"].items())
+        (osd,) = state["optimizers"]
+        for k, v in osd["state"][0].items():
+            if getattr(v, "dim", lambda: 0)() == 1:
+                v.data = torch.cat([st["optimizers"][0]["state"][0][k] for st in states])[:numel]
+        if state["extra"]["master"] is not None:
+            state["extra"]["master"] = torch.cat([st["extra"]["master"] for st in states])[:numel]
+        state["extra"].pop("grads", None)
+    return state_hash(replicated(strategy, state))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_an_elastic_run_resumes_bit_for_bit_and_with_the_workers_it_finds(strategy, tmp_path, capfd, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     whole = tmp_path / "whole"
-    lowcomm(capfd, "train", *TINY, "--workers", "2", "--strategy", "ddp", "--steps", str(STEPS), "--checkpoint-every", "4",
+    lowcomm(capfd, "train", *TINY, "--workers", "2", "--strategy", strategy, "--steps", str(STEPS), "--checkpoint-every", "4",
             "--keep", "3", "--out", str(whole))
     assert sorted(p.name for p in whole.glob("ckpt-*")) == ["ckpt-000004", "ckpt-000008", "ckpt-000012"]
     assert json.loads((whole / "ckpt-000008" / "manifest.json").read_text())["world"] == 2
@@ -58,6 +82,8 @@ def test_an_elastic_run_resumes_bit_for_bit_and_with_the_workers_it_finds(tmp_pa
     assert "written by 2 workers, resuming on 3" in err
     join = jsonl(more / "membership.jsonl")[-1]
     assert join["step"] == 4 and join["slots"] == [0, 1, 2] and len(set(join["state_sha256"])) == 1
+    # every member resumed from the state the two workers saved (zero1's: two shards, cut in three)
+    assert set(join["resumed_sha256"]) == {whole_state_hash(whole / "ckpt-000004", strategy)}, join
     assert [r["members"] for r in jsonl(more / "steps.jsonl")] == [[0, 1]] * 4 + [[0, 1, 2]] * 4  # to 8 only
     assert json.loads((more / "ckpt-000008" / "manifest.json").read_text())["world"] == 3
     assert not (more / "summary.json").exists()  # a part of the run: the part that reaches --steps writes it

@@ -10,8 +10,9 @@ A resumed run loads the checkpoint at its first quorum. Each member takes the st
 rank in it: with as many workers as wrote it, its data position and RNG too, so the run goes on
 as if it had never stopped (bit for bit, a test checks it). With another number of workers it
 continues with the membership it finds: a member whose rank the checkpoint does not have takes
-rank 0's (as a joiner takes a peer's state), and the data position follows from the step and the
-new membership (loop.loader_for), as after any change of membership.
+rank 0's (as a joiner takes a peer's state; zero1's sharded optimizer state is first put together
+from every rank's shard and cut anew, reshard.from_shards), and the data position follows from the
+step and the new membership (loop.loader_for), as after any change of membership.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from ..checkpoint import read, read_state, save
 from ..errors import UsageError
-from .reshard import GATHERED
+from . import reshard
 
 
 def end_step(cfg) -> int:
@@ -50,13 +51,14 @@ def load(worker, view) -> float:
     Returns the wall seconds of the run's earlier parts."""
     t, found = worker.t, read(Path(worker.cfg.resume_from))
     same = found.world == view.world
-    if not same and worker.cfg.strategy in GATHERED:  # its checkpoint holds each rank's shard only
-        raise UsageError(f"an elastic {worker.cfg.strategy} checkpoint of {found.world} workers resumes with "
-                         f"{found.world} workers, not {view.world} (its optimizer state is sharded)")
     rank = view.rank if view.rank < found.world else 0
     state = read_state(found, None if found.replicated and not same else rank)
     if same:  # step, strategy, data position and RNG: as if never stopped
         t.load_state_dict(state)
+    elif worker.cfg.strategy in reshard.GATHERED:  # each rank's shard: the whole state, cut for this membership
+        shards = [state["strategy"] if r == rank else read_state(found, r)["strategy"] for r in range(found.world)]
+        reshard.load(worker.cfg.strategy, t.run, reshard.from_shards(shards, t.run.strategy.flat.numel))
+        t.step = found.step
     else:
         t.run.load_state_dict(state["strategy"])
         t.step = found.step

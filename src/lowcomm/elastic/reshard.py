@@ -5,7 +5,9 @@ keeps a copy of it. zero1's optimizer state (AdamW's moments) and its master cop
 (world, rank): rank r of W holds elements [r*s, (r+1)*s) of the flat parameter buffer, s =
 ceil(P/W). So at each of its commit points (every step) the members all-gather the shards into
 the whole state, which any member can load into any new membership by cutting out its own shard
-(padding, always zero, rebuilt as zeros). A joiner receives the whole state like any other.
+(padding, always zero, rebuilt as zeros). A joiner receives the whole state like any other, and
+a checkpoint's W shards are put together the same way for a resume with another number of
+workers (from_shards).
 
 The cost, stated: the gather moves (W-1)/W of the optimizer state a step -- for AdamW in fp32,
 8 bytes a parameter, as much as zero1's own reduce-scatter and all-gather at fp32, so twice the
@@ -45,18 +47,33 @@ def _whole(local: dict, s) -> dict:
     """A zero1 member's state_dict() with the shards of every member put together."""
     if len(s.shard_opt.pieces) != 1:
         raise RunError("--elastic runs zero1 with one optimizer parameter group")
-    flat = s.flat
 
-    def gather(shard: torch.Tensor) -> torch.Tensor:
+    def gather(entry) -> torch.Tensor:
+        shard = entry(local)
         whole = shard.new_empty(shard.numel() * s.comm.world)
         s.comm.all_gather(whole, shard.contiguous())
-        return whole[:flat.numel].clone()
+        return whole
 
+    return _assembled(local, s.flat.numel, s.flat.shard_size, gather)
+
+
+def from_shards(states: list[dict], numel: int) -> dict:
+    """The whole state from the state_dict()s of every rank of a membership (a checkpoint's,
+    in rank order) over a flat buffer of `numel` elements: what `snapshot` made at that commit."""
+    return _assembled(states[0], numel, -(-numel // len(states)),
+                      lambda entry: torch.cat([entry(state) for state in states]))
+
+
+def _assembled(local: dict, numel: int, shard_size: int, joined) -> dict:
+    """`local` with each sharded entry (optimizer moments, master copy) whole: `joined(entry)`
+    puts together `entry(state)` of every rank in rank order (padded: cut to `numel`)."""
     (osd,) = local["optimizers"]
-    moments = {k: gather(v) if _sharded(v, flat.shard_size) else v.clone() if torch.is_tensor(v) else v
+    moments = {k: joined(lambda st, k=k: st["optimizers"][0]["state"][0][k])[:numel].clone()
+               if _sharded(v, shard_size) else v.clone() if torch.is_tensor(v) else v
                for k, v in osd["state"].get(0, {}).items()}
     master = local["extra"]["master"]
-    return _with(local, osd, moments, {"master": None if master is None else gather(master)})
+    return _with(local, osd, moments, {"master": None if master is None else
+                                       joined(lambda st: st["extra"]["master"])[:numel].clone()})
 
 
 def _own(whole: dict, s) -> dict:
