@@ -58,7 +58,8 @@ def check(cfg) -> None:
 
 
 def min_replicas(cfg) -> int:
-    """--min-workers under torchrun: the replicas an outer step needs (diloco); 1 when not given."""
+    """--min-workers under torchrun: the replicas the run's first quorum waits for, and an outer
+    step needs (diloco); 1 when not given."""
     return cfg.min_workers or 1
 
 
@@ -105,7 +106,7 @@ def run_job(cfg, out: Path | None, quiet: bool) -> None:
     store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=300)))
     job = dist.PrefixStore(f"lowcomm/replica/{restart_count()}/", store)  # the agent's store outlives a restart
     timeout = support.member_timeout(cfg)
-    m = (ReplicaLeader(parse_lighthouse(cfg.lighthouse), job, size, timeout) if local == 0
+    m = (ReplicaLeader(parse_lighthouse(cfg.lighthouse), job, size, timeout, min_replicas(cfg)) if local == 0
          else ReplicaPeer(job, local, timeout))
     watch = MatesWatch(job, local, size, timeout, m.alive)
     try:  # a restarted job (torchrun --max-restarts) comes back as a joiner

@@ -38,6 +38,7 @@ from .address import host_port
 from .membership import QUORUM_RPC_S, Membership, View, leave
 
 ASK_EVERY_S = 2.0    # members ask the lighthouse for a quorum (a joiner may wait) this often, at a commit point
+POLL_S = 0.02        # a mate waiting for the leader's plan looks this often
 BEAT_S = 0.5         # a process marks itself alive in the job store this often
 FIRST_BEAT_S = 60.0  # a mate that never marked itself alive is judged after this long (start-up)
 
@@ -141,20 +142,23 @@ class _Side:
 class ReplicaLeader(_Side, Membership):
     """The job's rank 0: the replica's member at the lighthouse."""
 
-    def __init__(self, address: str, job: dist.Store, size: int, timeout_s: float):
+    def __init__(self, address: str, job: dist.Store, size: int, timeout_s: float, first: int = 1):
         self._init_side(job, 0, timeout_s)
+        self.first = first  # replicas the run's first quorum waits for (--min-workers)
         self.size, self.slot, self.timeout_s = size, -1, timeout_s
         # Ids sort by start time: the replica started first is rank 0 (it writes the run's records).
         self.id = self.replica_id = f"{time.time_ns():020d}:{uuid.uuid4().hex[:8]}"
         self.hosted = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
         self.store_address = f"{reach_host(address)}:{self.hosted.port}"
         self.job.set("replica_id", self.id)
-        self._ticks_from = time.monotonic()
+        self._ticks_from, self._test_asks = time.monotonic(), 0
         self._start_beats(address)
 
     def joins(self) -> int:
         """Ask-ticks so far: a higher one seen at a commit point makes every member ask."""
-        return int((time.monotonic() - self._ticks_from) / ASK_EVERY_S)
+        if self.current is not None and len(self.current.ids) < test_hold()[0]:
+            self._test_asks += 1
+        return int((time.monotonic() - self._ticks_from) / ASK_EVERY_S) + self._test_asks
 
     def _ask(self, step: int):
         told = json.dumps({"slot": self.slot, "held": self._held_by_replica()})
@@ -167,12 +171,9 @@ class ReplicaLeader(_Side, Membership):
         mine = self.held()
         for mate in range(1, self.size):
             key = f"held/{self._asking_round}/{mate}"
-            try:
-                self.job.wait([key], timedelta(seconds=self.timeout_s))
-                theirs = self.job.get(key).decode()
-            except Exception:  # a mate that is not asking with us: re-form
+            if not wait_for(self.job, key, self.timeout_s, self.progress):  # a mate not asking with us: re-form
                 return ""
-            if theirs != mine:
+            if self.job.get(key).decode() != mine:
                 return ""
         return mine
 
@@ -181,7 +182,9 @@ class ReplicaLeader(_Side, Membership):
         self._asking = True  # alive while a quorum request blocks
         try:
             q = self._quorum(step)
-            q = hold_for_replicas_if_asked(q, step, self._quorum)
+            want, after = test_hold()
+            want = self.first if self.current is None and not joining else want if step >= after else 0
+            q = hold(q, want, step, self._quorum)
         finally:
             self.progress()
             self._asking = False
@@ -213,14 +216,8 @@ class ReplicaPeer(_Side):
         self.job.set(f"held/{n}/{self.local}", self.held())
         key = f"plan/{n}"
         self._asking = True
-        try:
-            while True:  # the leader may wait long for a quorum (a joiner waits for the members' next ask)
-                try:
-                    self.job.wait([key], timedelta(seconds=QUORUM_RPC_S))
-                    break
-                except Exception as e:
-                    if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
-                        raise
+        try:  # the leader may wait long for a quorum (a joiner waits for the members' next ask)
+            wait_for(self.job, key, float("inf"), self.progress)
         finally:
             self.progress()
             self._asking = False
@@ -232,16 +229,32 @@ class ReplicaPeer(_Side):
         leave()
 
 
-def hold_for_replicas_if_asked(q, step: int, ask):
-    """Test-only: LOWCOMM_TEST_HOLD_FOR_REPLICAS=N:STEP makes a leader past STEP ask again until
-    its quorum has N replicas, so a test's restarted replica joins mid-run however loaded the
-    machine is (the run waits for it there)."""
+def wait_for(store: dist.Store, key: str, within_s: float, alive) -> bool:
+    """Whether `key` appeared in `store` within `within_s`: polled, not store.wait, whose
+    timeouts c10d logs as warnings (a joiner's mates would log them for minutes)."""
+    deadline = time.monotonic() + within_s
+    while not store.check([key]):
+        alive()
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def test_hold() -> tuple[int, int]:
+    """Test-only: LOWCOMM_TEST_HOLD_FOR_REPLICAS=N:STEP makes a leader with fewer than N replicas
+    ask at every commit point and, past STEP, ask again until its quorum has N, so a test's
+    restarted replica joins mid-run however loaded the machine is. (0, 0) otherwise."""
     spec = os.environ.get("LOWCOMM_TEST_HOLD_FOR_REPLICAS")
-    if not spec:
-        return q
-    want, after = (int(x) for x in spec.split(":"))
-    deadline = time.monotonic() + 300
-    while step >= after and len(q.participants) < want and time.monotonic() < deadline:
+    want, after = (int(x) for x in spec.split(":")) if spec else (0, 0)
+    return want, after
+
+
+def hold(q, want: int, step: int, ask):
+    """Ask again until the quorum holds `want` replicas. The others are let in as joiners are:
+    a replica that asks while this one does not waits (the lighthouse's fast quorum needs every
+    member of the previous quorum), and is in the next quorum this one asks for."""
+    while len(q.participants) < want:
         time.sleep(0.1)
         q = ask(step)
     return q

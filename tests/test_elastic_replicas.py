@@ -1,0 +1,123 @@
+"""--elastic under torchrun, as a user meets it: two torchrun jobs of K=2 processes against one
+lighthouse are two replicas of one run. Both finish on equal parameters (all four processes,
+by hash); each step is logged once; the steps both replicas trained equal, loss for loss, a
+plain `--workers 4 --replicas 2` run's; when one process of job b is SIGKILLed, job a goes on
+alone and torchrun restarts job b, which joins as a new replica with the live state (its hash
+equal to job a's, position by position).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
+
+from lowcomm.cli import main  # noqa: E402
+from test_elastic import jsonl  # noqa: E402
+
+# Job b's process 1 is killed after step KILL; job a, alone from there, holds at its first commit
+# point past HOLD until the restarted job b is back (a test-only hook: a restart, two fresh
+# pythons importing torch, takes 5 to 20 s with the machine's load).
+STEPS, KILL, HOLD = 20, 4, 10
+MODEL = ["--strategy", "ddp", "--steps", str(STEPS), "--n-layer", "2", "--n-head", "2", "--d-model", "16",
+         "--seq-len", "16", "--data", "pydoc", "--eval-every", "0", "--quiet"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(out: Path, lighthouse: str, **faults: str) -> subprocess.Popen:
+    """One replica: a torchrun job of 2 processes on its own rendezvous port (not --standalone,
+    which would pick one torchrun prints nowhere), restarted once when a process dies."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **{f"LOWCOMM_TEST_{k.upper()}": v for k, v in faults.items()}}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                             "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                             f"127.0.0.1:{free_port()}", "-m", "lowcomm", "train", "--elastic", "--lighthouse",
+                             lighthouse, "--min-workers", "2", *MODEL, "--out", str(out)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def merged(outs: list[Path], name: str, key: str) -> list[dict]:
+    """A jsonl file of the run: each part is in the --out of the job whose process was rank 0 then."""
+    return sorted((r for out in outs if (out / name).exists() for r in jsonl(out / name)), key=lambda r: r[key])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from lowcomm.elastic.lighthouse import start
+    root = tmp_path_factory.mktemp("replicas")
+    plain = root / "plain"
+    assert main(["train", "--workers", "4", "--replicas", "2", *MODEL, "--out", str(plain)]) == 0
+    server = start(1)
+    try:
+        address = server.address().replace("http://", "")
+        outs, killed = [root / "a", root / "b"], root / "killed"
+        a = torchrun(outs[0], address, hold_for_replicas=f"2:{HOLD}")
+        b = torchrun(outs[1], address, kill_at=f"1:{KILL}", kill_log=str(killed))
+        done = [job.communicate(timeout=150) for job in (a, b)]
+    finally:
+        for job in (a, b):
+            job.kill()
+        server.shutdown()
+    return {"rc": [a.returncode, b.returncode], "err": [e for _, e in done], "outs": outs, "plain": plain,
+            "killed": float(killed.read_text()), "steps": merged(outs, "steps.jsonl", "step"),
+            "quorums": merged(outs, "membership.jsonl", "time")}
+
+
+def test_two_torchrun_jobs_finish_as_replicas_on_equal_parameters_each_step_once(run):
+    assert run["rc"] == [0, 0], run["err"]
+    assert [r["step"] for r in run["steps"]] == list(range(1, STEPS + 1))
+    summary = [json.loads((o / "summary.json").read_text()) for o in run["outs"] if (o / "summary.json").exists()]
+    assert len(summary) == 1  # written by the job holding rank 0 at the end
+    hashes = summary[0]["elastic"]["final_params_sha256"]
+    assert len(hashes) == 4 and len(set(hashes)) == 1, hashes
+
+
+def test_steps_of_both_replicas_equal_a_plain_replicas_run(run):
+    both = [r for r in run["steps"] if len(r["members"]) == 4 and r["step"] < KILL]
+    assert [r["step"] for r in both] == list(range(1, KILL))  # the first quorum held both (--min-workers 2)
+    plain = {r["step"]: r for r in jsonl(run["plain"] / "steps.jsonl")}
+    for r in both:  # same data shards, same groups: bit for bit
+        assert (r["loss"], r["tokens"], r["wire_bytes"]) == (plain[r["step"]]["loss"], plain[r["step"]]["tokens"],
+                                                             plain[r["step"]]["wire_bytes"]), r["step"]
+
+
+def test_a_killed_process_restarts_its_replica_which_joins_with_the_live_state(run):
+    assert "exitcode: -9" in run["err"][1] and "local_rank: 1" in run["err"][1]  # torchrun saw it, restarted
+    first, rejoined = run["quorums"][0], run["quorums"][-1]
+    alone = next(q for q in run["quorums"] if len(q["replicas"]) == 1)
+    assert len(first["replicas"]) == 2 and len(alone["replicas"]) == 1 and len(rejoined["replicas"]) == 2
+    survivor = alone["replicas"][0]
+    new = [r for r in rejoined["replicas"] if r not in first["replicas"]]
+    assert len(new) == 1 and survivor in rejoined["replicas"]
+    i, j = rejoined["replicas"].index(new[0]) * 2, rejoined["replicas"].index(survivor) * 2
+    assert rejoined["healed"] == rejoined["slots"][i:i + 2] and rejoined["committed"][i] == -1
+    # the joiner's state, position by position, equals the survivor's at its first step
+    assert rejoined["state_sha256"][i:i + 2] == rejoined["state_sha256"][j:j + 2]
+    assert rejoined["state_sha256"][i:i + 2] == rejoined["resumed_sha256"][j:j + 2]
+    went_on = [r for r in run["steps"] if len(r["members"]) == 2]
+    assert went_on and went_on[0]["step"] <= KILL and went_on[-1]["step"] >= HOLD  # job a trained alone
+    assert went_on[0]["committed_at"] - run["killed"] < 30, "the survivor's next commit came late"
+    assert all(len(r["members"]) == 4 for r in run["steps"] if r["step"] > rejoined["step"])
+
+
+def test_elastic_under_torchrun_needs_a_lighthouse_and_one_replica_a_job(capsys, tmp_path, monkeypatch):
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    for flags, line in ((["--elastic"], "--elastic under torchrun needs --lighthouse HOST:PORT"),
+                        (["--elastic", "--lighthouse", "127.0.0.1:1", "--replicas", "2"], "drop --replicas"),
+                        (["--elastic", "--lighthouse", "127.0.0.1:1", "--inside", "fsdp"], "runs --inside ddp")):
+        assert main(["train", *MODEL, *flags, "--out", str(tmp_path / "r")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and line in err, err
+        assert not (tmp_path / "r").exists()
