@@ -75,7 +75,6 @@ class ElasticWorker:
         self.loss = self.val_loss = float("nan")
         self.joins_seen = 0
         self.view: View | None = None
-        self.heal_group = None  # the group a member behind takes the state over (None: the world)
         self.t_start = time.perf_counter()  # less the earlier parts' wall time in a resumed run
         self.log: StepLog | None = None  # rank 0's steps.jsonl
         self.contributors: dict[int, int] = {}  # rank 0: outer sync step -> workers that contributed (diloco)
@@ -96,7 +95,7 @@ class ElasticWorker:
             if self.cfg.resume_from and not joining:  # the first quorum of a resumed run
                 self.t_start -= checkpoints.load(self, view)
             self.snapshot = self._take_snapshot()
-        healed = transfer.heal(view, lambda: self.snapshot, self._resume, self.heal_group)
+        healed = transfer.heal(view, lambda: self.snapshot, self._resume, self.t.run.levels[0].group)
         resumed = self._hash(self.snapshot)  # the committed state this member resumed from
         self.snapshot = self._take_snapshot()
         self._record(view, healed, resumed)
@@ -107,7 +106,7 @@ class ElasticWorker:
         if self.t is not None:
             self.t.run.release()
         if isinstance(view, ReplicaView):  # a torchrun job is one replica
-            self.t, self.heal_group = replica_run.build(self, view)
+            self.t = replica_run.build(self, view)
             self.view = view
             return
         comm = Comm(link=C.make_link(cfg, seed=link_seed(cfg.seed, view.slots[view.rank])), level="cross")

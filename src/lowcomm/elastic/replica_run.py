@@ -63,9 +63,9 @@ def min_replicas(cfg) -> int:
     return cfg.min_workers or 1
 
 
-def build(w, view) -> tuple[Trainer, object]:
-    """The run of one process on a quorum's group (replicas.ReplicaView), and the group over
-    which it heals (its position's ranks across the replicas; None: the world, K = 1)."""
+def build(w, view) -> Trainer:
+    """The run of one process on a quorum's group (replicas.ReplicaView). Its cross-replica
+    group (run.levels[0]: its position's ranks, the world when K = 1) is where it heals."""
     cfg = w.cfg
     layout = ReplicaLayout(view.world, view.world // view.size())
     slot = view.slots[view.rank]
@@ -84,9 +84,8 @@ def build(w, view) -> tuple[Trainer, object]:
     run = faults.inject(run, view.rank % view.size())  # test faults, by the rank in the job
     val = val_batches(w.val_tokens, view.rank, view.world, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches)
     from .loop import loader_for
-    t = Trainer(cfg, view.rank, view.world, w.device, "gloo", comm, w.model, run,
-                loader_for(cfg, w.train_tokens, view, w.step), val, w.source, None, None)
-    return t, levels.cross.group if levels else None
+    return Trainer(cfg, view.rank, view.world, w.device, "gloo", comm, w.model, run,
+                   loader_for(cfg, w.train_tokens, view, w.step), val, w.source, None, None)
 
 
 def shorten_timeouts(levels, seconds: float) -> None:

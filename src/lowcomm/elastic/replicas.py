@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -268,6 +269,7 @@ class MatesWatch:
     def __init__(self, job: dist.Store, local: int, size: int, timeout_s: float, alive):
         self.job, self.local, self.size, self.timeout_s, self.alive = job, local, size, timeout_s, alive
         self._stop = threading.Event()
+        self.job.set(f"pid/{local}", f"{socket.gethostname()}:{os.getpid()}")
         threading.Thread(target=self._watch, name="lowcomm-mates", daemon=True).start()
 
     def _watch(self) -> None:
@@ -284,12 +286,23 @@ class MatesWatch:
                     elif self.job.check([f"done/{mate}"]):
                         continue
                     elif now - at > (self.timeout_s if count > 0 else max(self.timeout_s, FIRST_BEAT_S)):
-                        print(f"error: process {mate} of this replica has been silent for {now - at:.0f} s "
-                              f"(--member-timeout {self.timeout_s:g} s); stopping the replica so that torchrun "
-                              f"restarts it", file=sys.stderr, flush=True)
-                        os._exit(1)
+                        self._stop_replica(mate, now - at)
             except Exception:  # the job's store is gone (its host process ended): torchrun ends the job
                 return
+
+    def _stop_replica(self, mate: int, silent_s: float) -> None:
+        """Exit non-zero, the silent mate killed first where it runs on this host: torchrun's
+        agent stops a job with SIGTERM, which a frozen (SIGSTOPped) process takes only when
+        continued, so the agent would wait its 30 s grace before its SIGKILL."""
+        print(f"error: process {mate} of this replica has been silent for {silent_s:.0f} s (--member-timeout "
+              f"{self.timeout_s:g} s); stopping the replica so that torchrun restarts it", file=sys.stderr, flush=True)
+        host, pid = self.job.get(f"pid/{mate}").decode().rsplit(":", 1)
+        if host == socket.gethostname():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except OSError:  # gone already
+                pass
+        os._exit(1)
 
     def done(self) -> None:
         self._stop.set()
