@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -38,13 +37,15 @@ def free_port() -> int:
 
 def torchrun(out: Path, lighthouse: str, **faults: str) -> subprocess.Popen:
     """One replica: a torchrun job of 2 processes on its own rendezvous port (not --standalone,
-    which would pick one torchrun prints nowhere), restarted once when a process dies."""
+    which would pick one torchrun prints nowhere), restarted once when a process dies; its
+    output in OUT.log (a pipe nobody reads while the jobs run could fill and block them)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **{f"LOWCOMM_TEST_{k.upper()}": v for k, v in faults.items()}}
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-                             "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                             f"127.0.0.1:{free_port()}", "-m", "lowcomm", "train", "--elastic", "--lighthouse",
-                             lighthouse, "--min-workers", "2", *MODEL, "--out", str(out)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+            "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+            "-m", "lowcomm", "train", "--elastic", "--lighthouse", lighthouse, "--min-workers", "2", *MODEL,
+            "--out", str(out)]
+    with open(f"{out}.log", "w") as log:  # the child keeps its own copy of the file
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def merged(outs: list[Path], name: str, key: str) -> list[dict]:
@@ -56,20 +57,22 @@ def merged(outs: list[Path], name: str, key: str) -> list[dict]:
 def run(tmp_path_factory):
     from lowcomm.elastic.lighthouse import start
     root = tmp_path_factory.mktemp("replicas")
-    plain = root / "plain"
-    assert main(["train", "--workers", "4", "--replicas", "2", *MODEL, "--out", str(plain)]) == 0
+    plain, outs, killed = root / "plain", [root / "a", root / "b"], root / "killed"
     server = start(1)
     try:
         address = server.address().replace("http://", "")
-        outs, killed = [root / "a", root / "b"], root / "killed"
         a = torchrun(outs[0], address, hold_for_replicas=f"2:{HOLD}")
         b = torchrun(outs[1], address, kill_at=f"1:{KILL}", kill_log=str(killed))
-        done = [job.communicate(timeout=150) for job in (a, b)]
+        # the plain run while the jobs start (their pythons import torch)
+        assert main(["train", "--workers", "4", "--replicas", "2", *MODEL, "--out", str(plain)]) == 0
+        for job in (a, b):
+            job.wait(timeout=150)
     finally:
         for job in (a, b):
             job.kill()
         server.shutdown()
-    return {"rc": [a.returncode, b.returncode], "err": [e for _, e in done], "outs": outs, "plain": plain,
+    return {"rc": [a.returncode, b.returncode], "err": [Path(f"{o}.log").read_text() for o in outs], "outs": outs,
+            "plain": plain,
             "killed": float(killed.read_text()), "steps": merged(outs, "steps.jsonl", "step"),
             "quorums": merged(outs, "membership.jsonl", "time")}
 
