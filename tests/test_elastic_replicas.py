@@ -124,3 +124,35 @@ def test_elastic_under_torchrun_needs_a_lighthouse_and_one_replica_a_job(capsys,
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err and line in err, err
         assert not (tmp_path / "r").exists()
+
+
+
+WATCH = """
+import sys, time
+import torch.distributed as dist
+from lowcomm.elastic.replicas import MatesWatch
+MatesWatch(dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False), 0, 3, 1.0, lambda: True)
+time.sleep(30)
+"""
+
+
+def test_a_process_whose_mate_froze_kills_it_and_exits_so_torchrun_restarts_the_replica():
+    import signal
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mates = {m: subprocess.Popen(["sleep", "30"]) for m in (1, 2)}  # process 1 finished, process 2 froze
+    os.kill(mates[2].pid, signal.SIGSTOP)  # frozen: torchrun's SIGTERM would wait for a SIGCONT
+    for m, mate in mates.items():
+        store.set(f"pid/{m}", f"{socket.gethostname()}:{mate.pid}")
+        store.add(f"beat/{m}", 1)  # each beat once, then went silent
+    store.set("done/1", "1")  # process 1's silence is no failure: it finished the run
+    watcher = subprocess.Popen([sys.executable, "-c", WATCH, str(store.port)], stderr=subprocess.PIPE, text=True)
+    try:
+        assert watcher.wait(timeout=60) == 1
+        assert mates[2].wait(timeout=10) == -signal.SIGKILL and mates[1].poll() is None
+        err = watcher.stderr.read().strip()
+        assert err.startswith("error: process 2 of this replica has been silent for ") and "\n" not in err, err
+    finally:
+        for p in (watcher, *mates.values()):
+            p.kill()
+            p.wait()
