@@ -156,3 +156,29 @@ def test_a_process_whose_mate_froze_kills_it_and_exits_so_torchrun_restarts_the_
         for p in (watcher, *mates.values()):
             p.kill()
             p.wait()
+
+
+def _quorum(*members):
+    """A lighthouse quorum as torchft's client returns it: (replica id, K, slot, held group, step)."""
+    from types import SimpleNamespace as NS
+    return NS(quorum_id=7, created=NS(seconds=1, nanos=2), participants=[
+        NS(replica_id=i, world_size=k, address=json.dumps({"slot": slot, "held": held}), step=step,
+           store_address=f"host-{i}:1") for i, k, slot, held, step in members])
+
+
+def test_a_quorum_is_planned_alike_for_every_process_and_unequal_replicas_are_refused():
+    from lowcomm.elastic.replicas import plan, view_of
+    from lowcomm.errors import RunError
+    first = plan(_quorum(("b", 2, -1, "", 0), ("a", 2, -1, "", 0)), None)
+    assert first["ids"] == ["a", "b"] and first["slots"] == [0, 1] and first["store"] == "host-a:1"
+    assert not first["same"]
+    view = view_of(first, 1, "b")  # process 1 of replica b
+    assert (view.rank, view.world, view.slots, view.shard()) == (3, 4, (0, 1, 2, 3), (1, 2, 1, 2))
+    # the same replicas, each still on that group: go on; one lost it (rolled back): re-form
+    assert plan(_quorum(("a", 2, 0, view.quorum, 5), ("b", 2, 1, view.quorum, 5)), view)["same"]
+    assert not plan(_quorum(("a", 2, 0, view.quorum, 5), ("b", 2, 1, "", 5)), view)["same"]
+    # a restarted replica is new: it takes the next free number, the survivor keeps its own
+    again = plan(_quorum(("a", 2, 0, "", 5), ("c", 2, -1, "", -1)), view)
+    assert again["slots"] == [0, 1] and again["steps"] == [5, -1] and not again["same"]
+    with pytest.raises(RunError, match=r"^replicas of unequal size in one quorum \(2 and 4 processes\)"):
+        plan(_quorum(("a", 2, 0, "", 5), ("c", 4, -1, "", -1)), view)
