@@ -190,6 +190,9 @@ class ReplicaLeader(_Side, Membership):
             self.progress()
             self._asking = False
         p = plan(q, self.current)
+        if joining and max(p["steps"]) < 0:  # it would start the run over, alone
+            raise RunError("no replica of the run holds its state (every member of the quorum is joining): the run "
+                           "ended or lost every replica; its records are in the --out of the job that held rank 0")
         self.slot = p["slots"][p["ids"].index(self.id)]
         self.job.set(f"plan/{self._asking_round}", json.dumps(p))
         return self._enter(p)
