@@ -150,7 +150,8 @@ class ReplicaLeader(_Side, Membership):
         # Ids sort by start time: the replica started first is rank 0 (it writes the run's records).
         self.id = self.replica_id = f"{time.time_ns():020d}:{uuid.uuid4().hex[:8]}"
         self.hosted = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
-        self.store_address = f"{reach_host(address)}:{self.hosted.port}"
+        host = reach_host(address)
+        self.store_address = f"[{host}]:{self.hosted.port}" if ":" in host else f"{host}:{self.hosted.port}"
         self.job.set("replica_id", self.id)
         self._ticks_from, self._test_asks = time.monotonic(), 0
         self._start_beats(address)
