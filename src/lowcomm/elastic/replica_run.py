@@ -51,6 +51,9 @@ def check(cfg) -> None:
     if cfg.strategy == "zero1":
         raise UsageError("--elastic under torchrun runs ddp and diloco across replicas; zero1's commit points gather "
                          "its shards over one worker a replica (run it with `lowcomm train --elastic`)")
+    if cfg.max_restarts:
+        raise UsageError("--max-restarts is torchrun's under torchrun (it restarts the whole replica): pass it to "
+                         "torchrun, not to lowcomm train")
     for flag, value in (("--checkpoint-every", cfg.checkpoint_every), ("--stop-at", cfg.stop_at),
                         ("--resume", cfg.resume_from)):
         if value:

@@ -42,6 +42,7 @@ ASK_EVERY_S = 2.0    # members ask the lighthouse for a quorum (a joiner may wai
 POLL_S = 0.02        # a mate waiting for the leader's plan looks this often
 BEAT_S = 0.5         # a process marks itself alive in the job store this often
 FIRST_BEAT_S = 60.0  # a mate that never marked itself alive is judged after this long (start-up)
+FIRST_QUORUM_S = 300.0  # the first quorum waits this long for --min-workers replicas (they start apart)
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,11 @@ def hold(q, want: int, step: int, ask):
     """Ask again until the quorum holds `want` replicas. The others are let in as joiners are:
     a replica that asks while this one does not waits (the lighthouse's fast quorum needs every
     member of the previous quorum), and is in the next quorum this one asks for."""
+    deadline = time.monotonic() + FIRST_QUORUM_S
     while len(q.participants) < want:
+        if time.monotonic() > deadline:
+            raise RunError(f"only {len(q.participants)} of {want} replicas (--min-workers) asked the lighthouse for "
+                           f"a quorum within {FIRST_QUORUM_S:.0f} s")
         time.sleep(0.1)
         q = ask(step)
     return q
