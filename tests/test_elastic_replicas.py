@@ -7,6 +7,8 @@ equal to job a's, position by position).
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -53,6 +55,21 @@ def merged(outs: list[Path], name: str, key: str) -> list[dict]:
     return sorted((r for out in outs if (out / name).exists() for r in jsonl(out / name)), key=lambda r: r[key])
 
 
+def launcher_replicas(out: Path) -> str:
+    """`lowcomm train --elastic --workers 4 --replicas 2`, slot 1's process 1 SIGKILLed after step
+    KILL (slot·K + rank 3); returns its stderr."""
+    faults = {"LOWCOMM_TEST_KILL_AT": f"3:{KILL}", "LOWCOMM_TEST_KILL_LOG": f"{out}.killed"}
+    os.environ.update(faults)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            assert main(["train", "--elastic", "--workers", "4", "--replicas", "2", "--max-restarts", "1", *MODEL,
+                         "--out", str(out)]) == 0, err.getvalue()
+    finally:
+        for k in faults:
+            os.environ.pop(k)
+    return err.getvalue()
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     from lowcomm.elastic.lighthouse import start
@@ -63,8 +80,10 @@ def run(tmp_path_factory):
         address = server.address().replace("http://", "")
         a = torchrun(outs[0], address, hold_for_replicas=f"2:{HOLD}")
         b = torchrun(outs[1], address, kill_at=f"1:{KILL}", kill_log=str(killed))
-        # the plain run while the jobs start (their pythons import torch)
+        # while the jobs start (their pythons import torch): the plain run, and the launcher's own
+        # replicas (a slot of 2 processes), its slot 1's process 1 killed after step KILL
         assert main(["train", "--workers", "4", "--replicas", "2", *MODEL, "--out", str(plain)]) == 0
+        launched = launcher_replicas(root / "launched")
         for job in (a, b):
             job.wait(timeout=150)
     finally:
@@ -72,7 +91,7 @@ def run(tmp_path_factory):
             job.kill()
         server.shutdown()
     return {"rc": [a.returncode, b.returncode], "err": [Path(f"{o}.log").read_text() for o in outs], "outs": outs,
-            "plain": plain,
+            "plain": plain, "launched": launched,
             "killed": float(killed.read_text()), "steps": merged(outs, "steps.jsonl", "step"),
             "quorums": merged(outs, "membership.jsonl", "time")}
 
@@ -112,6 +131,20 @@ def test_a_killed_process_restarts_its_replica_which_joins_with_the_live_state(r
     assert went_on and went_on[0]["step"] <= KILL and went_on[-1]["step"] >= HOLD  # job a trained alone
     assert went_on[0]["committed_at"] - run["killed"] < 30, "the survivor's next commit came late"
     assert all(len(r["members"]) == 4 for r in run["steps"] if r["step"] > rejoined["step"])
+
+
+def test_the_launchers_replica_slots_restart_as_a_whole_and_match_the_plain_run(run):
+    out = run["plain"].parent / "launched"
+    assert "replica 1 (process 1) failed: killed by signal SIGKILL; the others go on; restarting it" in run["launched"]
+    records = jsonl(out / "steps.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    plain = jsonl(run["plain"] / "steps.jsonl")
+    assert [r["loss"] for r in records[:KILL - 1]] == [r["loss"] for r in plain[:KILL - 1]]  # both slots' steps
+    hashes = json.loads((out / "summary.json").read_text())["elastic"]["final_params_sha256"]
+    assert len(hashes) == 4 and len(set(hashes)) == 1, hashes
+    rejoined = jsonl(out / "membership.jsonl")[-1]  # slot 1 back, both processes given the live state
+    assert rejoined["committed"] == [KILL - 1] * 2 + [-1] * 2 and rejoined["healed"] == rejoined["slots"][2:]
+    assert len(set(rejoined["state_sha256"])) == 1 and rejoined["replicas"][1].startswith("00001:")
 
 
 def test_elastic_under_torchrun_needs_a_lighthouse_and_one_replica_a_job(capsys, tmp_path, monkeypatch):

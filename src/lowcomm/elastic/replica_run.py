@@ -45,25 +45,30 @@ def check(cfg) -> None:
                          "(e.g. torchft_lighthouse --min_replicas 1 --join_timeout_ms 600000 --bind [::]:29510)")
     if cfg.replicas:
         raise UsageError("--elastic under torchrun makes each torchrun job one replica: drop --replicas")
-    if cfg.inside != "ddp":
-        raise UsageError(f"--elastic under torchrun runs --inside ddp, not '{cfg.inside}': its commit points keep "
-                         f"each process's whole part of the state, which an fsdp replica shards")
-    if cfg.strategy == "zero1":
-        raise UsageError("--elastic under torchrun runs ddp and diloco across replicas; zero1's commit points gather "
-                         "its shards over one worker a replica (run it with `lowcomm train --elastic`)")
     if cfg.max_restarts:
         raise UsageError("--max-restarts is torchrun's under torchrun (it restarts the whole replica): pass it to "
                          "torchrun, not to lowcomm train")
+    check_replicas(cfg, "under torchrun")
+
+
+def check_replicas(cfg, where: str) -> None:
+    """What elastic replica groups cannot take (`where`: under torchrun, or with --replicas)."""
+    if cfg.inside != "ddp":
+        raise UsageError(f"--elastic {where} runs --inside ddp, not '{cfg.inside}': its commit points keep "
+                         f"each process's whole part of the state, which an fsdp replica shards")
+    if cfg.strategy == "zero1":
+        raise UsageError(f"--elastic {where} runs ddp and diloco across replicas; zero1's commit points gather "
+                         f"its shards over one worker a replica (run it with one worker a replica)")
     for flag, value in (("--checkpoint-every", cfg.checkpoint_every), ("--stop-at", cfg.stop_at),
                         ("--resume", cfg.resume_from)):
         if value:
-            raise UsageError(f"{flag} does not run with --elastic under torchrun yet (each replica has its own --out)")
+            raise UsageError(f"{flag} does not run with --elastic {where} yet")
 
 
 def min_replicas(cfg) -> int:
-    """--min-workers under torchrun: the replicas the run's first quorum waits for, and an outer
-    step needs (diloco); 1 when not given."""
-    return cfg.min_workers or 1
+    """--min-workers with replica groups: the replicas the run's first quorum waits for, and an
+    outer step needs (diloco); when not given, every replica of `--replicas R`, under torchrun 1."""
+    return cfg.min_workers or cfg.replicas or 1
 
 
 def build(w, view) -> Trainer:
@@ -84,7 +89,7 @@ def build(w, view) -> Trainer:
                    inside=cfg.inside)
     if hasattr(run.strategy, "min_contributors"):
         run.strategy.min_contributors = min_replicas(cfg)
-    run = faults.inject(run, view.rank % view.size())  # test faults, by the rank in the job
+    run = faults.inject(run, w.slot)  # test faults: by the rank in the job (torchrun), slot·K + rank (launcher)
     val = val_batches(w.val_tokens, view.rank, view.world, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches)
     from .loop import loader_for
     return Trainer(cfg, view.rank, view.world, w.device, "gloo", comm, w.model, run,
@@ -101,18 +106,37 @@ def shorten_timeouts(levels, seconds: float) -> None:
 
 def run_job(cfg, out: Path | None, quiet: bool) -> None:
     """This process's life in a torchrun job that is one replica of an elastic run."""
-    from .loop import run_elastic
-    from .replicas import MatesWatch, ReplicaLeader, ReplicaPeer
-
     local, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=300)))
     job = dist.PrefixStore(f"lowcomm/replica/{restart_count()}/", store)  # the agent's store outlives a restart
+    # a restarted job (torchrun --max-restarts) comes back as a joiner
+    run_replica(cfg, local, size, job, parse_lighthouse(cfg.lighthouse), out, quiet, restart_count() > 0, local)
+
+
+def slot_entry(local: int, slot: int, cfg, store_port: int, lighthouse: str, out_dir: str | None, quiet: bool,
+               joining: bool, attempt: int) -> None:
+    """Entry of a process of a replica slot that the launcher started (`lowcomm train --elastic
+    --replicas R`): the launcher's store is the replica's job store, under this launch's prefix."""
+    size = cfg.workers // cfg.replicas
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=300))
+    job = dist.PrefixStore(f"lowcomm/elastic/slot{slot}.{attempt}/", store)
+    run_replica(cfg, local, size, job, lighthouse, Path(out_dir) if out_dir else None, quiet, joining,
+                slot * size + local, name=f"{slot:05d}")
+
+
+def run_replica(cfg, local: int, size: int, job: dist.Store, lighthouse: str, out: Path | None, quiet: bool,
+                joining: bool, fault_rank: int, name: str | None = None) -> None:
+    """Process `local` of a replica of `size`: its rank 0 the member at the lighthouse (ids sort by
+    `name`, else by start time), the others told each quorum through `job`."""
+    from .loop import run_elastic
+    from .replicas import MatesWatch, ReplicaLeader, ReplicaPeer
+
     timeout = support.member_timeout(cfg)
-    m = (ReplicaLeader(parse_lighthouse(cfg.lighthouse), job, size, timeout, min_replicas(cfg)) if local == 0
+    m = (ReplicaLeader(lighthouse, job, size, timeout, min_replicas(cfg), name) if local == 0
          else ReplicaPeer(job, local, timeout))
     watch = MatesWatch(job, local, size, timeout, m.alive)
-    try:  # a restarted job (torchrun --max-restarts) comes back as a joiner
-        run_elastic(cfg, local, m, out, quiet, joining=restart_count() > 0)
+    try:
+        run_elastic(cfg, fault_rank, m, out, quiet, joining)
     finally:
         watch.done()
         m.close()

@@ -144,12 +144,14 @@ class _Side:
 class ReplicaLeader(_Side, Membership):
     """The job's rank 0: the replica's member at the lighthouse."""
 
-    def __init__(self, address: str, job: dist.Store, size: int, timeout_s: float, first: int = 1):
+    def __init__(self, address: str, job: dist.Store, size: int, timeout_s: float, first: int = 1,
+                 name: str | None = None):
         self._init_side(job, 0, timeout_s)
         self.first = first  # replicas the run's first quorum waits for (--min-workers)
         self.size, self.slot, self.timeout_s = size, -1, timeout_s
-        # Ids sort by start time: the replica started first is rank 0 (it writes the run's records).
-        self.id = self.replica_id = f"{time.time_ns():020d}:{uuid.uuid4().hex[:8]}"
+        # Ids sort by name (the launcher's slot), else by start time: the replica started first is
+        # rank 0 (it writes the run's records). A restarted replica is a new member.
+        self.id = self.replica_id = f"{name or f'{time.time_ns():020d}'}:{uuid.uuid4().hex[:8]}"
         self.hosted = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
         host = reach_host(address)
         self.store_address = f"[{host}]:{self.hosted.port}" if ":" in host else f"{host}:{self.hosted.port}"

@@ -47,9 +47,9 @@ def check(cfg) -> None:
     if not 0 <= cfg.member_timeout <= cfg.timeout:
         raise UsageError(f"--member-timeout must be positive and at most --timeout ({cfg.timeout:g} s), "
                          f"got {cfg.member_timeout:g}")
-    if cfg.replicas and cfg.replicas != cfg.workers:
-        raise UsageError("--elastic runs one worker per replica: drop --replicas, or start each replica as a "
-                         "torchrun job: torchrun --nproc-per-node K -m lowcomm train --elastic --lighthouse HOST:PORT")
+    if cfg.replicas and cfg.replicas != cfg.workers and not under_torchrun():  # a slot: a replica of W/R processes
+        from .replica_run import check_replicas
+        check_replicas(cfg, "with --replicas")
     if cfg.strategy == "diloco":
         o = cfg.strategy_options()
         if o.sync_by != "steps":
@@ -73,7 +73,8 @@ def commit_every(cfg) -> int:
 
 
 def min_workers(cfg) -> int:
-    return cfg.min_workers or cfg.workers
+    """The live slots (workers; replicas with --replicas) below which an elastic run fails."""
+    return cfg.min_workers or cfg.replicas or cfg.workers
 
 
 MEMBER_TIMEOUT_S = 10.0
