@@ -3,7 +3,8 @@ lighthouse are two replicas of one run. Both finish on equal parameters (all fou
 by hash); each step is logged once; the steps both replicas trained equal, loss for loss, a
 plain `--workers 4 --replicas 2` run's; when one process of job b is SIGKILLed, job a goes on
 alone and torchrun restarts job b, which joins as a new replica with the live state (its hash
-equal to job a's, position by position).
+equal to job a's, position by position). The launcher's own replica slots (`--elastic --replicas
+2`) do the same on one machine: a slot whose process died restarts as a whole.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The launcher of an elastic run: the lighthouse, the store, one process per worker slot.
+"""The launcher of an elastic run: the lighthouse, the store, one process per worker slot
+(with --replicas R, K = W/R processes a slot: one replica, replica_run.py).
 
 Unlike a plain run (supervise.run_workers), a worker that dies does not stop the others: the
 survivors re-form without it (loop.py), and the launcher restarts the dead slot while
