@@ -119,10 +119,3 @@ def test_a_bad_lighthouse_is_refused_in_one_line(argv, line, capsys, tmp_path):
     assert line in refused(["train", *argv, "--steps", "2", "--out", str(tmp_path / "r")], capsys)
     assert not (tmp_path / "r").exists()
 
-
-def test_elastic_under_torchrun_is_refused_in_one_line(capsys, tmp_path, monkeypatch):
-    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
-        monkeypatch.setenv(name, value)
-    line = refused(["train", *TINY, "--steps", "2", "--out", str(tmp_path / "r")], capsys)
-    assert line.startswith("error: --elastic does not run under torchrun yet: ") and "lowcomm join" in line
-    assert not (tmp_path / "r").exists()

@@ -34,7 +34,8 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resu
     chosen = None
     if under_torchrun():
         cfg.workers = int(os.environ["WORLD_SIZE"])
-        chosen = default_replicas(cfg, available())  # one replica per node, unless --replicas
+        # One replica per node, unless --replicas; elastic: the job is one replica (elastic/replicas.py).
+        chosen = None if cfg.elastic else default_replicas(cfg, available())
     C.validate(cfg, available())
     if chosen and os.environ.get("RANK", "0") == "0":
         print(f"lowcomm: {chosen}", flush=True)
@@ -55,6 +56,8 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resu
             return out
         overwrite = True  # a torchrun restart before the first checkpoint: the run starts over
     default = not cfg.out
+    if cfg.elastic and not default and under_torchrun() and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return Path(cfg.out)  # a replica torchrun restarted: it rejoins the run, its --out is its own still
     out = Path(cfg.out or rundir.default_name(cfg.strategy, cfg.workers))
     rundir.check(out, overwrite, default)
     if create:
@@ -72,6 +75,10 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resu
 
 def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> None:
     """Run training on cfg.workers local processes, or as one rank of torchrun's world."""
+    if under_torchrun() and cfg.elastic:  # this job is one replica of an elastic run
+        from .elastic.replica_run import run_job
+        run_job(cfg, out, quiet)
+        return
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -1,4 +1,5 @@
-"""The launcher of an elastic run: the lighthouse, the store, one process per worker slot.
+"""The launcher of an elastic run: the lighthouse, the store, one process per worker slot
+(with --replicas R, K = W/R processes a slot: one replica, replica_run.py).
 
 Unlike a plain run (supervise.run_workers), a worker that dies does not stop the others: the
 survivors re-form without it (loop.py), and the launcher restarts the dead slot while
@@ -39,23 +40,27 @@ def launch_elastic(cfg, out: Path | None, quiet: bool) -> None:
 
 
 class Slots:
-    """The worker processes, one a slot, restarted as joiners when they die."""
+    """The worker processes, one a slot, restarted as joiners when they die. With --replicas R
+    a slot is a replica of K = W/R processes (replicas.py), stopped and restarted together."""
 
     def __init__(self, cfg, store_port: int, address: str, out: Path | None, quiet: bool):
         self.cfg, self.store_port, self.address, self.out, self.quiet = cfg, store_port, address, out, quiet
+        self.slots = cfg.replicas or cfg.workers
         self.live: dict[int, object] = {}      # slot -> its process context
-        self.attempts = [0] * cfg.workers      # launches of each slot so far
+        self.attempts = [0] * self.slots       # launches of each slot so far
         self.restarts = 0
         self.finished = 0
         self.last_failure = ""
 
     def start(self, slot: int, joining: bool) -> None:
         from .loop import elastic_entry
+        from .replica_run import slot_entry
         os.environ["LOWCOMM_ATTEMPT"] = str(self.attempts[slot])  # test faults fire once per slot launch
+        args = (slot, self.cfg, self.store_port, self.address, str(self.out) if self.out else None, self.quiet, joining)
+        size = self.cfg.workers // self.slots
         try:
-            self.live[slot] = supervise.start_workers(
-                elastic_entry, (slot, self.cfg, self.store_port, self.address,
-                                str(self.out) if self.out else None, self.quiet, joining), 1)
+            self.live[slot] = (supervise.start_workers(elastic_entry, args, 1) if size == 1 else
+                               supervise.start_workers(slot_entry, (*args, self.attempts[slot]), size))
         finally:
             os.environ.pop("LOWCOMM_ATTEMPT", None)
         self.attempts[slot] += 1
@@ -64,7 +69,7 @@ class Slots:
         received: list[int] = []
         previous = supervise._catch_signals(received)
         try:
-            for slot in range(self.cfg.workers):
+            for slot in range(self.slots):
                 self.start(slot, joining=False)
             self._watch(received)
         finally:
@@ -79,7 +84,8 @@ class Slots:
         while self.live:
             if received:
                 raise Interrupted(received[0], f"interrupted by {signal.Signals(received[0]).name}: every worker stopped")
-            sentinels = {ctx.processes[0].sentinel: slot for slot, ctx in self.live.items()}
+            sentinels = {p.sentinel: slot for slot, ctx in self.live.items() for p in ctx.processes
+                         if p.exitcode is None}
             for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=supervise.POLL_S):
                 if received:  # a Ctrl-C reaches the workers too: not a death to restart them from
                     break
@@ -95,20 +101,28 @@ class Slots:
             raise RunError(self.last_failure or "every worker ended without finishing the run")
 
     def _ended(self, slot: int) -> None:
-        ctx = self.live.pop(slot)
-        p = ctx.processes[0]
-        p.join()
-        if p.exitcode == 0:
-            self.finished += 1
+        """A process of `slot` ended: the slot finished when all of its processes did; one that
+        failed stops the rest of its replica, which is restarted as a whole."""
+        ctx = self.live[slot]
+        codes = [p.exitcode for p in ctx.processes]
+        failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
+        if failed is None:
+            if all(code == 0 for code in codes):
+                self.live.pop(slot)
+                self.finished += 1
             return
-        tb = supervise._traceback(ctx.error_files[0])
+        self.live.pop(slot)
+        supervise.stop(ctx.processes)
+        p, name = ctx.processes[failed], f"worker {slot}" if len(codes) == 1 else f"replica {slot} (process {failed})"
+        tb = supervise._traceback(ctx.error_files[failed])
         what = (supervise._last_line(tb) if tb else f"killed by signal {supervise._signal_name(-p.exitcode)}"
                 if p.exitcode < 0 else f"exited with code {p.exitcode}")
-        supervise._unlink(ctx.error_files[0])
-        self.last_failure = f"worker {slot} failed: {what}"
+        for path in ctx.error_files:
+            supervise._unlink(path)
+        self.last_failure = f"{name} failed: {what}"
         if tb and self.out is not None:
             with open(self.out / "error.log", "a") as f:
-                f.write(f"--- worker {slot} ---\n{tb}\n")
+                f.write(f"--- {name} ---\n{tb}\n")
         if self.finished:
             return
         if self.restarts < self.cfg.max_restarts:

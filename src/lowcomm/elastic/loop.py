@@ -37,7 +37,8 @@ from ..models import lm_loss
 from ..optim import adamw_factory, lr_schedule
 from ..run import link_seed, make_run
 from ..worker import LoopResult, Trainer, build_model, evaluate, pick_device
-from . import checkpoints, reshard, support, transfer
+from . import checkpoints, replica_run, reshard, support, transfer
+from .replicas import ReplicaView
 from .rounds import RoundState
 from .join import hold_for_joiner_if_asked
 from .support import commit_every
@@ -56,8 +57,9 @@ def loader_for(cfg: C.RunConfig, train, view: View, step: int) -> ShardedBatches
     what a worker trains on is a function of the step and the live membership (membership.jsonl
     records both); the steps a failure discarded are trained again by the new membership on its
     own data (re-assigned, not skipped)."""
-    return ShardedBatches(train, view.rank, view.world, cfg.model.seq_len, cfg.micro_batch,
-                          cfg.seed * 1_000_003 + step)
+    rank, world, position, positions = view.shard()  # a replica of K processes: its shard, split K ways
+    return ShardedBatches(train, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.seed * 1_000_003 + step,
+                          position, positions)
 
 
 class ElasticWorker:
@@ -85,6 +87,9 @@ class ElasticWorker:
         """A quorum, its group, a run on it, and every member on the newest committed state."""
         committed = self.snapshot["step"] if self.snapshot is not None else (-1 if joining else 0)
         view = self.m.agree(committed, joining=joining)
+        if view is self.view and self.t is not None:  # the same members on the same group (replicas.py)
+            self.joins_seen = self._joins_answered()
+            return view
         self._build(view)
         self.joins_seen = self._joins_answered()
         if self.snapshot is not None:
@@ -93,7 +98,7 @@ class ElasticWorker:
             if self.cfg.resume_from and not joining:  # the first quorum of a resumed run
                 self.t_start -= checkpoints.load(self, view)
             self.snapshot = self._take_snapshot()
-        healed = transfer.heal(view, lambda: self.snapshot, self._resume)
+        healed = transfer.heal(view, lambda: self.snapshot, self._resume, self.t.run.levels[0].group)
         resumed = self._hash(self.snapshot)  # the committed state this member resumed from
         self.snapshot = self._take_snapshot()
         in_round = self.round.rejoin(self) if self.round is not None else None
@@ -104,6 +109,10 @@ class ElasticWorker:
         cfg = self.cfg
         if self.t is not None:
             self.t.run.release()
+        if isinstance(view, ReplicaView):  # a torchrun job is one replica
+            self.t = replica_run.build(self, view)
+            self.view = view
+            return
         comm = Comm(link=C.make_link(cfg, seed=link_seed(cfg.seed, view.slots[view.rank])), level="cross")
         run = make_run(cfg.strategy, self.model, comm, adamw_factory(cfg.optim), accum=cfg.accum,
                        schedule=lr_schedule(cfg.optim, cfg.steps), total_steps=cfg.steps,
@@ -159,7 +168,7 @@ class ElasticWorker:
                 f.write(json.dumps({"step": self.snapshot["step"], "round": in_round, "quorum": view.quorum, "slots": list(view.slots),
                                     "committed": list(view.steps), "healed": [view.slots[r] for r in healed],
                                     "state_sha256": [h for h, _ in every], "resumed_sha256": [r for _, r in every],
-                                    "time": time.time()}) + "\n")
+                                    "time": time.time(), **view.described()}) + "\n")
             self.log = StepLog(self.out_dir, resume_after=self.snapshot["step"])  # a new lead continues the log
             self.totals = Totals(self.cfg.workers)
             for record in self.log.kept:

@@ -37,6 +37,19 @@ class View:
     slots: tuple[int, ...]   # each rank's slot
     steps: tuple[int, ...]   # each rank's committed step when it asked
 
+    def shard(self) -> tuple[int, int, int, int]:
+        """Which data this rank reads (loader.ShardedBatches' rank, world, position, positions):
+        one worker is one shard here; a replica of K processes (replicas.py) splits its shard."""
+        return self.rank, self.world, 0, 1
+
+    def size(self) -> int:
+        """Ranks per replica: one here (a worker is its own replica)."""
+        return 1
+
+    def described(self) -> dict:
+        """What membership.jsonl records beyond the slots (replicas.py: the replicas)."""
+        return {}
+
 
 class Membership:
     def __init__(self, address: str, store_host: str, store_port: int, slot: int, timeout_s: float):
@@ -44,6 +57,10 @@ class Membership:
         self.id = f"{slot:05d}:{uuid.uuid4().hex[:8]}"  # a restarted worker is a new member
         self.store_address = f"{store_host}:{store_port}"
         self.store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=300))
+        self._start_beats(address)
+
+    def _start_beats(self, address: str) -> None:
+        """Clients of the lighthouse, a first heartbeat, and the heartbeat thread."""
         self._client = lighthouse.client(address)
         self._beats = lighthouse.client(address)  # one client a thread
         self._stop = threading.Event()
@@ -129,9 +146,7 @@ class Membership:
         while True:
             if not self.settling():
                 try:
-                    return self._client.quorum(replica_id=self.id, timeout=timedelta(seconds=QUORUM_RPC_S),
-                                               address="", store_address=self.store_address, step=step,
-                                               world_size=1, shrink_only=False)
+                    return self._ask(step)
                 except Exception as e:
                     if waiting_for_peers(e):  # no quorum yet (too few workers): ask again
                         away_since = None
@@ -144,6 +159,11 @@ class Membership:
             if time.monotonic() - away_since > LIGHTHOUSE_AWAY_S:
                 raise RunError(f"the lighthouse did not answer for {LIGHTHOUSE_AWAY_S:.0f} s: {why}")
             time.sleep(lighthouse.HEARTBEAT_S)
+
+    def _ask(self, step: int):
+        """One quorum request to the lighthouse (blocks up to QUORUM_RPC_S)."""
+        return self._client.quorum(replica_id=self.id, timeout=timedelta(seconds=QUORUM_RPC_S), address="",
+                                   store_address=self.store_address, step=step, world_size=1, shrink_only=False)
 
     def _form_group(self, view: View) -> None:
         leave()

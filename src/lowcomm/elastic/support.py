@@ -35,21 +35,21 @@ def check(cfg) -> None:
                 raise UsageError(f"{flag} applies only with --elastic")
         return
     from ..nodes import under_torchrun
-    if under_torchrun():  # it would otherwise run as a plain run, --elastic silently dropped
-        raise UsageError("--elastic does not run under torchrun yet: torchrun's agent stops every worker of its "
-                         "job when one fails; start the run with `lowcomm train --elastic` and add workers on "
-                         "other machines with `lowcomm join RUNDIR`")
+    if under_torchrun():  # each torchrun job is one replica (replicas.py)
+        from .replica_run import check as check_torchrun
+        check_torchrun(cfg)
     if cfg.strategy not in SUPPORTED:
         why = WHY_NOT.get(cfg.strategy, "it does not declare how its state survives a change of the group")
         raise UsageError(f"--elastic does not run strategy '{cfg.strategy}': {why} "
                          f"(elastic strategies: {', '.join(SUPPORTED)})")
-    if not 0 <= cfg.min_workers <= cfg.workers:
+    if cfg.min_workers < 0 or cfg.min_workers > cfg.workers and not under_torchrun():  # torchrun: replicas
         raise UsageError(f"--min-workers must be between 1 and --workers ({cfg.workers}), got {cfg.min_workers}")
     if not 0 <= cfg.member_timeout <= cfg.timeout:
         raise UsageError(f"--member-timeout must be positive and at most --timeout ({cfg.timeout:g} s), "
                          f"got {cfg.member_timeout:g}")
-    if cfg.replicas and cfg.replicas != cfg.workers:
-        raise UsageError("--elastic runs one worker per replica: drop --replicas")
+    if cfg.replicas and cfg.replicas != cfg.workers and not under_torchrun():  # a slot: a replica of W/R processes
+        from .replica_run import check_replicas
+        check_replicas(cfg, "with --replicas")
     if cfg.strategy == "diloco":
         o = cfg.strategy_options()
         if o.sync_by != "steps":
@@ -73,7 +73,8 @@ def commit_every(cfg) -> int:
 
 
 def min_workers(cfg) -> int:
-    return cfg.min_workers or cfg.workers
+    """The live slots (workers; replicas with --replicas) below which an elastic run fails."""
+    return cfg.min_workers or cfg.replicas or cfg.workers
 
 
 MEMBER_TIMEOUT_S = 10.0

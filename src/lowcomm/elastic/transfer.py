@@ -17,15 +17,18 @@ import torch.distributed as dist
 from .membership import View
 
 
-def heal(view: View, state: Callable[[], dict], load: Callable[[dict], None]) -> list[int]:
-    """Bring every member to the newest committed state; returns the ranks that received it."""
-    newest = max(view.steps)
+def heal(view: View, state: Callable[[], dict], load: Callable[[dict], None], group=None) -> list[int]:
+    """Bring every member to the newest committed state; returns the ranks that received it.
+    In replicas of K processes (replicas.py) each holds 1/K of the state, so position p of a
+    replica behind takes position p's state from the first replica at the newest step, over
+    `group`: the ranks at this rank's position (None: the world, K = 1)."""
+    newest, K = max(view.steps), view.size()
     behind = [r for r, s in enumerate(view.steps) if s < newest]
     if not behind:
         return []
-    donor = view.steps.index(newest)
+    donor = view.steps.index(newest) + view.rank % K  # the donor replica's first rank, plus this position
     box = [state() if view.rank == donor else None]
-    dist.broadcast_object_list(box, src=donor)
+    dist.broadcast_object_list(box, src=donor, group=group)
     if view.rank in behind:
         load(box[0])
     return behind
