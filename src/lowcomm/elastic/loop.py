@@ -203,7 +203,7 @@ class ElasticWorker:
         flags[0] = self.m.joins()
         every = t.comm.meta_all_gather(torch.stack(pending + [flags])).cpu()
         first = self.step - len(pending) + 1
-        records = [step_record(first + i, every[:, i]) for i in range(len(pending))]
+        records = [step_record(first + i, every[:, i], len(t.run.levels) > 1) for i in range(len(pending))]
         now = time.time()  # when the step was committed (bench/chaos.py times recoveries by it)
         for r in records:
             r["members"], r["committed_at"] = list(self.view.slots), now
