@@ -35,8 +35,21 @@ pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'low
 from lowcomm.cli import main  # noqa: E402
 from test_elastic import TINY, check_finished, jsonl, wait_for  # noqa: E402
 
-STEPS, JOIN_AT, KILL_IN = 60, 4, 6  # the members wait at JOIN_AT's commit point for the joiner
+STEPS, JOIN_AT, KILL_IN = 100, 4, 6  # the members wait at JOIN_AT's commit point for the joiner
+# (STEPS: the faults end by step ~50 at most, measured; the rest is margin for a loaded machine)
 MEMBER_TIMEOUT = 3.0
+# `lowcomm join OUT` once the run has logged a step (so that it joins mid-run), in a Python
+# started with the test: its imports (3-10 s on the loaded machine) overlap the run's start.
+JOIN_AFTER_THE_FIRST_STEP = """
+import sys, time
+from pathlib import Path
+import torch  # noqa: F401 (the import that takes the time)
+from lowcomm.cli import main
+steps = Path(sys.argv[1]) / "steps.jsonl"
+while not (steps.exists() and steps.stat().st_size):
+    time.sleep(0.05)
+sys.exit(main(["join", sys.argv[1], "--quiet"]))
+"""
 
 
 def records(path: Path) -> list[dict]:
@@ -73,16 +86,15 @@ class Faults:
 
     def run(self) -> None:
         try:
+            with open(self.log, "w") as log:
+                self.joiner = subprocess.Popen([sys.executable, "-c", JOIN_AFTER_THE_FIRST_STEP, str(self.out)],
+                                               stdout=log, stderr=log)
             self._run()
         except BaseException as e:  # the test's thread reports it once the run has ended
             self.error = e
             self.end()
 
     def _run(self) -> None:
-        wait_for(lambda: records(self.out / "steps.jsonl"), "the first step")  # joining after the start
-        with open(self.log, "w") as log:
-            self.joiner = subprocess.Popen([sys.executable, "-m", "lowcomm", "join", str(self.out), "--quiet"],
-                                           stdout=log, stderr=log)
         self.quorum(1, [0, 1, 2], [2])  # the join
         # Worker 1 kills itself inside a collective (LOWCOMM_TEST_KILL_IN); restarted by the launcher
         # within about a heartbeat timeout, it is often in the survivors' first quorum already.
