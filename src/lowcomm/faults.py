@@ -9,6 +9,9 @@ step() misbehaves at the asked step (the tests of supervision and recovery use i
     LOWCOMM_TEST_NAN_AT=RANK:STEP     that rank's loss is NaN in that step
     LOWCOMM_TEST_KILL_AT=RANK:STEP    that rank is SIGKILLed after that step; the i-th entry fires in
                                       launch attempt i (LOWCOMM_ATTEMPT, or torchrun's restart count)
+    LOWCOMM_TEST_KILL_IN=RANK:STEP    that rank is SIGKILLed inside a collective: the first one of the
+                                      strategy's own traffic from that step on, once it is issued (its
+                                      peers wait in it for this rank's part); by launch attempt as KILL_AT
 Each takes a comma-separated list of RANK:STEP.
 """
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 
 def inject(run, rank: int):
     """`run`, or a stand-in for it that injects the faults the environment asks for."""
-    if not any(_fault_spec(name) for name in ("HANG_AT", "STOP_AT", "NAN_AT", "KILL_AT")):
+    if not any(_fault_spec(name) for name in ("HANG_AT", "STOP_AT", "NAN_AT", "KILL_AT", "KILL_IN")):
         return run
     return _FaultyRun(run, rank)
 
@@ -38,6 +41,7 @@ class _FaultyRun:
         step = self._run.steps_done + 1
         hang_if_asked(self._rank, step)
         stop_if_asked(self._rank, step)
+        kill_inside_collective_if_asked(getattr(self._run, "comm", None), self._rank, step)
         result = self._run.step(next_batch, nan_loss_if_asked(self._rank, step, loss_fn))
         kill_if_asked(self._rank, step)
         return result
@@ -80,11 +84,36 @@ def kill_if_asked(rank: int, step: int) -> None:
     """Test-only fault: LOWCOMM_TEST_KILL_AT=RANK:STEP[,...] SIGKILLs that rank after that step;
     the i-th entry fires in launch attempt i (LOWCOMM_ATTEMPT, or torchrun's restart count),
     so a restarted run is killed by the next entry, not again by the same one."""
-    kills = _fault_spec("KILL_AT")
-    attempt = int(os.environ.get("LOWCOMM_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    if attempt < len(kills) and kills[attempt] == (rank, step):
+    if _this_attempts("KILL_AT") == (rank, step):
         _note("KILL_LOG", f"{time.time()}")  # when it died, for bench/faults.py's time to notice
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _this_attempts(name: str) -> tuple[int, int] | None:
+    """The entry of LOWCOMM_TEST_<name> for this launch attempt (LOWCOMM_ATTEMPT, or torchrun's
+    restart count): the i-th fires in attempt i, so a restarted worker is not killed again by it."""
+    entries = _fault_spec(name)
+    attempt = int(os.environ.get("LOWCOMM_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    return entries[attempt] if attempt < len(entries) else None
+
+
+def kill_inside_collective_if_asked(comm, rank: int, step: int) -> None:
+    """Test-only fault: LOWCOMM_TEST_KILL_IN=RANK:STEP[,...] SIGKILLs that rank inside the first
+    collective of the strategy's own traffic (not bookkeeping) it issues from that step on: the
+    collective is launched, then the rank dies, so its peers are in it waiting for this rank's
+    part (a step without one -- diloco's inner steps -- passes it on to the next). By launch
+    attempt as KILL_AT; LOWCOMM_TEST_KILL_LOG gets "TIME OP"."""
+    if comm is None or _this_attempts("KILL_IN") != (rank, step):
+        return
+    run = comm._run
+
+    def dying(op, nbytes, launch, result, async_op, meta=False, local=None):
+        if meta:
+            return run(op, nbytes, launch, result, async_op, meta, local)
+        launch(True)
+        _note("KILL_LOG", f"{time.time()} {op}")
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm._run = dying  # every collective of Comm passes through _run
 
 
 def nan_loss_if_asked(rank: int, step: int, loss_fn):

@@ -31,6 +31,7 @@ from .. import rundir
 from ..errors import UsageError
 from ..storage import write_text_atomic
 from .membership import Membership
+from .support import member_timeout
 
 PUBLISHED = "elastic.json"
 NEXT_SLOT = "lowcomm/elastic/next_slot"  # joiners taken so far; slot = W + this - 1
@@ -71,6 +72,7 @@ def hold_for_joiner_if_asked(step: int, membership: Membership) -> int:
         return 0
     deadline = time.monotonic() + 300
     while membership.joins() == 0 and time.monotonic() < deadline:
+        membership.progress()  # waiting on purpose: not a stuck worker, whose heartbeats stop
         time.sleep(0.05)
     return membership.joins()
 
@@ -150,7 +152,10 @@ def join(args: argparse.Namespace) -> int:
     del store
     if not args.quiet:
         print(f"lowcomm: joining the run in {run} as worker {slot}", flush=True)
-    m = Joiner(where["lighthouse"], where["store"][0], where["store"][1], slot, cfg.timeout)
+    # The run's member timeout, as the launcher's workers have: with --timeout instead, a joiner
+    # blocked in a collective with a dead member waited up to --timeout (600 s), and the others
+    # with it, for the lighthouse waits for a live worker to ask for the next quorum.
+    m = Joiner(where["lighthouse"], where["store"][0], where["store"][1], slot, member_timeout(cfg))
     threading.Thread(target=watch, args=(run, m.joined), name="lowcomm-join-watch", daemon=True).start()
     try:
         run_elastic(cfg, slot, m, run, args.quiet, joining=True)

@@ -295,6 +295,7 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
     w.t_start = time.perf_counter()
     reforms = 0
     while True:
+        failed = False
         try:
             w.form(joining)
             joining = False
@@ -305,6 +306,11 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
         except RuntimeError as e:  # gloo: a peer closed the connection (died), or a collective timed out
             if not lost_peer(e):
                 raise
+            failed = True
+        if failed:
+            # Out of the except block: its traceback holds the broken group (DDP's reducer, c10d's
+            # frames), and a group still held keeps its sockets open through destroy_process_group,
+            # so a survivor blocked on this member waited --member-timeout instead of failing at once.
             w.rollback()
             reforms += 1
             # Announce ourselves as a joiner would: if we were the one cut off (frozen past
