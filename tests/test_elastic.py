@@ -124,3 +124,25 @@ def test_min_workers_and_member_timeout_need_elastic(capsys):
         assert f"error: {flag} applies only with --elastic" in capsys.readouterr().err
     assert main(["train", *TINY, "--member-timeout", "900", "--timeout", "60", "--steps", "2"]) == 2
     assert "error: --member-timeout must be positive and at most --timeout (60 s), got 900" in capsys.readouterr().err
+
+
+def test_validation_batches_are_the_same_whatever_the_membership():
+    """Members of any quorum evaluate, between them, exactly the batches the full run does, so a
+    validation loss compares across memberships (a 3-member quorum's own shards read other text)."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    from lowcomm.elastic.loop import val_for
+    from lowcomm.elastic.membership import View
+
+    cfg = SimpleNamespace(workers=4, micro_batch=2, eval_batches=2, model=SimpleNamespace(seq_len=8))
+    val = np.arange(1000, dtype=np.int64) % 251
+
+    def windows(world: int) -> list[bytes]:
+        views = [View("q", r, world, tuple(range(world)), (0,) * world) for r in range(world)]
+        return sorted(x.numpy().tobytes() for v in views for xs, _ in val_for(cfg, val, v) for x in xs)
+
+    full = windows(4)
+    assert len(full) == 4 * 2 * 2
+    for world in (1, 2, 3, 5):
+        assert windows(world) == full, world

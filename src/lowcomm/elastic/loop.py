@@ -62,6 +62,16 @@ def loader_for(cfg: C.RunConfig, train, view: View, step: int) -> ShardedBatches
                           position, positions)
 
 
+def val_for(cfg: C.RunConfig, val_tokens, view: View) -> list:
+    """This member's share of the run's validation batches, which are the same whatever the
+    membership: those a run of --workers ranks evaluates, dealt round-robin to the members (a
+    member beyond them evaluates none). So validation losses compare across memberships and with
+    a fault-free run; each member's share of a W-member quorum's set would be another sample."""
+    ranks = cfg.workers
+    return [batch for r in range(view.rank, ranks, view.world)
+            for batch in val_batches(val_tokens, r, ranks, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches)]
+
+
 class ElasticWorker:
     def __init__(self, cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Path | None, quiet: bool):
         self.cfg, self.slot, self.m, self.out_dir, self.quiet = cfg, slot, membership, out_dir, quiet
@@ -119,8 +129,7 @@ class ElasticWorker:
                        options=support.strategy_options(cfg))
         support.configure(run, cfg)
         run = faults.inject(run, view.slots[view.rank])  # test-only faults, by slot
-        val = val_batches(self.val_tokens, view.rank, view.world, cfg.model.seq_len, cfg.micro_batch,
-                          cfg.eval_batches)
+        val = val_for(cfg, self.val_tokens, view)
         self.t = Trainer(cfg, view.rank, view.world, self.device, "gloo", comm, self.model, run,
                          loader_for(cfg, self.train_tokens, view, self.step), val, self.source, None, None)
         self.view = view

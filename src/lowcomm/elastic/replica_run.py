@@ -23,7 +23,6 @@ from .. import faults
 from ..comm import Comm, control
 from ..comm.groups import ReplicaLayout
 from ..comm.groups import form as form_groups
-from ..data import val_batches
 from ..errors import UsageError
 from ..optim import adamw_factory, lr_schedule
 from ..run import link_seed, make_run
@@ -90,8 +89,8 @@ def build(w, view) -> Trainer:
     if hasattr(run.strategy, "min_contributors"):
         run.strategy.min_contributors = min_replicas(cfg)
     run = faults.inject(run, w.slot)  # test faults: by the rank in the job (torchrun), slot·K + rank (launcher)
-    val = val_batches(w.val_tokens, view.rank, view.world, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches)
-    from .loop import loader_for
+    from .loop import loader_for, val_for
+    val = val_for(cfg, w.val_tokens, view)
     return Trainer(cfg, view.rank, view.world, w.device, "gloo", comm, w.model, run,
                    loader_for(cfg, w.train_tokens, view, w.step), val, w.source, None, None)
 
