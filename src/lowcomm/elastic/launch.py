@@ -86,10 +86,13 @@ class Slots:
                 raise Interrupted(received[0], f"interrupted by {signal.Signals(received[0]).name}: every worker stopped")
             sentinels = {p.sentinel: slot for slot, ctx in self.live.items() for p in ctx.processes
                          if p.exitcode is None}
-            for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=supervise.POLL_S):
+            ready = multiprocessing.connection.wait(list(sentinels), timeout=supervise.POLL_S)
+            # Each slot once: the processes of a replica slot often end together, and the first
+            # look settles the slot (finished, or stopped and restarted under a new context).
+            for slot in dict.fromkeys(sentinels[sentinel] for sentinel in ready):
                 if received:  # a Ctrl-C reaches the workers too: not a death to restart them from
                     break
-                self._ended(sentinels[sentinel])
+                self._ended(slot)
             if self.finished and done_at is None:
                 done_at = time.monotonic()
             if done_at is not None and time.monotonic() - done_at > FINISH_GRACE_S:
