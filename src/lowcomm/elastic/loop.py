@@ -26,19 +26,15 @@ import torch
 import torch.distributed as dist
 
 from .. import config as C
-from .. import faults, run_end
-from ..comm import Comm
+from .. import run_end
 from ..data import load_bytes, split, val_batches
 from ..data.loader import ShardedBatches
 from ..errors import RunError
 from ..metrics.runlog import StepLog, result_vector, step_record
 from ..metrics.summary import Totals
 from ..models import lm_loss
-from ..optim import adamw_factory, lr_schedule
-from ..run import link_seed, make_run
 from ..worker import LoopResult, Trainer, build_model, evaluate, pick_device
 from . import checkpoints, replica_run, reshard, support, transfer
-from .replicas import ReplicaView
 from .rounds import RoundState
 from .join import hold_for_joiner_if_asked
 from .support import commit_every
@@ -116,22 +112,9 @@ class ElasticWorker:
         return view
 
     def _build(self, view: View) -> None:
-        cfg = self.cfg
         if self.t is not None:
             self.t.run.release()
-        if isinstance(view, ReplicaView):  # a torchrun job is one replica
-            self.t = replica_run.build(self, view)
-            self.view = view
-            return
-        comm = Comm(link=C.make_link(cfg, seed=link_seed(cfg.seed, view.slots[view.rank])), level="cross")
-        run = make_run(cfg.strategy, self.model, comm, adamw_factory(cfg.optim), accum=cfg.accum,
-                       schedule=lr_schedule(cfg.optim, cfg.steps), total_steps=cfg.steps,
-                       options=support.strategy_options(cfg))
-        support.configure(run, cfg)
-        run = faults.inject(run, view.slots[view.rank])  # test-only faults, by slot
-        val = val_for(cfg, self.val_tokens, view)
-        self.t = Trainer(cfg, view.rank, view.world, self.device, "gloo", comm, self.model, run,
-                         loader_for(cfg, self.train_tokens, view, self.step), val, self.source, None, None)
+        self.t = replica_run.build(self, view)  # one worker a replica, or a replica of K processes
         self.view = view
 
     def _joins_answered(self) -> int:

@@ -132,7 +132,8 @@ class Membership:
             raise RunError(f"the lighthouse's quorum {q.quorum_id} left this worker out")
         view = View(f"{q.quorum_id}-{q.created.seconds}.{q.created.nanos}", ids.index(self.id), len(ids),
                     tuple(int(i.split(":")[0]) for i in ids), tuple(int(m.step) for m in members))
-        self._form_group(view)
+        leave()
+        form_group(view, self.store, self.timeout_s)
         return view
 
     def _announce(self, done: threading.Event) -> None:
@@ -160,22 +161,26 @@ class Membership:
                 raise RunError(f"the lighthouse did not answer for {LIGHTHOUSE_AWAY_S:.0f} s: {why}")
             time.sleep(lighthouse.HEARTBEAT_S)
 
-    def _ask(self, step: int):
-        """One quorum request to the lighthouse (blocks up to QUORUM_RPC_S)."""
-        return self._client.quorum(replica_id=self.id, timeout=timedelta(seconds=QUORUM_RPC_S), address="",
-                                   store_address=self.store_address, step=step, world_size=1, shrink_only=False)
-
-    def _form_group(self, view: View) -> None:
-        leave()
-        prefix = dist.PrefixStore(f"lowcomm/elastic/q{view.quorum}/", self.store)
-        timeout = timedelta(seconds=self.timeout_s)  # a frozen member fails the others' collectives
-        dist.init_process_group("gloo", store=prefix, rank=view.rank, world_size=view.world, timeout=timeout)
-        # The driver's control group, made here with the same timeout (new_group's own is 30 min).
-        control.register_control(dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout))
+    def _ask(self, step: int, told: str = "", world_size: int = 1):
+        """One quorum request to the lighthouse (blocks up to QUORUM_RPC_S); `told`: what the
+        other members read of this one, `world_size`: its processes (replicas.py)."""
+        return self._client.quorum(replica_id=self.id, timeout=timedelta(seconds=QUORUM_RPC_S), address=told,
+                                   store_address=self.store_address, step=step, world_size=world_size,
+                                   shrink_only=False)
 
     def close(self) -> None:
         self._stop.set()
         leave()
+
+
+def form_group(view: View, store: dist.Store, timeout_s: float) -> None:
+    """The quorum's gloo default group, on `store` under a prefix unique to the quorum, and the
+    driver's control group beside it, both failing a collective after `timeout_s` (a frozen
+    member fails the others'; new_group's own timeout is 30 min). The previous group is left first."""
+    prefix = dist.PrefixStore(f"lowcomm/elastic/q{view.quorum}/", store)
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", store=prefix, rank=view.rank, world_size=view.world, timeout=timeout)
+    control.register_control(dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout))
 
 
 def waiting_for_peers(e: BaseException) -> bool:

@@ -1,5 +1,6 @@
 """A torchrun job as one replica of an elastic run (replicas.py): its entry, its checks, and the
-run built on each quorum's group with the replica machinery of a plain run.
+run built on each quorum's group with the replica machinery of a plain run (for every elastic
+run: a flat one's workers are replicas of one process).
 
 On a quorum of R replicas of K processes the world is R·K ranks, numbered replica by replica,
 which is comm/groups.py's ReplicaLayout(R·K, R): so the groups, the strategy across replicas on
@@ -64,15 +65,10 @@ def check_replicas(cfg, where: str) -> None:
             raise UsageError(f"{flag} does not run with --elastic {where} yet")
 
 
-def min_replicas(cfg) -> int:
-    """--min-workers with replica groups: the replicas the run's first quorum waits for, and an
-    outer step needs (diloco); when not given, every replica of `--replicas R`, under torchrun 1."""
-    return cfg.min_workers or cfg.replicas or 1
-
-
 def build(w, view) -> Trainer:
-    """The run of one process on a quorum's group (replicas.ReplicaView). Its cross-replica
-    group (run.levels[0]: its position's ranks, the world when K = 1) is where it heals."""
+    """The run of one process on a quorum's group: a replica of K processes (replicas.ReplicaView)
+    or one worker, a replica of its own (K = 1, a flat run). Its cross-replica group
+    (run.levels[0]: its position's ranks, the world when K = 1) is where it heals."""
     cfg = w.cfg
     layout = ReplicaLayout(view.world, view.world // view.size())
     slot = view.slots[view.rank]
@@ -86,8 +82,7 @@ def build(w, view) -> Trainer:
                    accum=cfg.accum, schedule=lr_schedule(cfg.optim, cfg.steps), total_steps=cfg.steps,
                    options=support.strategy_options(cfg), replica=levels.intra if levels else None,
                    inside=cfg.inside)
-    if hasattr(run.strategy, "min_contributors"):
-        run.strategy.min_contributors = min_replicas(cfg)
+    support.configure(run, cfg)
     run = faults.inject(run, w.slot)  # test faults: by the rank in the job (torchrun), slot·K + rank (launcher)
     from .loop import loader_for, val_for
     val = val_for(cfg, w.val_tokens, view)
@@ -131,7 +126,7 @@ def run_replica(cfg, local: int, size: int, job: dist.Store, lighthouse: str, ou
     from .replicas import MatesWatch, ReplicaLeader, ReplicaPeer
 
     timeout = support.member_timeout(cfg)
-    m = (ReplicaLeader(lighthouse, job, size, timeout, min_replicas(cfg), name) if local == 0
+    m = (ReplicaLeader(lighthouse, job, size, timeout, support.min_workers(cfg), name) if local == 0
          else ReplicaPeer(job, local, timeout))
     watch = MatesWatch(job, local, size, timeout, m.alive)
     try:

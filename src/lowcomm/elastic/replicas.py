@@ -33,10 +33,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..comm import control
 from ..errors import RunError
 from .address import host_port
-from .membership import QUORUM_RPC_S, Membership, View, leave
+from .membership import Membership, View, form_group, leave
 
 ASK_EVERY_S = 2.0    # members ask the lighthouse for a quorum (a joiner may wait) this often, at a commit point
 POLL_S = 0.02        # a mate waiting for the leader's plan looks this often
@@ -125,11 +124,9 @@ class _Side:
         leave()
         self.current = None
         host, port = p["store"].rsplit(":", 1)
-        timeout = timedelta(seconds=self.timeout_s)  # a frozen member fails the others' collectives
-        self._quorum_store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout)
-        prefix = dist.PrefixStore(f"lowcomm/elastic/q{view.quorum}/", self._quorum_store)
-        dist.init_process_group("gloo", store=prefix, rank=view.rank, world_size=view.world, timeout=timeout)
-        control.register_control(dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout))
+        self._quorum_store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                                           timeout=timedelta(seconds=self.timeout_s))
+        form_group(view, self._quorum_store, self.timeout_s)  # on the first replica's store
         self.current = view
         return view
 
@@ -167,9 +164,7 @@ class ReplicaLeader(_Side, Membership):
 
     def _ask(self, step: int):
         told = json.dumps({"slot": self.slot, "held": self._held_by_replica()})
-        return self._client.quorum(replica_id=self.id, timeout=timedelta(seconds=QUORUM_RPC_S), address=told,
-                                   store_address=self.store_address, step=step, world_size=self.size,
-                                   shrink_only=False)
+        return super()._ask(step, told, self.size)
 
     def _held_by_replica(self) -> str:
         """The group every process of this replica still holds, or '' when any lost it."""
@@ -200,10 +195,6 @@ class ReplicaLeader(_Side, Membership):
         self.slot = p["slots"][p["ids"].index(self.id)]
         self.job.set(f"plan/{self._asking_round}", json.dumps(p))
         return self._enter(p)
-
-    def close(self) -> None:
-        self._stop.set()
-        leave()
 
 
 class ReplicaPeer(_Side):

@@ -73,8 +73,11 @@ def commit_every(cfg) -> int:
 
 
 def min_workers(cfg) -> int:
-    """The live slots (workers; replicas with --replicas) below which an elastic run fails."""
-    return cfg.min_workers or cfg.replicas or cfg.workers
+    """The live slots (workers; replicas with --replicas or under torchrun) below which an elastic
+    run fails, which its first quorum waits for and an outer step needs (diloco). When not given:
+    every worker, every replica of `--replicas R`, under torchrun 1 (each job is one replica)."""
+    from ..nodes import under_torchrun
+    return cfg.min_workers or cfg.replicas or (1 if under_torchrun() else cfg.workers)
 
 
 MEMBER_TIMEOUT_S = 10.0

@@ -5,11 +5,9 @@ can be rerun and its report rebuilt (`lowcomm report OUT`) from what it holds.""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from ..bench import _run_all, bench_dir
 from ..errors import UsageError
-from ..metrics.runlog import write_json_atomic
 from ..preflight import preflight
 from ..report.recipe import write_recipe_report
 from ..report.runs import load_bench
