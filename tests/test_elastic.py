@@ -77,6 +77,20 @@ def test_diloco_survivors_drop_a_killed_worker_within_2s_and_finish(tmp_path):
     assert summary["elastic"]["members"] == [0, 2]
 
 
+def test_a_step_the_members_committed_is_logged_when_the_lead_dies_before_writing_it(tmp_path):
+    # zero1's commit is not atomic: after the gather the members still gather the snapshot. Here the
+    # lead (rank 0, steps.jsonl's writer) dies once all of them hold step 4, before writing it: the
+    # survivors go on from step 4 and the new lead writes its record, carried in their snapshots.
+    out = tmp_path / "run"
+    proc = start(out, "--strategy", "zero1", "--steps", "8", kill_before_log="0:4", kill_log=str(tmp_path / "killed"))
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    records, _ = check_finished(out, 8)
+    quorums = jsonl(out / "membership.jsonl")
+    assert [(q["slots"], q["step"]) for q in quorums] == [([0, 1, 2], 0), ([1, 2], 4)]
+    assert records[3]["members"] == [0, 1, 2] and records[4]["members"] == [1, 2]
+
+
 def test_a_worker_whose_training_thread_is_stuck_stops_heartbeating_and_is_left_out(tmp_path):
     from datetime import timedelta
 

@@ -12,6 +12,10 @@ step() misbehaves at the asked step (the tests of supervision and recovery use i
     LOWCOMM_TEST_KILL_IN=RANK:STEP    that rank is SIGKILLed inside a collective: the first one of the
                                       strategy's own traffic from that step on, once it is issued (its
                                       peers wait in it for this rank's part); by launch attempt as KILL_AT
+    LOWCOMM_TEST_KILL_BEFORE_LOG=RANK:STEP  (--elastic) that rank of the quorum is SIGKILLed at that
+                                      step's commit point once every member has committed the step,
+                                      before it writes the step's records (as rank 0, the log's writer);
+                                      by launch attempt as KILL_AT
 Each takes a comma-separated list of RANK:STEP.
 """
 from __future__ import annotations
@@ -121,3 +125,11 @@ def nan_loss_if_asked(rank: int, step: int, loss_fn):
     if (rank, step) not in _fault_spec("NAN_AT"):
         return loss_fn
     return lambda model, batch: loss_fn(model, batch) * float("nan")
+
+
+def kill_before_log_if_asked(rank: int, step: int) -> None:
+    """Test-only fault: LOWCOMM_TEST_KILL_BEFORE_LOG=RANK:STEP SIGKILLs that rank of an elastic
+    quorum at that step's commit point, after its snapshot, before it writes the records."""
+    if _this_attempts("KILL_BEFORE_LOG") == (rank, step):
+        _note("KILL_LOG", f"{time.time()}")
+        os.kill(os.getpid(), signal.SIGKILL)

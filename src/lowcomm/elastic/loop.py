@@ -30,6 +30,7 @@ from .. import run_end
 from ..data import load_bytes, split, val_batches
 from ..data.loader import ShardedBatches
 from ..errors import RunError
+from ..faults import kill_before_log_if_asked
 from ..metrics.runlog import StepLog, result_vector, step_record
 from ..metrics.summary import Totals
 from ..models import lm_loss
@@ -106,7 +107,7 @@ class ElasticWorker:
             self.snapshot = self._take_snapshot()
         healed = transfer.heal(view, lambda: self.snapshot, self._resume, self.t.run.levels[0].group)
         resumed = self._hash(self.snapshot)  # the committed state this member resumed from
-        self.snapshot = self._take_snapshot()
+        self.snapshot = self._take_snapshot(self.snapshot["records"])
         in_round = self.round.rejoin(self) if self.round is not None else None
         self._record(view, healed, resumed, in_round)
         return view
@@ -124,8 +125,14 @@ class ElasticWorker:
         dist.all_gather_object(every, self.m.joins())
         return max(every)
 
-    def _take_snapshot(self) -> dict:
-        return {"step": self.step, "strategy": reshard.snapshot(self.cfg.strategy, self.t.run)}
+    def _take_snapshot(self, records: list[dict] | None = None) -> dict:
+        """The state at a commit point, with the steps.jsonl records that commit made. They travel
+        with the state (transfer.heal), so the lead of the next quorum writes any the lead of this
+        one did not: a commit is not atomic. After the gather the members still evaluate and (zero1)
+        gather the snapshot, both collectives; a member can finish them while the lead fails in
+        them and rolls back, and the step the others committed would have no record."""
+        return {"step": self.step, "strategy": reshard.snapshot(self.cfg.strategy, self.t.run),
+                "records": list(records or [])}
 
     def _load(self, snapshot: dict) -> None:
         reshard.load(self.cfg.strategy, self.t.run, snapshot["strategy"])
@@ -162,6 +169,11 @@ class ElasticWorker:
                                     "state_sha256": [h for h, _ in every], "resumed_sha256": [r for _, r in every],
                                     "time": time.time(), **view.described()}) + "\n")
             self.log = StepLog(self.out_dir, resume_after=self.snapshot["step"])  # a new lead continues the log
+            logged = {r["step"] for r in self.log.kept}
+            for record in self.snapshot["records"]:  # committed, but the last lead failed before writing them
+                if record["step"] not in logged:
+                    self.log.write(record)
+                    self.log.kept.append(record)
             self.totals = Totals(self.cfg.workers)
             for record in self.log.kept:
                 self._add(record)
@@ -206,7 +218,8 @@ class ElasticWorker:
         if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
             with t.run.evaluating() as eval_model:
                 self.val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
-        self.snapshot = self._take_snapshot()
+        self.snapshot = self._take_snapshot(records)
+        kill_before_log_if_asked(self.view.rank, self.step)
         for r in records:
             self._add(r)
             if self.log is not None:
