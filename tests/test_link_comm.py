@@ -111,11 +111,14 @@ def test_async_op_overlaps_compute(results):
     for r in (x["overlap"] for x in results):
         c = r["alone"]
         assert 0.5 * m < c < 2 * m, r  # calibration gave compute of similar length
-        # max(compute, modeled), not the sum: allow 30% of the shorter one for
-        # the two ranks and gloo's thread sharing two cores.
+        # max(compute, modeled), not the sum. Measured against the compute as it ran beside the
+        # op (`computed`), not alone: gloo's thread and the other rank share two cores, so the
+        # compute itself may take longer (0.53 s alone, 0.72 s beside the op, once in CI); that
+        # is contention, not a failure to overlap.
+        computed = r["computed"]
         assert r["total"] >= m
-        assert r["total"] <= max(c, m) + 0.3 * min(c, m) + 0.05, (r, m)
-        assert r["total"] < c + m - 0.5 * min(c, m)
+        assert r["total"] <= max(computed, m) + SLACK_S, (r, m)
+        assert r["total"] < computed + m - 0.5 * min(computed, m), (r, m)
         # Only the blocked part of wait() is exposed.
         assert abs(r["exposed"] - (r["total"] - r["computed"])) < 0.01
 

@@ -36,8 +36,13 @@ OPTIONS = {"diloco": LOCAL_SGD, "sparseloco": LOCAL_SGD,
            "streaming_diloco": {**LOCAL_SGD, "fragments": 2, "fragment_delay": 1},
            "onebit_adam": {"freeze_variance_after": 2},  # 1-bit from step 3
            "powersgd": {"start": 2}}  # compressed from step 3
-# 1-bit Adam sends signs: a momentum within rounding of zero (the replica's mean gradient and a
-# single worker's differ in the last bits) may take the other sign and move by a block's scale.
+# The compressors that round run in float64 here: the replica's mean gradient and a single worker's
+# differ in the last bits (4.9e-8 for ddp), so in float32 an element within that of a quantization
+# boundary can take the other level, and Adam carries the difference on (quantized: 4.9e-4 on one
+# machine, 9e-8 on another). In float64 no element comes that close (quantized: 5.9e-9). 1-bit Adam
+# sends signs: a momentum within rounding of zero may still take the other sign and move by its
+# block's scale (float64 1.3e-6, float32 5.9e-6 and 1.1e-5 on two machines).
+DTYPE = {"quantized": torch.float64, "onebit_adam": torch.float64}
 TOLERANCE = {"onebit_adam": 5e-5}
 # Bytes: the blockwise compressors pad each position's piece to whole blocks on R ranks
 # (a few per cent on this small model); the overlapped rounds send a micro-batch count per group.
@@ -57,7 +62,7 @@ def _batch(step: int, worker: int, micro: int, rows: slice):
 
 def _train(name, comm, replica, worker: int, rows: slice):
     torch.manual_seed(1234)
-    model = _model()
+    model = _model().to(DTYPE.get(name, torch.float32))
     options = {**get(name).reproducible_options, **OPTIONS.get(name, {})}
     run = make_run(name, model, comm, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
                    accum=ACCUM, schedule=lambda step: 1e-2 * min(1.0, (step + 1) / 3), total_steps=N_STEPS,

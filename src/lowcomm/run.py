@@ -59,9 +59,10 @@ def make_run(strategy: str, model: nn.Module, comm: Comm, make_optimizer: MakeOp
                          total_steps=total_steps, inside=engine), pacer)
 
 
-def link_seed(seed: int, rank: int) -> int:
-    """The seed of rank `rank`'s emulated link: each NIC jitters on its own."""
-    return seed * 7919 + rank
+def link_seed(seed: int, rank: int, intra: bool = False) -> int:
+    """The seed of rank `rank`'s emulated link: each NIC jitters on its own, and the link inside
+    its replica (`intra`) apart from the one across replicas."""
+    return (seed + intra) * 7919 + rank
 
 
 def make_pacer(rank: int, world: int, slowdown: float = 1.0, stragglers: tuple[float, float] | None = None,

@@ -164,7 +164,7 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
     flight = comm.flight = FlightRecorder.for_rank(rank)  # always on: the last events, for a post-mortem
     if under_torchrun():  # every rank's replica count agreed, and a node per replica where the nodes chose it
         check_numbering(comm, layout, cfg.replicas_by_node, device)
-    levels = None if layout.flat else form_groups(layout, C.make_link(cfg, link_seed(cfg.seed + 1, rank), "intra_link"),
+    levels = None if layout.flat else form_groups(layout, C.make_link(cfg, link_seed(cfg.seed, rank, intra=True), "intra_link"),
                                                   C.make_link(cfg, seed=link_seed(cfg.seed, rank)))
     model = build_model(cfg, device)
     verify_identical_params(model, comm)

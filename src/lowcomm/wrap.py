@@ -86,7 +86,7 @@ def wrap(model: torch.nn.Module, make_optimizer: MakeOptimizer, strategy: str = 
     strategy, opts = _replica_options(strategy, options, world, replicas or world, inside, accum, intra_link, group)
     layout = ReplicaLayout(world, replicas or world)
     # groups formed in comm/groups.form, as for the CLI's workers, with the CLI's link seeds
-    levels = None if layout.flat else form(layout, _link(intra_link, link_seed(seed + 1, rank)), cross_link)
+    levels = None if layout.flat else form(layout, _link(intra_link, link_seed(seed, rank, intra=True)), cross_link)
     return make_run(strategy, model, levels.cross if levels else Comm(group, link=cross_link), make_optimizer,
                     **run, options=opts, replica=levels.intra if levels else None, inside=inside)
 

@@ -19,6 +19,7 @@ quorum (checkpoints.py).
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -85,6 +86,7 @@ class ElasticWorker:
         self.view: View | None = None
         self.t_start = time.perf_counter()  # less the earlier parts' wall time in a resumed run
         self.log: StepLog | None = None  # rank 0's steps.jsonl
+        self.lead_log: str | None = None  # the quorum lead's steps.jsonl (_log_file)
         self.contributors: dict[int, int] = {}  # rank 0: outer sync step -> workers that contributed (diloco)
         self.pending: list[torch.Tensor] = []  # this member's records of the steps since the last commit
         self.round = RoundState() if commit_every(cfg) > 1 else None  # diloco: a failed sync redoes one step
@@ -107,7 +109,7 @@ class ElasticWorker:
             self.snapshot = self._take_snapshot()
         healed = transfer.heal(view, lambda: self.snapshot, self._resume, self.t.run.levels[0].group)
         resumed = self._hash(self.snapshot)  # the committed state this member resumed from
-        self.snapshot = self._take_snapshot(self.snapshot["records"])
+        self.snapshot = self._take_snapshot(self.snapshot["log"])
         in_round = self.round.rejoin(self) if self.round is not None else None
         self._record(view, healed, resumed, in_round)
         return view
@@ -125,14 +127,15 @@ class ElasticWorker:
         dist.all_gather_object(every, self.m.joins())
         return max(every)
 
-    def _take_snapshot(self, records: list[dict] | None = None) -> dict:
-        """The state at a commit point, with the steps.jsonl records that commit made. They travel
-        with the state (transfer.heal), so the lead of the next quorum writes any the lead of this
-        one did not: a commit is not atomic. After the gather the members still evaluate and (zero1)
-        gather the snapshot, both collectives; a member can finish them while the lead fails in
-        them and rolls back, and the step the others committed would have no record."""
+    def _take_snapshot(self, log: dict | None = None) -> dict:
+        """The state at a commit point, with `log`: the steps.jsonl records that commit made and
+        the file they are due in (the quorum lead's). They travel with the state (transfer.heal),
+        so the lead of the next quorum writes any the lead of this one did not: a commit is not
+        atomic. After the gather the members still evaluate and (zero1) gather the snapshot, both
+        collectives; a member can finish them while the lead fails in them or dies, and the step
+        the others committed would have no record."""
         return {"step": self.step, "strategy": reshard.snapshot(self.cfg.strategy, self.t.run),
-                "records": list(records or [])}
+                "log": log or {"file": None, "records": []}}
 
     def _load(self, snapshot: dict) -> None:
         reshard.load(self.cfg.strategy, self.t.run, snapshot["strategy"])
@@ -151,6 +154,11 @@ class ElasticWorker:
     def _hash(self, snapshot: dict) -> str:
         return transfer.state_hash(support.replicated(self.cfg.strategy, snapshot["strategy"]))
 
+    def _log_file(self) -> str | None:
+        """This member's steps.jsonl, named across hosts. Under torchrun each job has its own --out,
+        so a new lead in another job does not write what the last lead wrote into its own."""
+        return None if self.out_dir is None else f"{socket.gethostname()}:{(self.out_dir / 'steps.jsonl').resolve()}"
+
     def _record(self, view: View, healed: list[int], resumed: str, in_round: int | None) -> None:
         """membership.jsonl (rank 0): the quorum, from which committed step (and, for diloco, the
         round step it went back to: rounds.py), who received the state, and each member's hash of
@@ -158,7 +166,8 @@ class ElasticWorker:
         loaded into this membership, with the hash of the committed state each resumed from
         (equal to it: nothing lost in a transfer or a re-shard)."""
         every = [None] * view.world
-        dist.all_gather_object(every, (self._hash(self.snapshot), resumed))
+        dist.all_gather_object(every, (self._hash(self.snapshot), resumed, self._log_file()))
+        self.lead_log = every[0][2]  # where this quorum's records go
         if self.log is not None:
             self.log.close()
             self.log = None
@@ -166,12 +175,12 @@ class ElasticWorker:
             with open(self.out_dir / "membership.jsonl", "a") as f:
                 f.write(json.dumps({"step": self.snapshot["step"], "round": in_round, "quorum": view.quorum, "slots": list(view.slots),
                                     "committed": list(view.steps), "healed": [view.slots[r] for r in healed],
-                                    "state_sha256": [h for h, _ in every], "resumed_sha256": [r for _, r in every],
+                                    "state_sha256": [e[0] for e in every], "resumed_sha256": [e[1] for e in every],
                                     "time": time.time(), **view.described()}) + "\n")
             self.log = StepLog(self.out_dir, resume_after=self.snapshot["step"])  # a new lead continues the log
-            logged = {r["step"] for r in self.log.kept}
-            for record in self.snapshot["records"]:  # committed, but the last lead failed before writing them
-                if record["step"] not in logged:
+            due, logged = self.snapshot["log"], {r["step"] for r in self.log.kept}
+            for record in due["records"] if due["file"] == self._log_file() else ():
+                if record["step"] not in logged:  # committed, but the last lead failed before writing it
                     self.log.write(record)
                     self.log.kept.append(record)
             self.totals = Totals(self.cfg.workers)
@@ -218,7 +227,7 @@ class ElasticWorker:
         if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
             with t.run.evaluating() as eval_model:
                 self.val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
-        self.snapshot = self._take_snapshot(records)
+        self.snapshot = self._take_snapshot({"file": self.lead_log, "records": records})
         kill_before_log_if_asked(self.view.rank, self.step)
         for r in records:
             self._add(r)

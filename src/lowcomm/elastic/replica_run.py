@@ -75,7 +75,7 @@ def build(w, view) -> Trainer:
     comm = Comm(link=C.make_link(cfg, seed=link_seed(cfg.seed, slot)), level="cross" if layout.flat else "world")
     levels = None
     if not layout.flat:
-        levels = form_groups(layout, C.make_link(cfg, link_seed(cfg.seed + 1, slot), "intra_link"),
+        levels = form_groups(layout, C.make_link(cfg, link_seed(cfg.seed, slot, intra=True), "intra_link"),
                              C.make_link(cfg, seed=link_seed(cfg.seed, slot)))
         shorten_timeouts(levels, support.member_timeout(cfg))
     run = make_run(cfg.strategy, w.model, levels.cross if levels else comm, adamw_factory(cfg.optim),

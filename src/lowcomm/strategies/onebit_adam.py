@@ -155,7 +155,8 @@ class OneBitAdam(Strategy):
         local = self.allreduce.flat([p.grad for p in self.params])
         self.allreduce.replica_mean(local)  # across replica groups: every rank's m_w is its replica's
         for p, g in zip(self.params, self.allreduce.views(local)):
-            g.copy_(torch.lerp(adam.state(p)["exp_avg"], adam.gradient(p, g), 1 - adam.beta1(p)))
+            m = adam.state(p)["exp_avg"]  # in p's dtype; the wire's buffer is fp32
+            g.copy_(torch.lerp(m, adam.gradient(p, g).to(m.dtype), 1 - adam.beta1(p)))
         mean = self.allreduce.mean(ctx, local, reduced=True)
         if mean is None:
             return
