@@ -304,8 +304,7 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, data_file, capfd, monke
     assert list(work.iterdir()) == [], "something was written to the working directory"
 
 
-SUBPROCESS_CASES = ["unknown_flag", "workers_negative", "lr_non_numeric", "unreadable_data_eio",
-                    "seq_len_longer_than_data", "unknown_toml_key_in_table"]
+SUBPROCESS_CASES = ["unknown_flag", "unreadable_data_eio", "unknown_toml_key_in_table"]  # argparse, data, config
 
 
 @pytest.mark.parametrize("case", SUBPROCESS_CASES)

@@ -7,9 +7,6 @@ each elastic strategy, in one run each: test_elastic_faults.py.)
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,19 +19,6 @@ from lowcomm.cli import main  # noqa: E402
 
 TINY = ["--workers", "3", "--elastic", "--min-workers", "2", "--n-layer", "2", "--n-head", "2",
         "--d-model", "16", "--seq-len", "16", "--data", "pydoc", "--eval-every", "0", "--quiet"]
-
-
-def start(out: Path, *flags: str, **faults: str) -> subprocess.Popen:
-    """The CLI in the background, with test faults (kill="1:5" sets LOWCOMM_TEST_KILL_AT...)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **{f"LOWCOMM_TEST_{k.upper()}": v for k, v in faults.items()}}
-    return subprocess.Popen([sys.executable, "-m", "lowcomm", "train", *TINY, *flags, "--out", str(out)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def train(out: Path, *flags: str, kill: str, log: Path) -> subprocess.CompletedProcess:
-    proc = start(out, *flags, kill_at=kill, kill_log=str(log))
-    stdout, stderr = proc.communicate(timeout=120)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def wait_for(ready, what: str, within: float = 60.0):
@@ -58,11 +42,23 @@ def check_finished(out: Path, steps: int) -> tuple[list[dict], dict]:
     return records, summary
 
 
-def test_diloco_survivors_drop_a_killed_worker_within_2s_and_finish(tmp_path):
+def train(out: Path, monkeypatch, capfd, *flags: str, **faults: str) -> str:
+    """`lowcomm train` in this process (its workers from the suite's warm fork server), with test
+    faults (kill_at="1:5" sets LOWCOMM_TEST_KILL_AT); the launcher's stderr."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for name, value in faults.items():
+        monkeypatch.setenv(f"LOWCOMM_TEST_{name.upper()}", value)
+    code = main(["train", *TINY, *flags, "--out", str(out)])
+    err = capfd.readouterr().err
+    assert code == 0, err
+    return err
+
+
+def test_diloco_survivors_drop_a_killed_worker_within_2s_and_finish(tmp_path, monkeypatch, capfd):
     out, log = tmp_path / "run", tmp_path / "killed"
-    done = train(out, "--strategy", "diloco", "--sync-every", "4", "--steps", "24", kill="1:6", log=log)
-    assert done.returncode == 0, done.stderr
-    assert "worker 1 failed: killed by signal SIGKILL; the others go on without it" in done.stderr
+    err = train(out, monkeypatch, capfd, "--strategy", "diloco", "--sync-every", "4", "--steps", "24",
+                kill_at="1:6", kill_log=str(log))
+    assert "worker 1 failed: killed by signal SIGKILL; the others go on without it" in err
     records, summary = check_finished(out, 24)
     quorums = jsonl(out / "membership.jsonl")
     assert [q["slots"] for q in quorums] == [[0, 1, 2], [0, 2]]
@@ -77,15 +73,14 @@ def test_diloco_survivors_drop_a_killed_worker_within_2s_and_finish(tmp_path):
     assert summary["elastic"]["members"] == [0, 2]
 
 
-def test_a_step_the_members_committed_is_logged_when_the_lead_dies_before_writing_it(tmp_path):
+def test_a_step_the_members_committed_is_logged_when_the_lead_dies_before_writing_it(tmp_path, monkeypatch, capfd):
     # zero1's commit is not atomic: after the gather the members still gather the snapshot. Here the
     # lead (rank 0, steps.jsonl's writer) dies once all of them hold step 4, before writing it: the
     # survivors go on from step 4 and the new lead writes its record, carried in their snapshots.
     out = tmp_path / "run"
-    proc = start(out, "--strategy", "zero1", "--steps", "8", kill_before_log="0:4", kill_log=str(tmp_path / "killed"))
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stderr
-    records, _ = check_finished(out, 8)
+    train(out, monkeypatch, capfd, "--strategy", "zero1", "--steps", "6", kill_before_log="0:4",
+          kill_log=str(tmp_path / "killed"))
+    records, _ = check_finished(out, 6)
     quorums = jsonl(out / "membership.jsonl")
     assert [(q["slots"], q["step"]) for q in quorums] == [([0, 1, 2], 0), ([1, 2], 4)]
     assert records[3]["members"] == [0, 1, 2] and records[4]["members"] == [1, 2]

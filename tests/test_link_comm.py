@@ -72,19 +72,24 @@ def test_sync_and_queued_ops_take_the_modeled_time(results):
 
 
 def _calibrated_compute(seconds):
+    """Work of about `seconds`: warmed up first (the first matmuls are slow), then timed over at
+    least half of `seconds` (a 0.1 s calibration once came out 6x too short)."""
     a = torch.randn(192, 192)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 0.1:
-        a = torch.tanh(a @ a)
-        n += 1
-    iters = max(1, int(n * seconds / (time.perf_counter() - t0)))
 
-    def work():
+    def run(iters):
         b = a
         for _ in range(iters):
             b = torch.tanh(b @ b)
         return b
-    return work
+    run(20)
+    iters, took = 1, 0.0
+    while took < seconds / 2:
+        iters *= 2
+        t0 = time.perf_counter()
+        run(iters)
+        took = time.perf_counter() - t0
+    iters = max(1, round(iters * seconds / took))
+    return lambda: run(iters)
 
 
 def _overlap(rank, world):
