@@ -84,11 +84,13 @@ def _fault_spec(name: str) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in part.split(":")) for part in spec.split(",") if part.strip()]
 
 
-def kill_if_asked(rank: int, step: int) -> None:
+def kill_if_asked(rank: int, step: int, fault: str = "KILL_AT") -> None:
     """Test-only fault: LOWCOMM_TEST_KILL_AT=RANK:STEP[,...] SIGKILLs that rank after that step;
     the i-th entry fires in launch attempt i (LOWCOMM_ATTEMPT, or torchrun's restart count),
-    so a restarted run is killed by the next entry, not again by the same one."""
-    if _this_attempts("KILL_AT") == (rank, step):
+    so a restarted run is killed by the next entry, not again by the same one. `fault`: another
+    point to die at, by the same rule (KILL_BEFORE_LOG: elastic/loop.py's commit, after the
+    snapshot, before the records are written)."""
+    if _this_attempts(fault) == (rank, step):
         _note("KILL_LOG", f"{time.time()}")  # when it died, for bench/faults.py's time to notice
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -126,10 +128,3 @@ def nan_loss_if_asked(rank: int, step: int, loss_fn):
         return loss_fn
     return lambda model, batch: loss_fn(model, batch) * float("nan")
 
-
-def kill_before_log_if_asked(rank: int, step: int) -> None:
-    """Test-only fault: LOWCOMM_TEST_KILL_BEFORE_LOG=RANK:STEP SIGKILLs that rank of an elastic
-    quorum at that step's commit point, after its snapshot, before it writes the records."""
-    if _this_attempts("KILL_BEFORE_LOG") == (rank, step):
-        _note("KILL_LOG", f"{time.time()}")
-        os.kill(os.getpid(), signal.SIGKILL)

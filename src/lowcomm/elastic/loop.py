@@ -31,7 +31,7 @@ from .. import run_end
 from ..data import load_bytes, split, val_batches
 from ..data.loader import ShardedBatches
 from ..errors import RunError
-from ..faults import kill_before_log_if_asked
+from ..faults import kill_if_asked
 from ..metrics.runlog import StepLog, result_vector, step_record
 from ..metrics.summary import Totals
 from ..models import lm_loss
@@ -165,8 +165,8 @@ class ElasticWorker:
         the committed state all must hold alike (equal after a join), taken after the state was
         loaded into this membership, with the hash of the committed state each resumed from
         (equal to it: nothing lost in a transfer or a re-shard)."""
-        every = [None] * view.world
-        dist.all_gather_object(every, (self._hash(self.snapshot), resumed, self._log_file()))
+        every, log_file = [None] * view.world, self._log_file()
+        dist.all_gather_object(every, (self._hash(self.snapshot), resumed, log_file))
         self.lead_log = every[0][2]  # where this quorum's records go
         if self.log is not None:
             self.log.close()
@@ -179,7 +179,7 @@ class ElasticWorker:
                                     "time": time.time(), **view.described()}) + "\n")
             self.log = StepLog(self.out_dir, resume_after=self.snapshot["step"])  # a new lead continues the log
             due, logged = self.snapshot["log"], {r["step"] for r in self.log.kept}
-            for record in due["records"] if due["file"] == self._log_file() else ():
+            for record in due["records"] if due["file"] == log_file else ():
                 if record["step"] not in logged:  # committed, but the last lead failed before writing it
                     self.log.write(record)
                     self.log.kept.append(record)
@@ -228,7 +228,7 @@ class ElasticWorker:
             with t.run.evaluating() as eval_model:
                 self.val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
         self.snapshot = self._take_snapshot({"file": self.lead_log, "records": records})
-        kill_before_log_if_asked(self.view.rank, self.step)
+        kill_if_asked(self.view.rank, self.step, "KILL_BEFORE_LOG")  # test-only
         for r in records:
             self._add(r)
             if self.log is not None:
