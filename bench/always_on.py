@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""What the always-on flight recorder (metrics/flight.py) costs, measured three ways.
+"""What the always-on flight recorder (comm/flight.py) costs, measured three ways.
 
     python bench/always_on.py                                   # default model (tiny), ddp, W=2
     python bench/always_on.py --model small --micro-batch 4 --steps 40 --pairs 3 --within 2
 
 1. Inside one run (the robust figure): LOWCOMM_FLIGHT=alternate records on steps 1, 4, 5, 8, ...
-   and not on 2, 3, 6, 7, ... (metrics/flight_cost.py), so both arms see the same load on the
+   and not on 2, 3, 6, 7, ... (diagnose/flight_cost.py), so both arms see the same load on the
    machine. Adjacent steps (1,2), (3,4), ... make pairs, one step of each arm; printed: the
    median over all pairs of on/off step wall time (steps.jsonl's wall_s, the slowest rank's),
    with the middle half of the pairs' ratios and each run's median.
@@ -33,8 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _runs import train  # noqa: E402
 
-from lowcomm.metrics.flight import CAPACITY, ENV_OFF, HEADER, SLOT  # noqa: E402
-from lowcomm.metrics.flight_cost import ALTERNATE, recording_on  # noqa: E402
+from lowcomm.comm.flight import CAPACITY, ENV_OFF, HEADER, SLOT  # noqa: E402
+from lowcomm.diagnose.flight_cost import ALTERNATE, recording_on  # noqa: E402
 
 
 def main() -> int:

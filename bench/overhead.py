@@ -55,7 +55,7 @@ import lowcomm
 from lowcomm.config import MODEL_PRESETS, OptimConfig
 from lowcomm.data import VOCAB_SIZE, ShardedBatches, check_sizes, load_bytes, split
 from lowcomm.models import GPT, lm_loss
-from lowcomm.optim import adamw_factory, lr_schedule
+from lowcomm.train.optim import adamw_factory, lr_schedule
 
 RESULT_KEY = "overhead_bench/result"
 

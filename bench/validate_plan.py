@@ -40,7 +40,7 @@ from pathlib import Path
 
 from _runs import train
 
-from lowcomm.report.runs import load_run
+from lowcomm.metrics.runs import load_run
 
 # A small GPT (435k parameters, 1.7 MB of fp32 gradients): a step computes in tens of ms on
 # one loaded core, so the emulated links below decide, and a run is mostly process start-up.
@@ -122,7 +122,7 @@ def slug(text: str) -> str:
 def plan_step_s(run: Path, calibration: Path, steps: int) -> tuple[float, int]:
     """`lowcomm plan`'s step time for the run's own config, and its nominal tokens per step T:
     seconds per T tokens (a strategy that computes more while it waits is compared per token)."""
-    from lowcomm.cli import main
+    from lowcomm.cli.main import main
     summary = json.loads((run / "summary.json").read_text())
     argv = ["plan", "--config", str(run / "config.toml"), "--calibrate", str(calibration),
             "--strategies", summary["strategy"], "--steps", str(steps), "--json"]

@@ -29,7 +29,7 @@ CORPUS_STEPS = 300
 def corpus_run(tmp_path_factory):
     """corpus_run(strategy, *flags, steps=300, eval_every=100) -> (summary dict, step records).
     Identical calls within a session train once."""
-    from lowcomm.cli import main
+    from lowcomm.cli.main import main
     from lowcomm.data.corpus import shakespeare_dir
 
     done: dict[tuple, tuple[dict, list[dict]]] = {}

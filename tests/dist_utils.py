@@ -11,9 +11,9 @@
         out = run_dist(_worker, 2, 10.0)       # [rank 0's value, rank 1's value]
         assert torch.equal(out[0], torch.full((4,), 10.0))
 
-How it works (the same recipe as src/lowcomm/launch.py): the parent hosts a
+How it works (the same recipe as src/lowcomm/launch/launcher.py): the parent hosts a
 TCPStore on a port the OS picks (port 0, so concurrent test runs never race for
-a port), starts W processes the way the launcher does (lowcomm.supervise.start_workers:
+a port), starts W processes the way the launcher does (lowcomm.launch.supervise.start_workers:
 forked from a server that imported torch and lowcomm once, with the caller's
 environment and directory), and each one sets one torch thread, joins the
 store, initialises a gloo process group of size W, calls
@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from lowcomm.supervise import start_workers
+from lowcomm.launch.supervise import start_workers
 
 __all__ = ["run_dist", "rel_err", "flat_params"]
 

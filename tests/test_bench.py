@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lowcomm.cli import main
-from lowcomm.report import PLOTS
-from lowcomm.report.table import COLUMNS
+from lowcomm.cli.main import main
+from lowcomm.bench.report import PLOTS
+from lowcomm.bench.report.table import COLUMNS
 from lowcomm.strategies import Options, Strategy, available, register
 from lowcomm.strategies.registry import unregister
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lowcomm import checkpoint as K
-from lowcomm.cli import build_parser, config_from_args, main
+from lowcomm.cli.main import build_parser, config_from_args, main
 from lowcomm.strategies import available, get
 from lowcomm.strategies.registry import reproducible_flags
 
@@ -72,7 +72,7 @@ def saved_params(ckpt: Path, rank: int = 0) -> dict:
 
 
 def _train(cfg, rank, world):
-    from lowcomm.worker import build, loop
+    from lowcomm.train.worker import build, loop
     t = build(cfg, rank, world, local_rank=0)
     try:
         if cfg.resume_from:

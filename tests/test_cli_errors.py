@@ -287,12 +287,12 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, data_file, capfd, monke
     """Every case through `lowcomm.cli.main`, the function `python -m lowcomm` runs
     (in this process: a subprocess per case would spend the suite's time importing torch;
     test_bad_input_subprocess runs a representative subset the way a user does)."""
-    import lowcomm.launch
-    from lowcomm.cli import main
+    import lowcomm.launch.launcher
+    from lowcomm.cli.main import main
 
     def no_training(*a, **k):
         raise AssertionError(f"{case}: the input was accepted and training was about to start")
-    monkeypatch.setattr(lowcomm.launch, "launch", no_training)
+    monkeypatch.setattr(lowcomm.launch.launcher, "launch", no_training)
     work, argv, names, out = _prepare_case(case, tmp_path, data_file)
     before = snapshot(out)
     monkeypatch.chdir(work)
@@ -354,10 +354,10 @@ COMMAND_CASES = ["plan_absurd_params", "plan_absurd_width", "plan_absurd_depth",
 @pytest.mark.parametrize("case", COMMAND_CASES)
 def test_bad_input_of_bench_and_plan(case, tmp_path, data_file, capfd, monkeypatch):
     """The same contract for `lowcomm bench` and `lowcomm plan`: exit 2, one line, nothing written."""
-    import lowcomm.launch
-    from lowcomm.cli import main
+    import lowcomm.launch.launcher
+    from lowcomm.cli.main import main
 
-    monkeypatch.setattr(lowcomm.launch, "launch", lambda *a, **k: pytest.fail(f"{case}: training started"))
+    monkeypatch.setattr(lowcomm.launch.launcher, "launch", lambda *a, **k: pytest.fail(f"{case}: training started"))
     work = tmp_path / "cwd"
     work.mkdir()
     argv, names = _command_case(case, tmp_path, data_file)
@@ -453,7 +453,7 @@ def test_valid_tiny_run_writes_the_output_contract(tmp_path, data_file):
     assert C.to_dict(again) == cfg
     assert C.to_toml(again) == cfg_text
     # ... and through the CLI's own parsing of --config (what a second run would train with)
-    from lowcomm.cli import build_parser, config_from_args
+    from lowcomm.cli.main import build_parser, config_from_args
     via_cli = config_from_args(build_parser().parse_args(["train", "--config", str(out / "config.toml")]))
     assert C.to_dict(via_cli) == cfg
 

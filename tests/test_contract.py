@@ -23,11 +23,11 @@ import torch
 
 import lowcomm
 from lowcomm.models.layout import layout_of
-from lowcomm.cli import main
-from lowcomm.metrics.trace import comm_wire_bytes, nesting_errors
-from lowcomm.run import make_run
+from lowcomm.cli.main import main
+from lowcomm.diagnose.trace import comm_wire_bytes, nesting_errors
+from lowcomm.run.driver import make_run
 from lowcomm.strategies import available, get
-from lowcomm.strategies.options import cli_flag, type_name
+from lowcomm.contract.options import cli_flag, type_name
 
 from dist_utils import run_dist
 
@@ -180,7 +180,7 @@ def trainer_life(rank, world, path, resume: bool):
     """The trainer-level state (strategy + data position + RNG) of a real `lowcomm train`
     worker, for the most stateful strategy: resumed, its next steps equal the straight run's."""
     from lowcomm import config as C
-    from lowcomm.worker import build
+    from lowcomm.train.worker import build
     cfg = C.RunConfig(strategy="acco", workers=world, micro_batch=MICRO, accum=ACCUM, steps=6,
                       data=C.DataConfig(source="pydoc"),
                       model=C.ModelConfig(n_layer=1, n_head=2, d_model=16, seq_len=SEQ))

@@ -16,8 +16,9 @@ import uuid
 
 import pytest
 
-from lowcomm import rundir, storage
-from lowcomm.cli import main
+from lowcomm.launch.launcher import rundir
+from lowcomm.checkpoint import storage
+from lowcomm.cli.main import main
 from lowcomm.errors import DiskFull
 from lowcomm.metrics.runlog import StepLog
 

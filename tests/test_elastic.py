@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
 
-from lowcomm.cli import main  # noqa: E402
+from lowcomm.cli.main import main  # noqa: E402
 
 TINY = ["--workers", "3", "--elastic", "--min-workers", "2", "--n-layer", "2", "--n-head", "2",
         "--d-model", "16", "--seq-len", "16", "--data", "pydoc", "--eval-every", "0", "--quiet"]
@@ -141,7 +141,7 @@ def test_validation_batches_are_the_same_whatever_the_membership():
     import numpy as np
     from types import SimpleNamespace
 
-    from lowcomm.elastic.loop import val_for
+    from lowcomm.train.elastic import val_for
     from lowcomm.elastic.membership import View
 
     cfg = SimpleNamespace(workers=4, micro_batch=2, eval_batches=2, model=SimpleNamespace(seq_len=8))

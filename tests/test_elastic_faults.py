@@ -32,7 +32,7 @@ import pytest
 
 pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
 
-from lowcomm.cli import main  # noqa: E402
+from lowcomm.cli.main import main  # noqa: E402
 from test_elastic import TINY, check_finished, jsonl, wait_for  # noqa: E402
 
 STEPS, JOIN_AT, KILL_IN = 100, 4, 6  # the members wait at JOIN_AT's commit point for the joiner
@@ -44,7 +44,7 @@ JOIN_AFTER_THE_FIRST_STEP = """
 import sys, time
 from pathlib import Path
 import torch  # noqa: F401 (the import that takes the time)
-from lowcomm.cli import main
+from lowcomm.cli.main import main
 steps = Path(sys.argv[1]) / "steps.jsonl"
 while not (steps.exists() and steps.stat().st_size):
     time.sleep(0.05)

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
 
-from lowcomm.cli import main  # noqa: E402
+from lowcomm.cli.main import main  # noqa: E402
 from test_elastic import jsonl  # noqa: E402
 
 # Job b's process 1 is killed after step KILL; job a, alone from there, holds at its first commit

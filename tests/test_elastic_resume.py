@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
 
-from lowcomm.cli import main  # noqa: E402
+from lowcomm.cli.main import main  # noqa: E402
 from test_elastic import TINY, check_finished, jsonl  # noqa: E402
 
 STEPS = 12

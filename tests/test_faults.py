@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-import lowcomm.launch
-from lowcomm import rundir
-from lowcomm.cli import main
+import lowcomm.launch.launcher
+from lowcomm.launch.launcher import rundir
+from lowcomm.cli.main import main
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good "
         "fortune, must be in want of a wife.\n") * 60
@@ -204,7 +204,7 @@ def test_runs_started_in_the_same_second_keep_their_results(tmp_path, data_file,
 
     def fake_launch(cfg, out, quiet=False):
         (out / "steps.jsonl").write_text(json.dumps({"seed": cfg.seed}) + "\n")
-    monkeypatch.setattr(lowcomm.launch, "launch", fake_launch)
+    monkeypatch.setattr(lowcomm.launch.launcher, "launch", fake_launch)
     for seed in (1, 2):
         assert main(["train", "--seed", str(seed), "--data", str(data_file), "--quiet"]) == 0
     first, second = tmp_path / "runs" / "ddp-w2-20260101-120000", tmp_path / "runs" / "ddp-w2-20260101-120000-2"
@@ -230,7 +230,7 @@ def test_overwrite_leaves_no_file_of_the_old_run(tmp_path, data_file, monkeypatc
     (out / "config.toml").write_text('strategy = "zero1"\nsteps = 4\n')
     for name in ("steps.jsonl", "summary.json", "trace.json", "error.log", "notes-of-the-run.txt"):
         (out / name).write_text("old\n")
-    monkeypatch.setattr(lowcomm.launch, "launch", lambda cfg, out, quiet=False: None)
+    monkeypatch.setattr(lowcomm.launch.launcher, "launch", lambda cfg, out, quiet=False: None)
     assert main(["train", "--data", str(data_file), "--out", str(out), "--overwrite", "--quiet"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["config.toml"]
     assert 'strategy = "ddp"' in (out / "config.toml").read_text()

@@ -1,5 +1,5 @@
-"""The flight recorder: every rank's last events in a fixed ring (metrics/flight.py), and what the
-launcher makes of the rings after a run failed (metrics/postmortem.py).
+"""The flight recorder: every rank's last events in a fixed ring (comm/flight.py), and what the
+launcher makes of the rings after a run failed (diagnose/postmortem.py).
 
 - the ring keeps the last CAPACITY events, in order, from several threads, and is read back from
   its shared file as another process (the launcher) reads it;
@@ -24,11 +24,11 @@ import time
 
 from test_faults import TINY, data_file, error_line, workers_of  # noqa: F401 (data_file: a fixture)
 
-from lowcomm.cli import main
-from lowcomm.metrics.flight import CODE, FlightRecorder, read_dir, ring_name
-from lowcomm.metrics.postmortem import diagnose
-from lowcomm.metrics.stalls import STALL_MIN_S, StallWatch, stopped
-from lowcomm.metrics.trace import nesting_errors
+from lowcomm.cli.main import main
+from lowcomm.comm.flight import CODE, FlightRecorder, read_dir, ring_name
+from lowcomm.diagnose.postmortem import diagnose
+from lowcomm.diagnose.stalls import STALL_MIN_S, StallWatch, stopped
+from lowcomm.diagnose.trace import nesting_errors
 
 
 def test_the_ring_keeps_the_last_events_in_order(tmp_path):

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from lowcomm import config as C
-from lowcomm.cli import main
+from lowcomm.cli.main import main
 from lowcomm.comm.pacer import Pacer
 
 

@@ -16,7 +16,7 @@ import torch
 from dist_utils import rel_err
 
 from lowcomm.checkpoint import read, read_state
-from lowcomm.cli import main
+from lowcomm.cli.main import main
 
 STEPS, K = 4, 2
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good "

@@ -16,8 +16,8 @@ import torch
 
 from lowcomm.metrics.progress import level_text
 from lowcomm.metrics.runlog import FIELDS, LEVEL_FIELDS, step_record
-from lowcomm.metrics.trace import comm_wire_bytes, nesting_errors
-from lowcomm.report import load_entries, write_report
+from lowcomm.diagnose.trace import comm_wire_bytes, nesting_errors
+from lowcomm.bench.report import load_entries, write_report
 
 STEPS, WORKERS = 4, 4
 LEVELS = ("cross", "intra")
@@ -104,7 +104,7 @@ def test_report_shows_bytes_per_token_and_waits_per_level(run, tmp_path):
 
 
 def test_a_flat_run_keeps_its_record_line_and_report(run, tmp_path, monkeypatch):
-    monkeypatch.setattr("lowcomm.report.write_plots", lambda *a: [])  # the test above draws them
+    monkeypatch.setattr("lowcomm.bench.report.write_plots", lambda *a: [])  # the test above draws them
     every_rank = torch.ones(WORKERS, len(FIELDS) + len(LEVEL_FIELDS), dtype=torch.float64)
     record = step_record(1, every_rank)
     assert not any(key.endswith(("_cross", "_intra")) for key in [*record, *record["per_rank"]])

@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from lowcomm.cli import main
+from lowcomm.cli.main import main
 from lowcomm.comm.link import LinkModel, parse_bandwidth, parse_duration
-from lowcomm.metrics.trace import comm_wire_bytes
+from lowcomm.diagnose.trace import comm_wire_bytes
 
 STEPS = 6
 BASE = ["train", "--strategy", "ddp", "--workers", "2", "--steps", str(STEPS), "--n-layer", "2",

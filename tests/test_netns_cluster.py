@@ -103,13 +103,13 @@ def _torchrun_env(world: int, per_node: int) -> dict:
 
 
 def _cfg(*flags: str):
-    from lowcomm.cli import build_parser
-    from lowcomm.flags import config_from_args
+    from lowcomm.cli.main import build_parser
+    from lowcomm.cli.flags import config_from_args
     return config_from_args(build_parser(only="train").parse_args(["train", *flags]))
 
 
 def _decide(env: dict, *flags: str):
-    from lowcomm.nodes import default_replicas
+    from lowcomm.config.nodes import default_replicas
     from lowcomm.strategies import available
     cfg = _cfg(*flags)
     cfg.workers = int(env["WORLD_SIZE"])  # as launch.prepare sets it under torchrun
@@ -149,7 +149,7 @@ def test_nodes_of_unequal_size_stay_flat():
 def test_torchruns_node_major_numbering_is_the_replica_layout():
     """torchrun gives node n's process l the rank n·K + l (K processes a node): replica n, position l."""
     from lowcomm.comm.groups import ReplicaLayout
-    from lowcomm.nodes import numbering_problem
+    from lowcomm.config.nodes import numbering_problem
     layout = ReplicaLayout(world=6, replicas=3)
     torchrun = [[3, rank // 2, rank % 2] for rank in range(6)]  # [replicas, GROUP_RANK, LOCAL_RANK]
     assert numbering_problem(layout, torchrun, by_node=True) is None
@@ -161,7 +161,7 @@ def test_torchruns_node_major_numbering_is_the_replica_layout():
 
 
 def test_prepare_under_torchrun_says_so_on_rank_0(monkeypatch, capsys):
-    from lowcomm.launch import prepare
+    from lowcomm.launch.launcher import prepare
     for key, value in _torchrun_env(4, 2).items():
         monkeypatch.setenv(key, value)
     cfg = _cfg("--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from lowcomm.cli import main
+from lowcomm.cli.main import main
 
 # --params 1e6 prices the GPT of about that size (models/size.py): 2 layers of d_model 192 at
 # seq_len 128, N = 386*192 + 2*(12*192^2 + 4*192) = 960,384 parameters, 3,841,536 fp32 bytes.
@@ -137,10 +137,10 @@ def test_params_keeps_the_dimensions_given_with_it(capsys):
 
 
 def test_model_params_counts_the_model_itself_at_any_depth():
-    """The memory check's count (resources.py) and the plan's come from the model, not a formula."""
+    """The memory check's count (launch/resources.py) and the plan's come from the model, not a formula."""
     import lowcomm
     from lowcomm import config as C
-    from lowcomm.planner import model_layout, model_params
+    from lowcomm.plan.planner import model_layout, model_params
     cfg = C.RunConfig(model=C.ModelConfig(n_layer=5, n_head=2, d_model=32, seq_len=16))
     built = lowcomm.GPT(vocab_size=256, seq_len=16, n_layer=5, n_head=2, d_model=32).num_params()
     assert model_params(cfg) == model_layout(cfg).numel == built
@@ -196,7 +196,7 @@ def test_each_level_sends_what_level_plans_says_and_a_run_counts(capsys):
     """Bytes per level at (R, K) = (2, 2): the strategy's level_plans, counted as a run's summary.json
     counts them (metrics/levels.py, whose counts tests/test_replicas.py checks against real runs)."""
     from lowcomm.metrics.levels import planned_bytes
-    from lowcomm.planner import model_layout
+    from lowcomm.plan.planner import model_layout
     from lowcomm.strategies import get
     steps = 8
     got, out = plan(capsys, *GROUPED, "--strategies", "ddp,zero1,diloco,demo", "--sync-every", "4",
@@ -274,7 +274,7 @@ def test_a_slow_intra_link_keeps_the_cluster_flat(capsys):
     assert got["ddp"]["levels"]["intra"]["wire_bytes_per_rank_per_step"] == 0
 
 
-# --tune: each strategy's knobs over a grid (plan_tune.py), and what the plan assumed (plan_assume.py).
+# --tune: each strategy's knobs over a grid (plan/tune.py), and what the plan assumed (plan/assume.py).
 SLOW = ["--link", "10mbit,20ms"]  # later flags win: the cluster above on a link where every byte counts
 
 
@@ -397,7 +397,7 @@ def _one_run(path, strategy: str, table: str = "") -> int:
     computes 0.1 s and rank 1 0.2 s, then 50 ms on the network and 10 ms of overhead; validation
     loss 3.5 after step 2 and 3.0 after step 4. Returns the model's parameter count."""
     from lowcomm import config as C
-    from lowcomm.planner import model_layout
+    from lowcomm.plan.planner import model_layout
     params = model_layout(C.RunConfig(model=C.ModelConfig(preset="tiny"))).numel
     comm = 0.05
     (path / "config.toml").write_text(f'strategy = "{strategy}"\nworkers = 2\nmicro_batch = 2\n'

@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 
 from lowcomm import config as C
-from lowcomm import preflight
-from lowcomm.cli import main
-from lowcomm.report import load_entries, write_report
+from lowcomm.bench.compare import preflight
+from lowcomm.cli.main import main
+from lowcomm.bench.report import load_entries, write_report
 from test_report import fake_run
 
 

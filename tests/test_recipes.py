@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from lowcomm.cli import main
-from lowcomm.report.recipe import write_recipe_report
-from lowcomm.report.runs import load_bench
+from lowcomm.cli.main import main
+from lowcomm.bench.report.recipe import write_recipe_report
+from lowcomm.metrics.runs import load_bench
 from test_report import fake_run
 
 TINY = """workers = 2
@@ -156,7 +156,7 @@ def test_report_rebuilds_the_recipe_report(recipe_bench, tmp_path):
 def test_without_matplotlib_the_report_is_written_with_one_line_saying_what_to_install(recipe_bench, tmp_path):
     out, _ = recipe_bench
     code = ("import sys; sys.modules['matplotlib'] = None\n"
-            "from lowcomm.cli import main\n"
+            "from lowcomm.cli.main import main\n"
             f"sys.exit(main(['report', {str(out)!r}, '--out', {str(tmp_path / 'r')!r}]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -197,7 +197,7 @@ def tuned_of(root: Path) -> dict:
 @pytest.fixture(autouse=True)
 def no_plots(request, monkeypatch):
     if "recipe_bench" not in request.fixturenames:
-        monkeypatch.setattr("lowcomm.report.plots_available", lambda: False)
+        monkeypatch.setattr("lowcomm.bench.report.plots_available", lambda: False)
 
 
 def test_the_best_setting_is_the_lowest_mean_loss_over_seeds_with_its_spread(tmp_path):
@@ -231,7 +231,7 @@ def test_a_tie_in_loss_goes_to_the_shorter_time_and_failed_cells_are_not_chosen(
                          ids=lambda p: p.name)
 def test_the_shipped_recipes_read_and_plan(recipe, tmp_path):
     """Every recipe under bench/recipes/ still reads and validates, run by run, as the code changes."""
-    from lowcomm.recipe import load_recipe
-    from lowcomm.recipe.grid import plan_grid
+    from lowcomm.bench.recipe import load_recipe
+    from lowcomm.bench.recipe.grid import plan_grid
     planned = plan_grid(load_recipe(recipe), tmp_path / "out", overwrite=False)
     assert planned and not (tmp_path / "out").exists()

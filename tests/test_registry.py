@@ -16,12 +16,12 @@ import torch
 import lowcomm
 from lowcomm.models.layout import ModelLayout
 from lowcomm import config as C
-from lowcomm.cli import build_parser, config_from_args
-from lowcomm.run import make_run
+from lowcomm.cli.main import build_parser, config_from_args
+from lowcomm.run.driver import make_run
 from lowcomm.strategies import available, get, option, register
-from lowcomm.strategies.flat import ShardedOptions
-from lowcomm.strategies.options import cli_flag
-from lowcomm.strategies.plan import PlannedOp
+from lowcomm.engines.flat import ShardedOptions
+from lowcomm.contract.options import cli_flag
+from lowcomm.contract.plan import PlannedOp
 from lowcomm.strategies.registry import unregister
 from lowcomm.strategies.zero1 import Zero1
 

@@ -19,12 +19,12 @@ from dist_utils import rel_err, run_dist
 
 import lowcomm
 from lowcomm.checkpoint import read, read_state
-from lowcomm.cli import main
+from lowcomm.cli.main import main
 from lowcomm.comm.control import register_control
 from lowcomm.comm.groups import ReplicaLayout, form
 from lowcomm.metrics.levels import planned_bytes
 from lowcomm.models.layout import layout_of
-from lowcomm.run import make_run
+from lowcomm.run.driver import make_run
 from lowcomm.strategies import available, get
 
 # -- every strategy in one W=4 spawn: (2, 2) against (2, 1) ------------------------------------

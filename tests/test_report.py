@@ -10,9 +10,9 @@ from pathlib import Path
 import matplotlib.figure
 import pytest
 
-from lowcomm.cli import main
-from lowcomm.report import load_entries, write_report
-from lowcomm.report.plots import ABOVE_TARGET
+from lowcomm.cli.main import main
+from lowcomm.bench.report import load_entries, write_report
+from lowcomm.bench.report.plots import ABOVE_TARGET
 
 CONFIG = """strategy = "{strategy}"
 workers = {workers}
@@ -39,7 +39,7 @@ latency = "10ms"
 def no_plots(request, monkeypatch):
     """Drawing four PNGs takes seconds; only the test about plots draws them."""
     if "plots" not in request.node.name:
-        monkeypatch.setattr("lowcomm.report.write_plots", lambda *a: [])
+        monkeypatch.setattr("lowcomm.bench.report.write_plots", lambda *a: [])
 
 
 def fake_run(root: Path, strategy: str, points: list[tuple[float, int, float]], *, params: int = 120_000,

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs"))
 import regenerate_results as R  # noqa: E402
 
-from lowcomm.cli import main  # noqa: E402
+from lowcomm.cli.main import main  # noqa: E402
 
 REGENERATE = "the code's figures changed: rerun `python docs/regenerate_results.py` and commit docs/results.md"
 

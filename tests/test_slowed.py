@@ -1,5 +1,5 @@
-"""What slowed a run: the slow-link flag while it runs (metrics/slowlink.py, fed records here),
-and the report's "What slowed this run" section and per-rank time plot (report/slowed.py),
+"""What slowed a run: the slow-link flag while it runs (diagnose/slowlink.py, fed records here),
+and the report's "What slowed this run" section and per-rank time plot (bench/report/slowed.py),
 which also names the stalled collectives flagged during the run."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 from test_faults import TINY, data_file  # noqa: F401 (data_file: a fixture)
 
-from lowcomm.cli import main
-from lowcomm.metrics.slowlink import SlowLinkFlags
-from lowcomm.preflight import plots_available
-from lowcomm.report import RecordedRun
-from lowcomm.report.slowed import causes, section
+from lowcomm.cli.main import main
+from lowcomm.diagnose.slowlink import SlowLinkFlags
+from lowcomm.bench.preflight import plots_available
+from lowcomm.bench.report import RecordedRun
+from lowcomm.bench.report.slowed import causes, section
 
 
 def _record(exposed: list[float], model: float | None) -> dict:

@@ -10,7 +10,7 @@ import pytest
 
 from test_faults import TINY, data_file, error_line  # noqa: F401 (data_file: a fixture)
 
-from lowcomm.cli import main
+from lowcomm.cli.main import main
 
 
 def test_scalars_are_written_and_read_back(tmp_path, data_file):

@@ -10,7 +10,7 @@ import torch
 from dist_utils import run_dist
 from lowcomm.comm import Comm
 from lowcomm.comm.link import LinkModel
-from lowcomm.metrics.trace import Tracer, comm_wire_bytes, write_trace
+from lowcomm.diagnose.trace import Tracer, comm_wire_bytes, write_trace
 
 N = 2**16  # fp32 elements: 256 KiB
 BW = 10e6  # 26 ms per all-reduce of 256 KiB on W=2: long enough to be seen, short enough to be quick

@@ -12,7 +12,7 @@ import pytest
 
 from test_faults import TINY, data_file, error_line  # noqa: F401 (data_file: a fixture)
 
-from lowcomm.cli import main
+from lowcomm.cli.main import main
 from lowcomm.metrics.scalars import step_scalars
 
 STAND_IN = '''

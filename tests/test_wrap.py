@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import lowcomm
 from lowcomm import UsageError
-from lowcomm.cli import main
+from lowcomm.cli.main import main
 
 from dist_utils import rel_err, run_dist
 
@@ -200,7 +200,7 @@ def test_wrap_takes_options_and_emulation_by_name():
 
 
 def test_tokens_are_counted_for_tuple_and_dict_batches():
-    from lowcomm.strategies.context import batch_tokens
+    from lowcomm.contract.context import batch_tokens
     ids = torch.zeros(4, 32, dtype=torch.long)
     assert batch_tokens((ids, ids)) == 128
     assert batch_tokens({"input_ids": ids, "labels": ids}) == 128

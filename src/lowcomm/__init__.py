@@ -15,10 +15,10 @@ _EXPORTS = {
     "Comm": ("comm", "Comm"), "CommStats": ("comm", "CommStats"), "RunConfig": ("config", "RunConfig"),
     "RunError": ("errors", "RunError"), "UsageError": ("errors", "UsageError"),
     "GPT": ("models", "GPT"), "build_hf_causal_lm": ("models", "build_hf_causal_lm"), "lm_loss": ("models", "lm_loss"),
-    "RunDriver": ("run", "RunDriver"), "make_run": ("run", "make_run"),
-    "make_strategy": ("run", "make_run"),  # the name of lowcomm 0.1's builder
+    "RunDriver": ("run.driver", "RunDriver"), "make_run": ("run.driver", "make_run"),
+    "make_strategy": ("run.driver", "make_run"),  # the name of lowcomm 0.1's builder
     "StepResult": ("strategies", "StepResult"), "Strategy": ("strategies", "Strategy"),
-    "available": ("strategies", "available"), "wrap": ("wrap", "wrap"),
+    "available": ("strategies", "available"), "wrap": ("run.wrap", "wrap"),
 }
 __all__ = [*_EXPORTS, "__version__"]
 
@@ -27,7 +27,7 @@ def __getattr__(name: str):
     if name in _EXPORTS:
         module, attr = _EXPORTS[name]
         value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
-        # Importing lowcomm.wrap bound the submodule to the name `wrap`: the function must win.
+        # cached: the next access does not come here
         globals()[name] = value
         return value
     if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # lowcomm.strategies, as before

@@ -16,7 +16,7 @@ import torch
 
 import lowcomm
 from lowcomm.models.layout import ModelLayout
-from lowcomm.run import make_run
+from lowcomm.run.driver import make_run
 from lowcomm.strategies import get
 
 from dist_utils import flat_params, run_dist

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import lowcomm
 from lowcomm.config import OptimConfig
-from lowcomm.optim import lr_schedule
+from lowcomm.train.optim import lr_schedule
 
 from dist_utils import flat_params, rel_err
 

@@ -12,7 +12,7 @@ import torch
 
 import lowcomm
 from lowcomm.models.layout import layout_of
-from lowcomm.run import make_run
+from lowcomm.run.driver import make_run
 from lowcomm.strategies import get
 
 from dist_utils import flat_params

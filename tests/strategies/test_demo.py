@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import lowcomm
-from lowcomm.run import make_run
+from lowcomm.run.driver import make_run
 
 from compressed_common import (ACCUM, assert_bytes_equal_plans, assert_round_trip, batch, build, counted_bytes,
                                in_shared_spawn, make_model, make_optimizer, round_trip, schedule, shared_results,

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from lowcomm.cli import main
-from lowcomm.strategies.outer_wire import OUTER_BLOCK, outer_quantizer
+from lowcomm.cli.main import main
+from lowcomm.engines.outer_wire import OUTER_BLOCK, outer_quantizer
 
 from dist_utils import flat_params, rel_err
 from local_sgd import EXACT, adamw, build, check_counted_bytes, count_bytes, diloco_h4, make_model, sgd, train

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lowcomm
-from lowcomm.optim import FrozenAdam
+from lowcomm.engines.optim import FrozenAdam
 
 from compressed_common import (assert_bytes_equal_plans, assert_round_trip, batch, counted_bytes, decaying,
                                in_shared_spawn, make_model, make_optimizer, round_trip, shared_results)

@@ -8,7 +8,7 @@ import pytest
 
 import lowcomm
 from lowcomm import config as C
-from lowcomm.cli import build_parser, config_from_args
+from lowcomm.cli.main import build_parser, config_from_args
 
 from compressed_common import (assert_bytes_equal_plans, assert_round_trip, build, counted_bytes,
                                in_shared_spawn, round_trip, shared_results)

@@ -12,7 +12,8 @@ run's output directory:
 One module a job: layout.py (names, manifest checksums, the config hash), state.py (the
 trainer's state as DCP stores it, and loading it back), write.py (requests and the atomic
 write), choose.py (verifying one, choosing the newest usable one), resume.py (`--resume`
-and relaunches after a failure). The names below are the package's interface.
+and relaunches after a failure), storage.py (any run file written when the disk may be full).
+The names below are the package's interface. Imports: config, contract, errors.
 """
 from .choose import Found, WorldSizeError, check_world, latest, read, verify
 from .layout import FORMAT, MANIFEST, PREFIX, SAFE_KEYS, config_hash, listed, name_of, prune

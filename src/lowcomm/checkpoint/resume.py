@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .. import config as C
 from ..errors import UsageError
-from ..storage import write_text_atomic
+from .storage import write_text_atomic
 from .choose import latest
 from .layout import SAFE_KEYS
 

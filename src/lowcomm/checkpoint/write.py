@@ -20,8 +20,8 @@ import torch
 
 from .. import config as C
 from ..errors import RunError
-from ..storage import disk_full, write_text_atomic
-from ..strategies.context import tensor_bytes
+from .storage import disk_full, write_text_atomic
+from ..contract.context import tensor_bytes
 from .layout import FORMAT, MANIFEST, checksums, config_hash, name_of, prune
 from .state import to_dcp
 
@@ -92,7 +92,7 @@ def _save(trainer, state: dict, out_dir: Path, tmp: Path, keep: int, replicated:
 
 def _refuse_nonfinite(trainer) -> None:
     """Agreed across ranks, so that no rank waits in a save the others left."""
-    from ..strategies.context import all_finite
+    from ..contract.context import all_finite
     bad = torch.tensor([0.0 if all_finite(*(p.detach() for p in trainer.model.parameters())) else 1.0],
                        device=trainer.device)
     if trainer.comm.meta_all_reduce(bad, op="max").item():

@@ -1,3 +1,9 @@
+"""Every byte a strategy sends: Comm counts, times and (on request) slows it to an emulated link
+(comm.py, link.py, pacer.py); replica groups (groups.py); compressed collectives; the flight
+ring each Comm writes (flight.py).
+
+Imports: compress, errors.
+"""
 from .comm import Comm, CommStats, Handle
 from .wire import COLLECTIVES, latency_hops, wire_bytes
 

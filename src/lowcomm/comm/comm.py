@@ -25,8 +25,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..metrics.flight import CODE as _FLIGHT_CODE
-from ..metrics.flight import level_code
+from .flight import CODE as _FLIGHT_CODE
+from .flight import level_code
 from .handle import Handle
 from .handle import failed as _failed
 from .handle import sleep_until as _sleep_until
@@ -53,7 +53,7 @@ class CommStats:
     exposed_s: float = 0.0
     emulated_s: float = 0.0  # part of busy_s that only the link emulator added
     # What the link model prices these ops at (no queueing, no jitter): the time a healthy
-    # emulated link needs for them, which metrics/slowlink.py sets beside the exposed time.
+    # emulated link needs for them, which diagnose/slowlink.py sets beside the exposed time.
     modeled_s: float = 0.0
 
     def __sub__(self, other: "CommStats") -> "CommStats":
@@ -85,7 +85,7 @@ class Comm:
         # only its timing and counters (see _run).
         self.link = link
         self.tracer = None
-        # The flight recorder (metrics/flight.py): the worker attaches one to every run.
+        # The flight recorder (comm/flight.py): the worker attaches one to every run.
         # Each op gets a sequence number on this group, equal on every rank for the same
         # collective, so a post-mortem can tell which rank never reached the one others wait in.
         self.flight = None

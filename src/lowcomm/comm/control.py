@@ -28,6 +28,16 @@ def register_control(group: dist.ProcessGroup, control: dist.ProcessGroup) -> No
     _GROUPS[id(group)] = control
 
 
+def control_groups() -> list[dist.ProcessGroup]:
+    """Every control group made so far (a caller shortening their timeouts)."""
+    return list(_GROUPS.values())
+
+
+def forget_control_groups() -> None:
+    """Drop every control group (their process group is being destroyed: a new one gets its own)."""
+    _GROUPS.clear()
+
+
 def agree_max(value: int, group: dist.ProcessGroup | None) -> int:
     """The largest `value` over the ranks of `group`, through its control group."""
     t = torch.tensor([value], dtype=torch.int64)

@@ -11,6 +11,8 @@ and states its exact wire bytes. Row-wise compressors work on the last dimension
     buf = c.to_bytes(p)                        # (..., c.nbytes(n)) uint8: send this
     y = c.decompress(c.from_bytes(buf, n))     # float32, x's shape
 
+Imports: errors.
+
     ef = ErrorFeedback(c)                      # residual per key: sent + residual = input
     p, sent = ef.compress("outer", x)          # ef.state_dict() -> the strategy's state
     c = parse_spec("topk:0.02,bits:2")         # one-line SPEC (diloco's --outer-compress)

@@ -3,22 +3,45 @@
 Every run-level value a user can set lives here with its type and its check,
 so the CLI, the TOML file and the Python API all reject the same bad values
 with the same one-line message. Strategy options are not listed here: each
-strategy declares its own (strategies/options.py), and the registry supplies
+strategy declares its own (contract/options.py), and the registry supplies
 their TOML tables (`[<strategy>]`), flags and checks. Composite values (`--link`,
 `--slowdown`, `--stragglers`) are parsed into typed values when they are set.
 
 One module a job: schema.py (the dataclasses, presets and fixed choices), setting.py
 (setting a value by key, strategy options, links), tomlio.py (reading and writing TOML),
-checks.py (validate). The names below are the package's interface.
+checks.py (validate), flags.py (the run flags' table), nodes.py (one replica per node
+under torchrun). The names below are the package's interface.
+Imports: strategies, engines, contract, comm (what it configures), errors.
 """
-from ..errors import UsageError
-from .checks import validate
-from .schema import (BACKENDS, DEVICES, HF_PREFIX, MAX_TIMEOUT_S, MODEL_PRESETS, SCHEDULES, DataConfig,
-                     LinkConfig, ModelConfig, OptimConfig, RunConfig)
-from .setting import make_link, resolve_options, set_link, set_option, set_value
-from .tomlio import from_dict, load_toml, to_dict, to_toml
+from __future__ import annotations
+
+import importlib
+
+# name -> the module that defines it, imported on first use (PEP 562): the run flags' table
+# (flags.py) is read by `lowcomm --help`, which must not wait for torch (checks.py imports
+# the strategy registry)
+_EXPORTS = {
+    "UsageError": "..errors", "validate": ".checks",
+    **{n: ".schema" for n in ("BACKENDS", "DEVICES", "HF_PREFIX", "MAX_TIMEOUT_S", "MODEL_PRESETS", "SCHEDULES",
+                              "DataConfig", "LinkConfig", "ModelConfig", "OptimConfig", "RunConfig")},
+    **{n: ".setting" for n in ("make_link", "link_factories", "resolve_options", "set_link", "set_option",
+                               "set_value")},
+    **{n: ".tomlio" for n in ("from_dict", "load_toml", "to_dict", "to_toml")},
+}
 
 __all__ = ["BACKENDS", "DEVICES", "HF_PREFIX", "MAX_TIMEOUT_S", "MODEL_PRESETS", "SCHEDULES", "DataConfig",
            "LinkConfig", "ModelConfig", "OptimConfig", "RunConfig", "UsageError", "from_dict", "load_toml",
-           "make_link", "resolve_options", "set_link", "set_option", "set_value", "to_dict", "to_toml",
-           "validate"]
+           "link_factories", "make_link", "resolve_options", "set_link", "set_option", "set_value", "to_dict",
+           "to_toml", "validate"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -5,8 +5,8 @@ from __future__ import annotations
 from ..comm.link import format_duration
 from ..errors import UsageError
 from ..strategies import registry
-from ..strategies.inside import check_replicas
-from ..values import format_numbers
+from ..engines.inside import check_replicas
+from ..contract.values import format_numbers
 from .schema import (BACKENDS, DEVICES, MAX_TIMEOUT_S, MODEL_PRESETS, SCHEDULES, DataConfig,
                      ModelConfig, OptimConfig, RunConfig)
 from .setting import resolve_options
@@ -26,8 +26,6 @@ def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
     _check_model(cfg.model)
     _check_data(cfg.data)
     _check_optim(cfg.optim)
-    from ..elastic.support import check as check_elastic
-    check_elastic(cfg)
 
 
 def _positive(name: str, value: float) -> None:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from ..comm.link import format_bandwidth, format_duration, parse_bandwidth, parse_duration
 from ..strategies import registry
-from ..strategies.options import Options
-from ..values import format_numbers, parse_slowdown, parse_stragglers
+from ..contract.options import Options
+from ..contract.values import format_numbers, parse_slowdown, parse_stragglers
 
 MODEL_PRESETS = {
     # name: (n_layer, n_head, d_model); parameter counts are for vocab 256, seq_len 128
@@ -97,8 +97,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     link: LinkConfig = field(default_factory=LinkConfig)  # across replicas (a flat run: between all workers)
-    # R replicas of workers/R processes (0: one per worker), `inside` in each over `intra_link` (strategies/inside.py)
-    replicas: int = 0  # under torchrun across nodes, 0 means one replica per node (nodes.py)
+    # R replicas of workers/R processes (0: one per worker), `inside` in each over `intra_link` (engines/inside.py)
+    replicas: int = 0  # under torchrun across nodes, 0 means one replica per node (config/nodes.py)
     inside: str = "ddp"
     intra_link: LinkConfig = field(default_factory=LinkConfig)
     # "f1,...,fW": rank r computes f_r times slower (empty = all 1)

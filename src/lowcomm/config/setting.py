@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import fields
+from functools import partial
 from typing import Any
 
 from ..comm.link import split_link_spec
 from ..errors import UsageError
 from ..strategies import registry
-from ..strategies.options import Options, type_name
-from ..values import convert
+from ..contract.options import Options, type_name
+from ..contract.values import convert
 from .schema import RunConfig
 
 
@@ -119,3 +120,9 @@ def make_link(cfg: RunConfig, seed: int = 0, table: str = "link"):
     if ln.bandwidth is None:
         return None
     return LinkModel(ln.bandwidth, ln.latency, ln.jitter, seed=seed)
+
+
+
+def link_factories(cfg: RunConfig) -> tuple:
+    """make_link for [link] and for [intra_link], each a function of the seed (run/build.py's LinkOf)."""
+    return partial(make_link, cfg), partial(make_link, cfg, table="intra_link")

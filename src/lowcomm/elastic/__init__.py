@@ -10,10 +10,11 @@ Built from torchft's lighthouse (membership by heartbeat and quorum) and plain c
 - membership.py a quorum at a commit point, and the c10d group of its members;
 - transfer.py  the live state sent from a peer to a worker that joins or fell behind;
 - reshard.py   the state kept at a commit point, whole (zero1's shards gathered), loadable by any membership;
-- loop.py      the training loop of an elastic worker: commit points, rollback, rejoin;
-- join.py      `lowcomm join RUNDIR`: one more worker for a run that is training;
 - address.py   `--lighthouse HOST:PORT` (a lighthouse the launcher uses, not starts) and reachability;
 - replicas.py  under torchrun, each job one replica of K processes: its rank 0 the member at the
                lighthouse, the quorum handed to its mates, the R*K group, frozen mates stopped;
-- replica_run.py the torchrun entry and checks, and the replica groups built on each quorum.
+- checkpoints.py an elastic run's checkpoints and its --resume.
+
+The elastic worker's loop is train/elastic.py, its launcher launch/elastic.py, `lowcomm join`
+launch/join.py. Imports: config, checkpoint, comm, errors -- never train or launch.
 """

@@ -199,7 +199,7 @@ def lighthouse_away(e: BaseException) -> bool:
 def leave() -> None:
     """Destroy this worker's group, if any (collected first: see worker.leave_group), and the
     control groups made beside it."""
-    control._GROUPS.clear()
+    control.forget_control_groups()
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()

@@ -34,9 +34,8 @@ def check(cfg) -> None:
             if value:
                 raise UsageError(f"{flag} applies only with --elastic")
         return
-    from ..nodes import under_torchrun
+    from ..config.nodes import under_torchrun
     if under_torchrun():  # each torchrun job is one replica (replicas.py)
-        from .replica_run import check as check_torchrun
         check_torchrun(cfg)
     if cfg.strategy not in SUPPORTED:
         why = WHY_NOT.get(cfg.strategy, "it does not declare how its state survives a change of the group")
@@ -48,7 +47,6 @@ def check(cfg) -> None:
         raise UsageError(f"--member-timeout must be positive and at most --timeout ({cfg.timeout:g} s), "
                          f"got {cfg.member_timeout:g}")
     if cfg.replicas and cfg.replicas != cfg.workers and not under_torchrun():  # a slot: a replica of W/R processes
-        from .replica_run import check_replicas
         check_replicas(cfg, "with --replicas")
     if cfg.strategy == "diloco":
         o = cfg.strategy_options()
@@ -67,6 +65,33 @@ def check(cfg) -> None:
         check_reachable(parse_lighthouse(cfg.lighthouse), f"--lighthouse {cfg.lighthouse}")
 
 
+def check_torchrun(cfg) -> None:
+    """What an elastic run under torchrun cannot take, in one line each."""
+    if not cfg.lighthouse:
+        raise UsageError("--elastic under torchrun needs --lighthouse HOST:PORT, a lighthouse every replica reaches "
+                         "(e.g. torchft_lighthouse --min_replicas 1 --join_timeout_ms 600000 --bind [::]:29510)")
+    if cfg.replicas:
+        raise UsageError("--elastic under torchrun makes each torchrun job one replica: drop --replicas")
+    if cfg.max_restarts:
+        raise UsageError("--max-restarts is torchrun's under torchrun (it restarts the whole replica): pass it to "
+                         "torchrun, not to lowcomm train")
+    check_replicas(cfg, "under torchrun")
+
+
+def check_replicas(cfg, where: str) -> None:
+    """What elastic replica groups cannot take (`where`: under torchrun, or with --replicas)."""
+    if cfg.inside != "ddp":
+        raise UsageError(f"--elastic {where} runs --inside ddp, not '{cfg.inside}': its commit points keep "
+                         f"each process's whole part of the state, which an fsdp replica shards")
+    if cfg.strategy == "zero1":
+        raise UsageError(f"--elastic {where} runs ddp and diloco across replicas; zero1's commit points gather "
+                         f"its shards over one worker a replica (run it with one worker a replica)")
+    for flag, value in (("--checkpoint-every", cfg.checkpoint_every), ("--stop-at", cfg.stop_at),
+                        ("--resume", cfg.resume_from)):
+        if value:
+            raise UsageError(f"{flag} does not run with --elastic {where} yet")
+
+
 def commit_every(cfg) -> int:
     """Steps between commit points: ddp every step, diloco every outer sync (H)."""
     return cfg.strategy_options().sync_every if cfg.strategy == "diloco" else 1
@@ -76,7 +101,7 @@ def min_workers(cfg) -> int:
     """The live slots (workers; replicas with --replicas or under torchrun) below which an elastic
     run fails, which its first quorum waits for and an outer step needs (diloco). When not given:
     every worker, every replica of `--replicas R`, under torchrun 1 (each job is one replica)."""
-    from ..nodes import under_torchrun
+    from ..config.nodes import under_torchrun
     return cfg.min_workers or cfg.replicas or (1 if under_torchrun() else cfg.workers)
 
 

@@ -1,0 +1,6 @@
+"""A run's records and where they go: the output directory (runlog.py: config.toml, steps.jsonl,
+summary.json), totals (summary.py), levels (levels.py), the live view (progress.py),
+dashboards (scalars.py, tensorboard.py, wandb_log.py), and reading runs back (runs.py).
+
+Imports: config, checkpoint (storage) and the library.
+"""

@@ -13,7 +13,8 @@ import torch
 
 from ..comm import Comm
 from ..models.layout import ModelLayout
-from ..strategies.plan import LevelPlans, inside_level_plans
+from ..contract.plan import LevelPlans
+from ..engines.inside import inside_level_plans
 
 LEVELS = ("intra", "cross")
 # A level in words a user reads (progress line, summary, report), the slow link's first.

@@ -36,7 +36,7 @@ class ProgressView:
                val_loss: float | None = None, levels: dict[str, tuple[float, float]] | None = None,
                flags: list[str] | None = None) -> None:
         """`levels`: level -> (MB per step, exposed share), for a run with replica groups.
-        `flags`: what the run's analysis found at this step (metrics/stragglers.py); shown when
+        `flags`: what the run's analysis found at this step (diagnose/stragglers.py); shown when
         they change, so a straggler is seen while the run goes, once, not on every line."""
         if not self.enabled:
             return

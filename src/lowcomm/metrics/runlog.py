@@ -14,9 +14,9 @@ every rank's StepResult gathered each step). Field meanings:
   link_model_s    present with an emulated link (--link): the seconds the link model prices this
                   step's collectives at (no queueing or jitter), max over ranks
   flags           present on steps where the run's analysis found something, e.g.
-                  "straggler rank 1 x3.0" (metrics/stragglers.py), "slow link x2.4 (exposed
-                  240 ms, link model 100 ms)" (metrics/slowlink.py), "stalled all_reduce #412
-                  rank 1 3.2 s" (the launcher's, metrics/stalls.py)
+                  "straggler rank 1 x3.0" (diagnose/stragglers.py), "slow link x2.4 (exposed
+                  240 ms, link model 100 ms)" (diagnose/slowlink.py), "stalled all_reduce #412
+                  rank 1 3.2 s" (the launcher's, diagnose/stalls.py)
 With replica groups (--replicas R < W) each level's share of the above, L = cross or intra:
   wire_bytes_L         summed over ranks (wire_bytes_cross + wire_bytes_intra = wire_bytes)
   exposed_comm_s_L     max over ranks
@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from ..comm import CommStats
-from ..storage import disk_full, write_text_atomic
-from ..strategies.context import StepResult
+from ..checkpoint.storage import disk_full, write_text_atomic
+from ..contract.context import StepResult
 from .levels import LEVELS
 
 FIELDS = ("loss", "micro_batches", "tokens", "wire_bytes", "compute_s", "comm_s",

@@ -54,7 +54,7 @@ class ModelLayout:
 
     @functools.lru_cache(maxsize=64)  # the planner asks the same split for every strategy and replica count
     def positions(self, K: int) -> list[list[int]]:
-        """Tensor indices each of K ranks of a replica owns (replica groups, strategies/inside.py);
+        """Tensor indices each of K ranks of a replica owns (replica groups, engines/inside.py);
         the caller must not change the lists."""
         return owned_tensors(self.numels, K)
 

@@ -32,10 +32,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from ..errors import UsageError
-from .flat import ShardedOptions
-from .options import option
-from .overlap import OverlappedStrategy
-from .plan import ONCE, LevelPlans, flat_numel
+from ..engines.flat import ShardedOptions
+from ..contract.options import option
+from ..engines.overlap import OverlappedStrategy
+from ..contract.plan import ONCE, LevelPlans, flat_numel
 from .registry import register
 
 

@@ -21,10 +21,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import Comm
 from ..errors import UsageError
-from .base import Strategy
-from .context import write_flat
-from .options import Options, option
-from .plan import LevelPlans, PlannedOp, flat_numel
+from ..contract.base import Strategy
+from ..contract.context import write_flat
+from ..contract.options import Options, option
+from ..contract.plan import LevelPlans, PlannedOp, flat_numel
 from .registry import register
 
 
@@ -57,6 +57,12 @@ class DDP(Strategy):
     checkpoint_replicated = True  # parameters and optimizer state are the same on every rank
     inside_replica = ("ddp", "fsdp")  # across replica groups: HSDP's split by position (comm = cross); fsdp: hsdp.py
     owns_tensors = False  # splits each bucket by position instead (replica_hook)
+
+    @classmethod
+    def fsdp_form(cls) -> type:
+        """ddp with FSDP inside is HSDP (hsdp.py); a subclass (powersgd) runs as it is."""
+        from .hsdp import HSDP
+        return HSDP if cls is DDP else cls
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)

@@ -33,9 +33,9 @@ import torch
 
 from ..compress.dct_stacks import DCTStacks, encoders
 from ..errors import UsageError
-from .base import Strategy
-from .options import Options, option
-from .plan import PlannedOp
+from ..contract.base import Strategy
+from ..contract.options import Options, option
+from ..contract.plan import PlannedOp
 from .registry import register
 
 

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UsageError
-from . import outer_sync
-from .base import Strategy
-from .context import all_finite
-from .options import Options, option
-from .outer_wire import PRECISIONS, WireFormat
+from ..engines import outer_sync
+from ..contract.base import Strategy
+from ..contract.context import all_finite
+from ..contract.options import Options, option
+from ..engines.outer_wire import PRECISIONS, WireFormat
 from .registry import register
-from .token_weights import WEIGHTS, contribution
+from ..engines.token_weights import WEIGHTS, contribution
 
 
 @dataclass

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .flat import ShardedOptions
-from .options import option
-from .overlap import OverlappedStrategy
+from ..engines.flat import ShardedOptions
+from ..contract.options import option
+from ..engines.overlap import OverlappedStrategy
 from .registry import register
 
 

@@ -1,6 +1,6 @@
 """ddp across replicas with FSDP inside each (--strategy ddp --inside fsdp): HSDP.
 
-    inside the replica (strategies/inside_fsdp.py): each unit's parameters all-gathered for
+    inside the replica (engines/inside_fsdp.py): each unit's parameters all-gathered for
         the forward and the backward, its gradients reduce-scattered (mean) to this rank's shard
     G_shard <- mean over the R replicas of this rank's gradient shard   (one all-reduce, across)
     θ_shard <- AdamW(θ_shard; G_shard)     optimizer state of this shard only: 1/K of ddp's
@@ -12,8 +12,8 @@ algorithm, another engine inside (InsideFSDP.strategy_class picks this class).
 """
 from __future__ import annotations
 
-from .base import Strategy
-from .context import flat_of, write_flat
+from ..contract.base import Strategy
+from ..contract.context import flat_of, write_flat
 from .ddp import DDP, DDPOptions
 
 

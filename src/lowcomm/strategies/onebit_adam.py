@@ -11,7 +11,7 @@ Why v is frozen: sign-compressed gradients fed to Adam corrupt v (error feedback
 *sum* of what is sent right, not the sum of squares); measured here, 1-bit gradients into AdamW
 gained nothing from error feedback. With v frozen the update is linear in m, so error feedback
 on m is sound. The compressed mean is comm.compressed.CompressedAllReduce (quantized sends
-gradients through the same engine); Adam's frozen-v step is lowcomm.optim.FrozenAdam, which
+gradients through the same engine); Adam's frozen-v step is lowcomm.engines.optim.FrozenAdam, which
 keeps m and t in the run's optimizer's state (and so in its checkpoint) and honours each param
 group's lr, betas, eps and weight decay.
 
@@ -29,10 +29,10 @@ import torch
 from ..comm.compressed import compressed_allreduce, payload_bytes, residual_bytes, shard_len, split_piece
 from ..models.layout import ModelLayout
 from ..errors import UsageError
-from ..optim import FrozenAdam
-from .base import Strategy
-from .options import Options, option
-from .plan import LevelPlans, PlannedOp
+from ..engines.optim import FrozenAdam
+from ..contract.base import Strategy
+from ..contract.options import Options, option
+from ..contract.plan import LevelPlans, PlannedOp
 from .registry import register
 
 # The warm-up when --freeze-variance-after is left at -1: a fifth of the run (see the docstring).

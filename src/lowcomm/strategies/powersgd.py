@@ -31,11 +31,11 @@ from ..comm.powersgd_state import (MIN_COMPRESSION_RATE, HookStateLayout, compre
                                    load_hook_state, matrix_shape)
 from ..comm.torch_hooks import BucketChain, CountedGroup, OwnedBucket, route_collectives
 from ..errors import UsageError
-from .base import Strategy
-from .context import write_flat
+from ..contract.base import Strategy
+from ..contract.context import write_flat
 from .ddp import DDP, DDPOptions
-from .options import option
-from .plan import PlannedOp
+from ..contract.options import option
+from ..contract.plan import PlannedOp
 from .registry import register
 
 

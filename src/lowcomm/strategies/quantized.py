@@ -25,10 +25,10 @@ from dataclasses import dataclass, fields
 from ..comm.compressed import compressed_allreduce, payload_bytes, residual_bytes
 from ..compress import quantizer_for_bits
 from ..errors import UsageError
-from .base import Strategy
+from ..contract.base import Strategy
 from .onebit_adam import OneBitAdamOptions, split_level_plans
-from .plan import PlannedOp
-from .options import option
+from ..contract.plan import PlannedOp
+from ..contract.options import option
 from .registry import register
 
 

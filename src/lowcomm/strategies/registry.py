@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass, fields
 
 from ..errors import UsageError
-from .base import Strategy
-from .options import cli_flag, type_name
+from ..contract.base import Strategy
+from ..contract.options import cli_flag, type_name
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 _discovered = False

@@ -46,7 +46,7 @@ Every flag of diloco still applies (`--outer-compress`, `--sync-every`, `--sync-
 from __future__ import annotations
 
 from .diloco import DiLoCo, DiLoCoOptions
-from .options import with_defaults
+from ..contract.options import with_defaults
 from .registry import register
 
 SPARSELOCO_SPEC = "topk:64,chunk:4096,bits:2,quant:stat"

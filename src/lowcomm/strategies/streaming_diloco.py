@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 from .diloco import DiLoCo, DiLoCoOptions
-from .options import option
+from ..contract.options import option
 from .registry import register
 
 

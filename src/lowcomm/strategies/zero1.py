@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .flat import ShardedStrategy
-from .plan import PlannedOp
+from ..engines.flat import ShardedStrategy
+from ..contract.plan import PlannedOp
 from .registry import register
 
 

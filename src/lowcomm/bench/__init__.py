@@ -1,0 +1,5 @@
+"""`lowcomm bench`: every chosen strategy on the same run (compare.py), checked before it starts
+(preflight.py); recipes (recipe/) and the reports of runs and benches (report/).
+
+Imports: launch, plan, diagnose, metrics, config and the library. Never cli.
+"""

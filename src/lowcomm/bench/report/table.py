@@ -1,0 +1,74 @@
+"""The comparison table: one row per run (or failure), numbers straight from summary.json
+and the step log, written as Markdown and as JSON."""
+from __future__ import annotations
+
+import math
+
+from .levels import COLUMNS as LEVEL_COLUMNS
+from .levels import level_cells
+from ...metrics.runs import Failed, RecordedRun, reach
+from .setup import setup_of
+
+# (key, header, format): the Markdown shows each number in this format; report.json has it unrounded.
+COLUMNS = [
+    ("final_val_loss", "final val loss", "{:.4f}"),
+    ("tokens", "tokens trained", "{:,}"),
+    ("time_to_target_s", "time to target (s)", "{:.1f}"),
+    ("mb_to_target", "MB sent to target (all ranks)", "{:.2f}"),
+    ("tokens_per_s", "tokens/s", "{:.0f}"),
+    ("wire_mb_per_rank_per_step", "wire MB/step/rank", "{:.3f}"),
+    ("exposed_comm_pct", "exposed comm %", "{:.1f}"),
+    ("optimizer_state_mb_per_rank", "optimizer state MB/rank", "{:.2f}"),
+    ("peak_mem_mib", "peak memory MiB", "{:.0f}"),
+]
+
+
+def default_target(entries: list) -> float | None:
+    """The worst (highest) final validation loss of the runs that finished: every run reaches it."""
+    finals = [e.summary["final_val_loss"] for e in entries if isinstance(e, RecordedRun)
+              and math.isfinite(e.summary["final_val_loss"])]
+    return max(finals) if finals else None
+
+
+def row(entry, target: float | None, apart: list[str] | None = None, levels: bool = False) -> dict:
+    """One table row; `apart`: how the run differs from the others (setup.not_comparable), if it does;
+    `levels`: with each level's bytes and waits (a run of the report has replica groups)."""
+    if isinstance(entry, Failed):
+        return {"label": entry.label, "status": "failed", "error": entry.error}
+    s, curve = entry.summary, entry.curve
+    to_time = reach(curve, target, "time_s") if target is not None else None
+    to_bytes = reach(curve, target, "wire_bytes") if target is not None else None
+    return (level_cells(entry) if levels else {}) | {
+        "label": entry.label, "status": "ok", "strategy": s["strategy"], "path": str(entry.path),
+        "workers": s["workers"], "steps": s["steps"], "tokens": s["tokens"], "tokens_planned": setup_of(entry).tokens,
+        "comparable": not apart, "not_comparable": apart or [], "wall_s": s["wall_s"],
+        "final_val_loss": s["final_val_loss"],
+        "time_to_target_s": to_time,
+        "mb_to_target": to_bytes / 1e6 if to_bytes is not None else None,
+        "tokens_per_s": s["tokens_per_s"],
+        "wire_mb_per_rank_per_step": s["wire_bytes_per_rank_per_step"] / 1e6,
+        "exposed_comm_pct": 100 * s["exposed_comm_fraction"],
+        "optimizer_state_mb_per_rank": s["optimizer_state_bytes_per_rank"] / 1e6,
+        "peak_mem_mib": s["peak_mem_bytes"] / 2**20,
+    }
+
+
+def markdown(rows: list[dict], target: float | None) -> str:
+    columns = COLUMNS + (LEVEL_COLUMNS if any("cross_bytes_per_token" in r for r in rows) else [])
+    head = ["strategy"] + [h for _, h, _ in columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r["status"] != "ok":
+            error = r["error"].replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {r['label']} | failed: {error} |" + " |" * (len(columns) - 1))
+            continue
+        cells = [fmt.format(r[k]) if r[k] is not None else "not reached" for k, _, fmt in columns]
+        lines.append("| " + " | ".join([r["label"] + ("" if r["comparable"] else " †")] + cells) + " |")
+    note = (f"Target loss {target:.4f}" if target is not None else "No run finished, so no target loss") + \
+        (": time and bytes when the validation loss first reached it (interpolated between validation "
+         "points; time = summed step wall time, evaluation excluded)." if target is not None else ".")
+    apart = [f"{r['label']}: {'; '.join(r['not_comparable'])}" for r in rows if not r.get("comparable", True)]
+    if apart:
+        note += "\n\n† Not comparable with the other runs (different model, data, tokens or workers): " + \
+            ". ".join(apart) + "."
+    return "\n".join(lines) + "\n\n" + note + "\n"

@@ -1,0 +1,54 @@
+"""A strategy across replica groups (base.py's docstring says how), and every rank's start from
+rank 0's values."""
+from __future__ import annotations
+
+import torch
+
+
+class ReplicaPart:
+    """The replica side of Strategy (base.py): which part of the model this rank runs the
+    strategy on, and the reductions inside its replica. Reads the Strategy's comm, inside,
+    owns_tensors, inside_replica and replica_params."""
+
+    def _start_from_rank0(self) -> None:
+        """Every rank starts from rank 0's values (a bookkeeping broadcast, as DDP does at
+        construction), so a Python-API user who forgot to seed identically still trains one model."""
+        # Across replicas from replica 0, then inside each replica from its first rank.
+        comms = [c for c in (self.comm, getattr(self.inside, "comm", None)) if c is not None and c.world > 1]
+        if not comms:
+            return
+        # Tensor by tensor: a flat copy of the whole model would be a start-up memory peak.
+        with torch.no_grad():
+            for p in self.replica_params:
+                buffer = p.data if p.data.is_contiguous() else p.data.contiguous()
+                for comm in comms:
+                    comm.meta_broadcast(buffer, src=0)
+                if buffer is not p.data:
+                    p.data.copy_(buffer)
+
+    @property
+    def owns_part(self) -> bool:
+        """Whether this rank runs the strategy on the tensors its position of a replica owns."""
+        return self.inside is not None and self.owns_tensors
+
+    @property
+    def data_parallel_ranks(self) -> int:
+        """Every process of the run: the cross-replica group's R ranks times K per replica."""
+        return self.comm.world * (self.inside.comm.world if self.inside is not None else 1)
+
+    def reduce_inside(self, op: str = "avg") -> None:
+        """Across replica groups: each owned gradient <- its mean ("avg") or sum over the
+        replica, the rest dropped; a flat run: nothing."""
+        if self.owns_part:
+            self.inside.reduce_to_owners(self.replica_params, op)
+
+    def share_inside(self, counted: bool = True) -> None:
+        """Across replica groups: every tensor <- its owner's value (the driver's, after each
+        step; `counted=False`: bookkeeping, e.g. around an evaluation); a flat run: nothing."""
+        if self.owns_part:
+            self.inside.share(self.replica_params, counted)
+
+    @classmethod
+    def runs_inside(cls, inside: str) -> bool:
+        """Whether this strategy runs across replica groups with engine `inside` inside each."""
+        return inside in vars(cls).get("inside_replica", ())

@@ -1,0 +1,204 @@
+"""The outer-sync engine of the local-SGD family (DiLoCo, Streaming DiLoCo, SparseLoCo).
+
+The algorithm (a strategy file) runs the inner steps and the outer optimizer; this engine
+keeps everything between them, and never calls back into the algorithm: the strategy
+calls it. A fragment's sync goes
+
+    issue(t)     Δ_f,r = θ_f,global − θ_f,r (a snapshot), its reduction started (outer_wire.py)
+    in flight    the strategy runs `delay` more inner steps on the stale local θ
+    wait         -> the combined Δ_f: the strategy's outer step updates θ_f,global
+    merge(t+τ)   θ_f,local ← α·θ_f,local + (1−α)·θ_f,global (α from the strategy)
+
+and the engine owns: the fragments (tensor groups of the model's layout, models/layout.py)
+and their fp32 θ_global; the schedule (fragment f of F syncs at the trainer steps t with
+(t − ⌊f·H/F⌋) mod H = 0, t ≥ 1, so F syncs spread over each period H); the wire format
+and its error-feedback residuals; what is in flight, landed and pending; the step info
+the --sync-by time clock needs (sync_by_time.py); the state to checkpoint; and the plan.
+
+Why not overlap.py's Background engine: its job runs the collectives on a communication
+thread, and a job still in flight when the trainer step ends races the trainer's own
+between-step collectives (log gathers, evaluation) on the same process group -- ranks
+then pair different collectives (gloo: "Received data size doesn't match expected
+size"). Instead a fragment's collectives are issued asynchronously (Comm's async_op) from
+the compute thread, in the same order on every rank, and gloo progresses them on its own
+threads while the inner steps run; only the wait can be exposed.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from ..comm import Comm
+from ..contract.context import flat_of, write_flat
+from .outer_wire import OuterWire, Ticket, WireFormat
+from ..contract.plan import PlannedOp
+from .sync_by_time import SlotClock, calibration_op, is_calibration
+
+
+def comm_plan(sizes: list[list[int]], world: int, every: int, fmt: WireFormat, timed: bool) -> list[PlannedOp]:
+    """What one rank sends: each non-empty fragment's sync at its offset in the period
+    (sizes: every fragment's tensor sizes, empty fragments included), and the --sync-by time
+    calibration."""
+    F, plan = len(sizes), []
+    for f, tensors in enumerate(sizes):
+        if tensors:
+            plan += fmt.plan(tensors, world, every, (f * every) // F, f, fednova=timed)
+    return plan + ([calibration_op(world)] if timed else [])
+
+
+def plan_occurrences(op: PlannedOp, steps: int) -> int:
+    """Regular syncs before the run's last step, then the final sync (every fragment) at it."""
+    if steps < 1:
+        return 0
+    if is_calibration(op):
+        return 1 if steps >= 2 else 0
+    return op.occurrences(steps - 1) + 1
+
+
+class OuterSync:
+    """Fragment-wise outer syncs of `params` cut into `groups` (tensor indices per fragment,
+    empty ones never sync): Δ on the wire every `every` trainer steps, merged `delay` later."""
+
+    def __init__(self, params: list[nn.Parameter], groups: list[list[int]], comm: Comm, every: int,
+                 fmt: WireFormat, timed: bool = False, delay: int = 0):
+        self.comm, self.every, self.delay = comm, every, delay
+        self.clock = SlotClock() if timed else None  # --sync-by time: the step info it needs rides along
+        self.count = len(groups)  # F, empty fragments included: they keep their place in the schedule
+        self.fragments = [(f, [params[j] for j in g]) for f, g in enumerate(groups) if g]
+        self.wire = OuterWire(fmt, fednova=timed)
+        self.globals = [nn.Parameter(flat_of(ps).float().clone(), requires_grad=False) for _, ps in self.fragments]
+        n = len(self.fragments)
+        self.since = [0] * n                          # inner steps since fragment i's last sync (τ_r)
+        self.tokens = [0] * n                         # tokens trained since fragment i's last sync
+        self.in_flight: dict[int, Ticket] = {}        # fragment i -> its reduction in flight
+        self.landed: dict[int, torch.Tensor] = {}     # fragment i -> (τ, c) of a reduction done, not merged
+        self.pending: dict[int, int] = {}             # fragment i -> trainer step its merge is due
+        self.syncs = 0                                # merges done (diloco: outer steps)
+
+    # -- the schedule -------------------------------------------------------------
+    def inner_step(self, cost: float, tokens: int = 0) -> None:
+        """This rank took an inner step costing `cost` seconds, training `tokens` tokens."""
+        self.since = [s + 1 for s in self.since]
+        self.tokens = [t + tokens for t in self.tokens]
+        if self.clock is not None:
+            self.clock.record(cost)
+
+    def steps_this_slot(self) -> bool:
+        """--sync-by time: whether this rank has an inner step in the next slot (else always)."""
+        return self.clock is None or self.clock.steps_this_slot()
+
+    def end_slot(self, t: int, t0: float) -> None:
+        """Trainer step t (from 1), begun at perf_counter() t0, is over (--sync-by time's clock)."""
+        if self.clock is not None:
+            self.clock.end_slot(t, t0, self.comm)
+
+    def owed(self) -> bool:
+        """A sync is owed: inner steps since a fragment's last one, or a merge pending."""
+        return any(self.since) or bool(self.pending)
+
+    def issue_due(self, t: int) -> None:
+        """Start the syncs due at trainer step t (from 1); each merges at t + delay."""
+        for i, (f, _) in enumerate(self.fragments):
+            offset = (f * self.every) // self.count
+            if t >= (offset or self.every) and (t - offset) % self.every == 0:
+                self._issue(i, t + self.delay, self._mean_cost())
+
+    def issue_all(self) -> None:
+        """The final sync: every fragment now, merged at once (call merges_due(None))."""
+        c = self._mean_cost()
+        for i in range(len(self.fragments)):
+            self._issue(i, 0, c)
+
+    def _mean_cost(self) -> float:
+        return self.clock.mean_cost() if self.clock is not None else 0.0
+
+    def _issue(self, i: int, merge_at: int, c: float) -> None:
+        f, ps = self.fragments[i]
+        delta = self.globals[i].detach() - flat_of(ps).float()
+        self.in_flight[i] = self.wire.issue(self.comm, f"fragment{f}", delta, self.since[i], c,
+                                            [p.numel() for p in ps], self.tokens[i])
+        self.since[i] = self.tokens[i] = 0
+        self.pending[i] = merge_at
+
+    def wait(self, *fragments: int) -> list[tuple[int, torch.Tensor]]:
+        """Finish the reductions in flight (of `fragments`, else all): [(i, combined Δ_i)],
+        for the strategy's outer step on globals[i]."""
+        out = []
+        for i in sorted(fragments or self.in_flight):
+            if i in self.in_flight:
+                avg, infos = self.wire.complete(self.in_flight.pop(i))
+                self.landed[i] = infos if infos is not None else avg.new_zeros(0)  # a tensor: state holds it
+                out.append((i, avg))
+        return out
+
+    def merges_due(self, t: int | None) -> list[int]:
+        """Fragments whose merge is due at trainer step t (None: all pending)."""
+        return [i for i in sorted(self.pending) if t is None or self.pending[i] <= t]
+
+    def merge(self, i: int, alpha: float) -> None:
+        """θ_f,local ← α·θ_f,local + (1−α)·θ_f,global (after `wait`): fragment i's sync is done."""
+        del self.pending[i]
+        ps, g = self.fragments[i][1], self.globals[i].detach()
+        write_flat(g if alpha == 0.0 else alpha * flat_of(ps).float() + (1 - alpha) * g, ps)
+        self.syncs += 1
+        infos = self.landed.pop(i)
+        if self.clock is not None:
+            self.clock.learn(infos, self.comm.rank)
+
+    # -- between steps ---------------------------------------------------------------
+    @contextmanager
+    def globals_in_model(self):
+        """θ_global in the model's parameters (landed reductions only); the local θ back after."""
+        params = [p for _, ps in self.fragments for p in ps]
+        local = flat_of(params).clone()
+        for (_, ps), g in zip(self.fragments, self.globals):
+            write_flat(g.detach(), ps)
+        try:
+            yield
+        finally:
+            write_flat(local, params)
+
+    def use_comm(self, comm: Comm) -> None:
+        """The next syncs run on `comm` (nothing may be in flight: `wait` first)."""
+        assert not self.in_flight, "the group changed while an outer sync is in flight"
+        self.comm = comm
+
+    def bytes_per_sync(self) -> list[int]:
+        """Wire bytes one rank sends for each fragment's sync."""
+        W, fmt, fednova = self.comm.world, self.wire.fmt, self.wire.fednova
+        plans = [fmt.plan([p.numel() for p in ps], W, self.every, 0, f, fednova) for f, ps in self.fragments]
+        return [sum(op.wire_bytes(W) for op in plan) for plan in plans]
+
+    def report(self, steps: int) -> dict:
+        per_step = self.wire.compress_s / max(steps, 1)
+        return {"outer_syncs": self.syncs, "bytes_per_sync_per_rank": max(self.bytes_per_sync()),
+                "compress_s": self.wire.compress_s, "compress_s_per_step": per_step,
+                "global_copy_bytes": sum(g.numel() * g.element_size() for g in self.globals)}
+
+    def state_dict(self) -> dict:
+        """Everything but what is in flight (`wait` first)."""
+        assert not self.in_flight, "state_dict() with an outer sync in flight"
+        return {"globals": [g.detach().clone() for g in self.globals], "since": list(self.since),
+                "tokens": list(self.tokens),
+                "pending": dict(self.pending), "landed": {i: v.clone() for i, v in self.landed.items()},
+                "syncs": self.syncs, "outer_residuals": self.wire.state_dict(),
+                **(self.clock.state_dict() if self.clock is not None else {})}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for g, saved in zip(self.globals, sd["globals"], strict=True):
+            g.data.copy_(saved)
+        self.since, self.pending, self.syncs = list(sd["since"]), dict(sd["pending"]), sd["syncs"]
+        self.tokens = list(sd.get("tokens", [0] * len(self.since)))  # a checkpoint from before tokens were kept
+        self.landed = {i: v.clone() for i, v in sd["landed"].items()}
+        self.wire.load_state_dict(sd.get("outer_residuals", {}))
+        if self.clock is not None:
+            self.clock.load_state_dict(sd)
+
+    def release(self) -> None:
+        """Never leave a collective unwaited."""
+        for ticket in self.in_flight.values():
+            for h in ticket.handles:
+                h.wait()
+        self.in_flight.clear()

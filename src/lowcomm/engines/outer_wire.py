@@ -1,0 +1,190 @@
+"""How the local-SGD family's outer gradient Δ_r travels: one wire format per run.
+
+    fp32, bf16   one all_reduce (sum) of w_r·Δ_r in that precision
+    int8, int4   blockwise-absmax quantized (lowcomm.compress.IntQuantizer, blocks of 64
+                 values, an fp32 scale each, bit-packed). A ring all-reduce cannot sum
+                 packed integers, so every rank all_gathers every rank's packed payload
+                 (values + fp32 scales + 16 bytes of step info) and sums the dequantized
+                 values locally in rank order (every rank gets the same bits): (W−1)·s
+                 bytes per rank for a payload of s bytes.
+    a SPEC       any lowcomm.compress compressor (e.g. topk:0.02,bits:2), with error
+                 feedback on Δ_r (a residual per fragment, in the state):
+                     e_r ← β·e_r + Δ_r;   send C(e_r);   e_r ← e_r − decode(C(e_r))
+                 all_gathered like int8/int4 (payload + step info); every rank decodes
+                 every payload and averages in rank order; a value only some ranks sent
+                 (top-k) is averaged over the ranks that sent it, as DeMo and SparseLoCo
+                 decode (Compressor.combine).
+
+A compressor (int8/int4 or a SPEC) runs on each tensor of a fragment alone
+(compress.PerTensor): its blocks, chunks and statistics never mix tensors, as in
+SparseLoCo's reference (per parameter), so a replica whose ranks own whole tensors sends
+exactly what one worker holding them all would.
+
+w_r is 1/W, FedNova's weight under --sync-by time (sync_by_time.py), or with --outer-weights
+tokens each rank's share of the tokens trained since the last sync (token_weights.py). Collectives are
+issued asynchronously on the calling (compute) thread, so every rank issues them in the
+same order; `complete` waits for them and combines.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..comm import Comm
+from ..compress import Compressor, ErrorFeedback, IntQuantizer, parse_spec, per_tensor
+from ..errors import UsageError
+from ..contract.plan import PlannedOp
+from .sync_by_time import INFO_BYTES, fednova_factor, fednova_scale, fednova_weights, step_info
+from .token_weights import TOKEN_BYTES, token_weights
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": 8, "int4": 4}
+OUTER_BLOCK = 64  # values per quantization scale of an outer gradient
+
+
+def outer_quantizer(bits: int) -> IntQuantizer:
+    return IntQuantizer(bits, OUTER_BLOCK)
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """A run's wire format: a precision (fp32, bf16, int8, int4), or a compressor SPEC with
+    error feedback decaying by `ef_decay` (0: none)."""
+    precision: str = "fp32"
+    compress: str = "none"
+    ef_decay: float = 1.0
+    weights: str = "equal"  # or "tokens": each Δ_r weighted by the tokens its rank trained (token_weights.py)
+
+    def check(self) -> None:
+        if self.compress == "none":
+            return
+        try:
+            parse_spec(self.compress)
+        except ValueError as e:
+            raise UsageError(f"--outer-compress: {e}") from None
+        if self.precision != "fp32":
+            raise UsageError(f"--outer-compress ({self.compress}) and --outer-precision "
+                             f"({self.precision}) both set the wire format: give one")
+
+    def compressor(self, sizes: list[int] | None = None) -> Compressor | None:
+        """What a rank all-gathers in place of the all-reduce; None for fp32/bf16. With `sizes`
+        (a fragment's tensor sizes): the compressor on each tensor alone."""
+        if self.compress != "none":
+            comp = parse_spec(self.compress)
+        else:
+            prec = PRECISIONS[self.precision]
+            comp = outer_quantizer(prec) if isinstance(prec, int) else None
+        return per_tensor(comp, sizes) if comp is not None and sizes else comp
+
+    def plan(self, sizes: list[int], world: int, every: int, offset: int, f: int, fednova: bool) -> list[PlannedOp]:
+        """What one rank sends for one sync of fragment f (tensors of `sizes` values)."""
+        comp, numel = self.compressor(sizes), sum(sizes)
+        if comp is not None:
+            return [PlannedOp("all_gather", world * (comp.nbytes(numel) + INFO_BYTES), every, offset,
+                              what=f"fragment {f}: {comp.name} outer gradient + step info, every rank's")]
+        itemsize = torch.empty((), dtype=PRECISIONS[self.precision]).element_size()
+        ops = [PlannedOp("all_reduce", numel * itemsize, every, offset,
+                         what=f"fragment {f}: {self.precision} outer gradient")]
+        if fednova:  # the τ_r travel beside the all-reduce
+            ops.append(PlannedOp("all_gather", world * INFO_BYTES, every, offset,
+                                 what=f"fragment {f}: inner steps and step time"))
+        elif self.weights == "tokens":  # each rank's weight is known before it scales its Δ_r
+            ops.append(PlannedOp("all_gather", world * TOKEN_BYTES, every, offset,
+                                 what=f"fragment {f}: tokens trained since the last sync"))
+        return ops
+
+
+@dataclass
+class Ticket:
+    """One fragment's reduction in flight."""
+    handles: list
+    buf: torch.Tensor                      # the all-reduced Σ w_r·Δ_r, or every rank's payload
+    world: int
+    infos: torch.Tensor | None = None      # all-reduce under FedNova: every rank's (τ, c)
+    sizes: tuple[int, int] | None = None   # all-gather: (payload bytes, Δ's numel)
+    compressor: Compressor | None = None   # all-gather: the fragment's compressor
+
+
+class OuterWire:
+    """One rank's end of the wire: issues and completes reductions, keeps the residuals."""
+
+    def __init__(self, fmt: WireFormat, fednova: bool = False):
+        self.fmt, self.fednova = fmt, fednova
+        self.compressor = fmt.compressor()
+        # Error feedback only for a SPEC (int8/int4 precisions never had it).
+        use_ef = fmt.compress != "none" and fmt.ef_decay > 0
+        self.ef = ErrorFeedback(self.compressor, enabled=use_ef, decay=fmt.ef_decay) \
+            if self.compressor is not None else None
+        self.per_fragment: dict[str, Compressor] = {}  # key -> the compressor on its tensors
+        self.compress_s = 0.0  # CPU time spent compressing and decoding outer gradients
+        self.by_tokens = fmt.weights == "tokens"
+        self.last_tokens: torch.Tensor | None = None  # --outer-weights tokens: every rank's, at the last sync
+
+    def issue(self, comm: Comm, key: str, delta: torch.Tensor, tau: int, c: float, sizes: list[int],
+              tokens: int = 0) -> Ticket:
+        """Start reducing Δ_r (async) of a fragment of tensors of `sizes` values; `tau`, `c`:
+        this rank's step info (see sync_by_time); `tokens`: what it trained since the last sync
+        (its weight with --outer-weights tokens)."""
+        W, info = comm.world, step_info(tokens, 0.0) if self.by_tokens else step_info(tau, c)
+        if self.compressor is not None:
+            comp = self.per_fragment.get(key)
+            if comp is None:  # built once per fragment, not at every sync
+                comp = self.per_fragment[key] = self.fmt.compressor(sizes)
+            t0 = time.perf_counter()
+            payload, _ = self.ef.compress(key, delta.reshape(-1), comp)
+            packed = comp.to_bytes(payload)  # e.g. codes and scales, bit-packed
+            self.compress_s += time.perf_counter() - t0
+            payload = torch.cat([packed, info.view(torch.uint8)])
+            every = torch.empty(W * payload.numel(), dtype=torch.uint8)
+            handle = comm.all_gather(every, payload, async_op=True)
+            return Ticket([handle], every, W, sizes=(packed.numel(), delta.numel()), compressor=comp)
+        handles, infos = [], None
+        if self.fednova:  # every rank sends Δ_r/τ_r, the τ_r travel beside it
+            infos = torch.empty(W * 2, dtype=torch.float64)
+            handles.append(comm.all_gather(infos, info, async_op=True))
+            scale = fednova_scale(tau)
+        elif self.by_tokens:  # blocking: this rank's weight needs every rank's tokens
+            self.last_tokens = torch.empty(W, dtype=torch.float64)
+            comm.all_gather(self.last_tokens, torch.tensor([float(tokens)], dtype=torch.float64))
+            scale = float(token_weights(self.last_tokens)[comm.rank])
+        else:
+            scale = 1.0 / W
+        buf = (delta * scale).to(PRECISIONS[self.fmt.precision])
+        handles.append(comm.all_reduce(buf, op="sum", async_op=True))
+        return Ticket(handles, buf, W, infos=infos)
+
+    def complete(self, ticket: Ticket) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Wait -> (the combined Δ in fp32, every rank's (τ, c) under FedNova, else None)."""
+        for h in ticket.handles:
+            h.wait()
+        if ticket.sizes is not None:
+            return self._decode(ticket)
+        total = ticket.buf.float()
+        if ticket.infos is None:
+            return total, None
+        infos = ticket.infos.view(ticket.world, 2)
+        return total.mul_(fednova_factor(infos[:, 0])), infos
+
+    def _decode(self, ticket: Ticket) -> tuple[torch.Tensor, torch.Tensor | None]:
+        (nq, numel), W = ticket.sizes, ticket.world
+        every = ticket.buf.view(W, -1)
+        infos = torch.stack([every[r, nq:].clone().view(torch.float64) for r in range(W)])
+        if self.by_tokens:
+            self.last_tokens = infos[:, 0].clone()
+        weights = fednova_weights(infos[:, 0]) if self.fednova else token_weights(infos[:, 0]) if self.by_tokens \
+            else torch.full((W,), 1.0 / W, dtype=torch.float64)
+        # rank order: every rank combines the same values the same way
+        t0 = time.perf_counter()
+        comp = ticket.compressor
+        payloads = [comp.from_bytes(every[r, :nq], numel) for r in range(W)]
+        total = comp.combine(payloads, [float(w) for w in weights])
+        self.compress_s += time.perf_counter() - t0
+        return total, (infos if self.fednova else None)
+
+    def state_dict(self) -> dict:
+        return self.ef.state_dict() if self.ef else {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.ef is not None:
+            self.ef.load_state_dict(sd)

@@ -1,0 +1,212 @@
+"""Communication beside compute: a generic background engine, and ZeRO-1 rounds on it.
+
+`Background` runs one job at a time on a communication thread. Its waits are
+overlapped time, not exposed (Comm.overlapped); only the compute thread's own
+block in `wait()` is exposed. On GPU a job also runs on its own CUDA stream,
+ordered against the compute stream by events, so the compute thread never
+waits on the host for communication. The shape is prepare / perform / wait
+(torchft's Streaming DiLoCo has the same), so ACCO, DPU, Streaming DiLoCo's
+fragment syncs and compressed all-reduces can all be clients.
+
+`OverlappedRounds` is the ZeRO-1 round client (ACCO, DPU). One round:
+    N    = all_reduce(count)          async, beside the reduce-scatter
+    g_r  = reduce_scatter(B) / N      B holds a gradient *sum* over N micro-batches
+    θ_r' = opt(θ_r; g_r)              an estimate round snapshots and restores the shard
+    B    = all_gather(θ_r')           B now holds the round's parameters
+while the compute thread keeps accumulating gradients into the model's flat
+gradient buffer G. Afterwards `swap_in()` loads B's parameters into the model
+and `load_gradients()` hands G over as the next round's B.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+
+from ..comm import Comm
+from ..contract.context import all_finite, fill_nan_if_nonfinite
+from .flat import FlatModel, ShardedStrategy, ShardOptimizer
+from ..contract.plan import LevelPlans, PlannedOp
+
+
+class Background:
+    """One communication job at a time on its own thread (and CUDA stream)."""
+
+    def __init__(self, comm: Comm, device: torch.device):
+        self.comm, self.device = comm, device
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lowcomm-comm")
+        self._pending: Future | None = None
+        cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=device) if cuda else None
+        self._done = torch.cuda.Event() if cuda else None
+
+    def submit(self, job: Callable[..., Any], *args) -> None:
+        """Start `job(*args)` on the communication thread, after the compute stream's work so far."""
+        assert self._pending is None, "a background job is already in flight"
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._pending = self._pool.submit(self._run, job, args, ready)
+
+    def in_flight(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    @property
+    def pending(self) -> bool:
+        """A job was submitted and not yet waited for (done or not)."""
+        return self._pending is not None
+
+    def wait(self) -> Any:
+        """Block until the job is done (the block is exposed time); return its result."""
+        t0 = time.perf_counter()
+        result = self._pending.result()
+        self._pending = None
+        if self._done is not None:
+            torch.cuda.current_stream().wait_event(self._done)
+        self.comm.add_exposed(time.perf_counter() - t0)
+        return result
+
+    def _run(self, job, args, ready):
+        if self._stream is not None:  # the current device is per thread: set it here too
+            torch.cuda.set_device(self.device)
+        stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        with self.comm.overlapped(), stream_ctx:
+            if ready is not None:
+                self._stream.wait_event(ready)
+            result = job(*args)
+            if self._done is not None:
+                self._done.record(self._stream)
+            return result
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class OverlappedRounds:
+    def __init__(self, flat: FlatModel, shard_opt: ShardOptimizer, comm: Comm):
+        self.flat, self.shard_opt, self.comm = flat, shard_opt, comm
+        self.buffer = torch.zeros_like(flat.params)  # B: gradient sum out, parameters back
+        self.buffer_count = 0                        # micro-batches summed in B (0: nothing to send)
+        self.shard_grad = torch.empty(flat.shard_size, dtype=flat.grads.dtype, device=flat.grads.device)
+        self.snapshot_bytes = 0
+        self.skipped = False  # the last round's update was not applied (a non-finite gradient somewhere)
+        self.engine = Background(comm, flat.params.device)
+
+    # -- compute-thread side --------------------------------------------------
+    def load_gradients(self, count: int) -> None:
+        """B <- G, the gradient sum of `count` local micro-batches."""
+        self.buffer.copy_(self.flat.grads)
+        self.buffer_count = count
+
+    def start(self, estimate: bool) -> None:
+        """Launch a round on B. An estimate round leaves the shard and its optimizer state untouched."""
+        assert self.buffer_count > 0
+        count, self.buffer_count = self.buffer_count, 0
+        self.engine.submit(self._round, count, estimate)
+
+    def in_flight(self) -> bool:
+        return self.engine.in_flight()
+
+    def wait(self) -> int:
+        """Block until the round is done; return the global micro-batch count N."""
+        return self.engine.wait()
+
+    def swap_in(self) -> None:
+        """Model parameters <- the parameters the round gathered into B."""
+        self.flat.params.copy_(self.buffer)
+
+    def state(self) -> dict:
+        assert not self.engine.pending, "state taken while a round is in flight"
+        return {"buffer": self.buffer.clone(), "buffer_count": self.buffer_count}
+
+    def load_state(self, sd: dict) -> None:
+        self.buffer.copy_(sd["buffer"])
+        self.buffer_count = sd["buffer_count"]
+
+    # -- communication-thread side -------------------------------------------
+    def _round(self, count: int, estimate: bool) -> int:
+        n = torch.tensor([float(count)], dtype=torch.float64, device=self.buffer.device)
+        fill_nan_if_nonfinite(self.buffer)  # a NaN reaches every rank's shard: all skip the round alike
+        counting = self.comm.all_reduce(n, op="sum", async_op=True)
+        reducing = self.comm.reduce_scatter(self.shard_grad, self.buffer, op="sum", async_op=True)
+        counting.wait()
+        reducing.wait()
+        self.shard_grad.div_(n)  # every micro-batch weighs the same, whoever computed it
+        self.skipped = not all_finite(self.shard_grad)
+        saved = self.shard_opt.snapshot() if estimate and not self.skipped else None
+        if saved is not None:
+            self.snapshot_bytes = max(self.snapshot_bytes, sum(t.numel() * t.element_size() for t in saved))
+        if not self.skipped:
+            self.shard_opt.step(self.shard_grad)
+        self.comm.all_gather(self.buffer, self.shard_opt.own_params())
+        if saved is not None:
+            self.shard_opt.restore(saved)
+        return int(n.item())
+
+    @staticmethod
+    def plan(flat_bytes: int) -> list[PlannedOp]:
+        """One round's traffic: the count, the gradient sum, the gathered parameters."""
+        return [PlannedOp("all_reduce", 8, what="micro-batch count (float64)"),
+                PlannedOp("reduce_scatter", flat_bytes, what="gradient sum"),
+                PlannedOp("all_gather", flat_bytes, what="parameters")]
+
+    def use_comm(self, comm: Comm) -> None:
+        """Between rounds: the next rounds run on `comm`."""
+        assert not self.engine.pending, "the group changed while a round is in flight"
+        self.comm = self.engine.comm = comm
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class OverlappedStrategy(ShardedStrategy):
+    """ZeRO-1's layout with its rounds beside compute (acco, dpu): micro-batch gradients are
+    summed (a round divides by the global count N), and the fp32 master is kept apart from
+    the parameters the model holds while a round computes the next ones."""
+
+    separate_master = True
+    comm_overlap = 1.0  # a round's communication runs behind the next micro-batches' compute
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rounds = OverlappedRounds(self.flat, self.shard_opt, self.comm)
+
+    @classmethod
+    def comm_plan(cls, layout, world, options):
+        return OverlappedRounds.plan(cls.flat_bytes(layout.numel, world, options))  # per round = per step
+
+    @classmethod
+    def level_plans(cls, layout, replicas, size, options):
+        plans = super().level_plans(layout, replicas, size, options)
+        count = PlannedOp("all_reduce", 8, what="micro-batch count inside the replica (float64)")
+        return LevelPlans(plans.intra + [count], plans.cross)
+
+    def load_round(self, count: int) -> None:
+        """The next round's B <- G of `count` micro-batches (across replica groups: the replica's
+        sum of the owned gradients, and of its ranks' counts)."""
+        if self.inside is not None:
+            self.reduce_inside(op="sum")
+            count = self.inside.sum(count, self.flat.grads.device)
+        self.rounds.load_gradients(count)
+
+    def loss_scale(self) -> float:
+        return 1.0
+
+    def extra_state(self) -> dict:
+        return {**super().extra_state(), **self.rounds.state()}
+
+    def load_extra_state(self, sd: dict) -> None:
+        super().load_extra_state(sd)
+        self.rounds.load_state(sd)
+
+    def use_comm(self, comm: Comm) -> None:
+        super().use_comm(comm)
+        self.rounds.use_comm(comm)
+
+    def release(self) -> None:
+        super().release()
+        self.rounds.close()

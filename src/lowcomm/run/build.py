@@ -1,0 +1,47 @@
+"""The wiring every run shares, written once: each rank's emulated links (one seed per rank and
+per level), its Comm on the whole group, the replica groups (comm/groups.py) and the strategy on
+the right level of them (driver.make_run). The CLI's worker (train/worker.py), its elastic
+replicas (train/replica_run.py) and wrap() call these; each keeps its own order around them
+(the worker checks node numbering before the groups form, an elastic replica shortens their
+timeouts before the strategy's first collective).
+
+A link is given as a function of its seed (None: unshaped), so that the CLI's config and wrap()'s
+"BW,LAT[,JIT]" strings make theirs the same way.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..comm import Comm
+from ..comm.groups import ReplicaGroups, ReplicaLayout, form
+from ..comm.link import LinkModel
+from ..contract.base import MakeOptimizer
+from .driver import RunDriver, link_seed, make_run
+
+LinkOf = Callable[[int], "LinkModel | None"]  # a link from its seed
+
+
+def world_comm(layout: ReplicaLayout, rank: int, seed: int, link: LinkOf,
+               group: dist.ProcessGroup | None = None) -> Comm:
+    """This rank's Comm on the whole group: the level the strategy runs on in a flat run
+    ("cross"), bookkeeping beside replica groups ("world")."""
+    return Comm(group, link=link(link_seed(seed, rank)), level="cross" if layout.flat else "world")
+
+
+def replica_groups(layout: ReplicaLayout, rank: int, seed: int, link: LinkOf,
+                   intra_link: LinkOf) -> ReplicaGroups | None:
+    """The replica groups of this rank (collective over the world), each level's link seeded
+    apart; None in a flat run."""
+    if layout.flat:
+        return None
+    return form(layout, intra_link(link_seed(seed, rank, intra=True)), link(link_seed(seed, rank)))
+
+
+def build(strategy: str, model: nn.Module, make_optimizer: MakeOptimizer, comm: Comm | None,
+          groups: ReplicaGroups | None, **run) -> RunDriver:
+    """The strategy across replicas with `run["inside"]` inside each (groups), or on `comm` (flat)."""
+    return make_run(strategy, model, groups.cross if groups else comm, make_optimizer,
+                    replica=groups.intra if groups else None, **run)

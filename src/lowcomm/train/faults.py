@@ -1,0 +1,147 @@
+"""Test-only fault injection, kept out of the training loop: `inject(run, rank)` returns the
+run unchanged unless a LOWCOMM_TEST_* variable asks for a fault, and then a stand-in whose
+step() misbehaves at the asked step (the tests of supervision and recovery use it):
+
+    LOWCOMM_TEST_HANG_AT=RANK:STEP    that rank blocks forever before that step (alive but stuck)
+    LOWCOMM_TEST_STOP_AT=RANK:STEP    that rank SIGSTOPs itself before that step (frozen, as by a debugger
+                                      or a scheduler: not even its threads run), once a process (continued,
+                                      an elastic worker that redoes the step is not stopped again)
+    LOWCOMM_TEST_NAN_AT=RANK:STEP     that rank's loss is NaN in that step
+    LOWCOMM_TEST_KILL_AT=RANK:STEP    that rank is SIGKILLed after that step; the i-th entry fires in
+                                      launch attempt i (LOWCOMM_ATTEMPT, or torchrun's restart count)
+    LOWCOMM_TEST_KILL_IN=RANK:STEP    that rank is SIGKILLed inside a collective: the first one of the
+                                      strategy's own traffic from that step on, once it is issued (its
+                                      peers wait in it for this rank's part); by launch attempt as KILL_AT
+    LOWCOMM_TEST_KILL_BEFORE_LOG=RANK:STEP  (--elastic) that rank of the quorum is SIGKILLed at that
+                                      step's commit point once every member has committed the step,
+                                      before it writes the step's records (as rank 0, the log's writer);
+                                      by launch attempt as KILL_AT
+Each takes a comma-separated list of RANK:STEP.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..elastic.membership import Membership
+
+
+def inject(run, rank: int):
+    """`run`, or a stand-in for it that injects the faults the environment asks for."""
+    if not any(_fault_spec(name) for name in ("HANG_AT", "STOP_AT", "NAN_AT", "KILL_AT", "KILL_IN")):
+        return run
+    return _FaultyRun(run, rank)
+
+
+class _FaultyRun:
+    """The run with faults around step(); everything else is the run's own."""
+
+    def __init__(self, run, rank: int):
+        self._run, self._rank = run, rank
+
+    def __getattr__(self, name):
+        return getattr(self._run, name)
+
+    def step(self, next_batch, loss_fn):
+        step = self._run.steps_done + 1
+        hang_if_asked(self._rank, step)
+        stop_if_asked(self._rank, step)
+        kill_inside_collective_if_asked(getattr(self._run, "comm", None), self._rank, step)
+        result = self._run.step(next_batch, nan_loss_if_asked(self._rank, step, loss_fn))
+        kill_if_asked(self._rank, step)
+        return result
+
+
+def hang_if_asked(rank: int, step: int) -> None:
+    """Test-only fault: LOWCOMM_TEST_HANG_AT=RANK:STEP makes that rank block forever
+    before that step's collectives (alive but stuck), as a hung peer would."""
+    if (rank, step) in _fault_spec("HANG_AT"):
+        while True:
+            time.sleep(3600)
+
+
+_stopped: set[tuple[int, int]] = set()
+
+
+def stop_if_asked(rank: int, step: int) -> None:
+    """Test-only fault: LOWCOMM_TEST_STOP_AT=RANK:STEP SIGSTOPs that rank before that step, once;
+    LOWCOMM_TEST_STOP_LOG gets "TIME PID" first, for a test to time it and continue it (SIGCONT)."""
+    if (rank, step) in _fault_spec("STOP_AT") and (rank, step) not in _stopped:
+        _stopped.add((rank, step))
+        _note("STOP_LOG", f"{time.time()} {os.getpid()}")
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _note(name: str, line: str) -> None:
+    """Append a line to the file LOWCOMM_TEST_<name> names, if set (when a fault fired)."""
+    if os.environ.get(f"LOWCOMM_TEST_{name}"):
+        with open(os.environ[f"LOWCOMM_TEST_{name}"], "a") as f:
+            f.write(line + "\n")
+
+
+def _fault_spec(name: str) -> list[tuple[int, int]]:
+    """LOWCOMM_TEST_<name>=RANK:STEP[,RANK:STEP...] (test-only fault injection)."""
+    spec = os.environ.get(f"LOWCOMM_TEST_{name}", "")
+    return [tuple(int(x) for x in part.split(":")) for part in spec.split(",") if part.strip()]
+
+
+def kill_if_asked(rank: int, step: int, fault: str = "KILL_AT") -> None:
+    """Test-only fault: LOWCOMM_TEST_KILL_AT=RANK:STEP[,...] SIGKILLs that rank after that step;
+    the i-th entry fires in launch attempt i (LOWCOMM_ATTEMPT, or torchrun's restart count),
+    so a restarted run is killed by the next entry, not again by the same one. `fault`: another
+    point to die at, by the same rule (KILL_BEFORE_LOG: train/elastic.py's commit, after the
+    snapshot, before the records are written)."""
+    if _this_attempts(fault) == (rank, step):
+        _note("KILL_LOG", f"{time.time()}")  # when it died, for bench/faults.py's time to notice
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _this_attempts(name: str) -> tuple[int, int] | None:
+    """The entry of LOWCOMM_TEST_<name> for this launch attempt (LOWCOMM_ATTEMPT, or torchrun's
+    restart count): the i-th fires in attempt i, so a restarted worker is not killed again by it."""
+    entries = _fault_spec(name)
+    attempt = int(os.environ.get("LOWCOMM_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    return entries[attempt] if attempt < len(entries) else None
+
+
+def kill_inside_collective_if_asked(comm, rank: int, step: int) -> None:
+    """Test-only fault: LOWCOMM_TEST_KILL_IN=RANK:STEP[,...] SIGKILLs that rank inside the first
+    collective of the strategy's own traffic (not bookkeeping) it issues from that step on: the
+    collective is launched, then the rank dies, so its peers are in it waiting for this rank's
+    part (a step without one -- diloco's inner steps -- passes it on to the next). By launch
+    attempt as KILL_AT; LOWCOMM_TEST_KILL_LOG gets "TIME OP"."""
+    if comm is None or _this_attempts("KILL_IN") != (rank, step):
+        return
+    run = comm._run
+
+    def dying(op, nbytes, launch, result, async_op, meta=False, local=None):
+        if meta:
+            return run(op, nbytes, launch, result, async_op, meta, local)
+        launch(True)
+        _note("KILL_LOG", f"{time.time()} {op}")
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm._run = dying  # every collective of Comm passes through _run
+
+
+def nan_loss_if_asked(rank: int, step: int, loss_fn):
+    """Test-only fault: LOWCOMM_TEST_NAN_AT=RANK:STEP[,...] makes that rank's loss NaN in that step."""
+    if (rank, step) not in _fault_spec("NAN_AT"):
+        return loss_fn
+    return lambda model, batch: loss_fn(model, batch) * float("nan")
+
+
+def hold_for_joiner_if_asked(step: int, membership: Membership) -> int:
+    """Test-only: LOWCOMM_TEST_HOLD_FOR_JOINER=STEP makes every member wait at the commit point
+    of STEP until a joiner has announced itself, so a test's joiner arrives mid-run however
+    loaded the machine is (as the hooks above do for failures). Returns the joins seen then,
+    else 0 (a member's own count, not gathered, must not decide alone to re-form)."""
+    if os.environ.get("LOWCOMM_TEST_HOLD_FOR_JOINER") != str(step):
+        return 0
+    deadline = time.monotonic() + 300
+    while membership.joins() == 0 and time.monotonic() < deadline:
+        membership.progress()  # waiting on purpose: not a stuck worker, whose heartbeats stop
+        time.sleep(0.05)
+    return membership.joins()

@@ -1,0 +1,71 @@
+"""Where each gathered step goes: rank 0's steps.jsonl, progress view and flags (stragglers, slow
+link, the launcher's stalled collectives), and the dashboards asked for (--tensorboard, --wandb).
+The training loop (worker.loop) hands records over; this module knows where they are written."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..metrics.progress import ProgressView
+from ..metrics.runlog import StepLog
+from ..metrics.scalars import ScalarLogs
+from ..diagnose.slowlink import SlowLinkFlags
+from ..diagnose.stalls import StallFlags
+from ..diagnose.stragglers import StragglerFlags
+from ..metrics.summary import Totals
+
+
+class StepOutputs:
+    """Rank 0's outputs of a run (`lead`: it writes a run directory); the others hold none."""
+
+    def __init__(self, t, out_dir: Path | None, quiet: bool):
+        cfg = t.cfg
+        self.lead = t.rank == 0 and out_dir is not None
+        self.levels = t.run.levels
+        self.log = StepLog(out_dir, resume_after=t.step if cfg.resume_from else None) if self.lead else None
+        leveled = len(self.levels) > 1  # replica groups: bytes and waits shown per level
+        self.view = ProgressView(cfg.steps, f"{cfg.strategy} W={t.world}", enabled=self.lead and not quiet,
+                                 levels=leveled)
+        self.stragglers = StragglerFlags() if self.lead else None
+        self.slow_link = SlowLinkFlags() if self.lead else None
+        self.stalls = StallFlags.for_run() if self.lead else None  # None without lowcomm's launcher
+        self.board = ScalarLogs.for_run(cfg) if t.rank == 0 else None  # optional extras, checked before the run
+
+    def kept_totals(self, world: int) -> tuple[Totals, float, float]:
+        """The totals, last loss and last validation loss of the steps before a resumed checkpoint."""
+        totals, loss, val_loss = Totals(world), float("nan"), float("nan")
+        for record in (self.log.kept if self.log is not None else []):
+            if len(record["per_rank"]["micro_batches"]) != world:  # resumed on another world size
+                record = {**record, "per_rank": {k: [0] * world for k in record["per_rank"]}}
+            totals.add(record)
+            loss, val_loss = record["loss"], record.get("val_loss", val_loss)
+        return totals, loss, val_loss
+
+    def write(self, records: list[dict], totals: Totals) -> None:
+        """The steps' records into the totals and the logs (the flags first: they go in the record)."""
+        for record in records:
+            totals.add(record)
+            if self.lead:
+                self.flag(record)
+                self.log.write(record)
+        if self.board is not None:
+            self.board.write(records, {c.level: c.snapshot().wire_bytes for c in self.levels})
+
+    def flag(self, record: dict) -> None:
+        """Every analysis' flags of this step, together in the record's `flags`."""
+        found = self.stragglers.flags(record) + self.slow_link.flags(record)
+        if self.stalls is not None:
+            found += self.stalls.flags(record)
+        if found:
+            record["flags"] = found
+
+    def show(self, step: int, totals: Totals, last: dict, elapsed: float) -> None:
+        if self.lead:
+            self.view.update(step, last["loss"], totals.tokens / elapsed, totals.wire / 1e6, totals.exposed / elapsed,
+                             last.get("val_loss"), totals.per_level(step, elapsed), last.get("flags"))
+
+    def close(self) -> None:
+        self.view.close()
+        if self.log is not None:
+            self.log.close()
+        if self.board is not None:
+            self.board.close()

@@ -1,0 +1,105 @@
+"""A torchrun job as one replica of an elastic run (replicas.py): its entry, its checks, and the
+run built on each quorum's group with the replica machinery of a plain run (for every elastic
+run: a flat one's workers are replicas of one process).
+
+On a quorum of R replicas of K processes the world is R·K ranks, numbered replica by replica,
+which is comm/groups.py's ReplicaLayout(R·K, R): so the groups, the strategy across replicas on
+the cross groups and `--inside ddp` inside each replica are exactly a plain `--replicas R` run's.
+Each process reads the data a plain run's process at its replica and position would
+(View.shard); the state at a commit point is 1/K of the optimizer state a process, so a replica
+behind takes it position by position from a replica at the newest step (transfer.heal over the
+cross group of its position).
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from .. import config as C
+from . import faults
+from ..comm import control
+from ..comm.groups import ReplicaLayout
+from .optim import adamw_factory, lr_schedule
+from ..run.build import build as build_run, replica_groups, world_comm
+from .worker import Trainer
+from ..elastic import support
+from ..elastic.address import parse_lighthouse
+
+RESTARTED = "TORCHELASTIC_RESTART_COUNT"
+
+
+def restart_count() -> int:
+    return int(os.environ.get(RESTARTED) or 0)
+
+
+def build(w, view) -> Trainer:
+    """The run of one process on a quorum's group: a replica of K processes (replicas.ReplicaView)
+    or one worker, a replica of its own (K = 1, a flat run). Its cross-replica group
+    (run.levels[0]: its position's ranks, the world when K = 1) is where it heals."""
+    cfg = w.cfg
+    layout = ReplicaLayout(view.world, view.world // view.size())
+    slot = view.slots[view.rank]
+    link, intra_link = C.link_factories(cfg)
+    comm = world_comm(layout, slot, cfg.seed, link)
+    levels = replica_groups(layout, slot, cfg.seed, link, intra_link)
+    if levels is not None:
+        shorten_timeouts(levels, support.member_timeout(cfg))
+    run = build_run(cfg.strategy, w.model, adamw_factory(cfg.optim), comm, levels, accum=cfg.accum,
+                    schedule=lr_schedule(cfg.optim, cfg.steps), total_steps=cfg.steps,
+                    options=support.strategy_options(cfg), inside=cfg.inside)
+    support.configure(run, cfg)
+    run = faults.inject(run, w.slot)  # test faults: by the rank in the job (torchrun), slot·K + rank (launcher)
+    from .elastic import loader_for, val_for
+    val = val_for(cfg, w.val_tokens, view)
+    return Trainer(cfg, view.rank, view.world, w.device, "gloo", comm, w.model, run,
+                   loader_for(cfg, w.train_tokens, view, w.step), val, w.source, None, None)
+
+
+def shorten_timeouts(levels, seconds: float) -> None:
+    """The replica groups fail a collective after the member timeout, as the quorum's group does
+    (new_group's own timeout is 30 min: a frozen member would hang the others that long)."""
+    timeout = timedelta(seconds=seconds)
+    for group in (levels.intra.group, levels.cross.group, *control.control_groups()):
+        _set_pg_timeout(timeout, group)
+
+
+def run_job(cfg, out: Path | None, quiet: bool) -> None:
+    """This process's life in a torchrun job that is one replica of an elastic run."""
+    local, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=300)))
+    job = dist.PrefixStore(f"lowcomm/replica/{restart_count()}/", store)  # the agent's store outlives a restart
+    # a restarted job (torchrun --max-restarts) comes back as a joiner
+    run_replica(cfg, local, size, job, parse_lighthouse(cfg.lighthouse), out, quiet, restart_count() > 0, local)
+
+
+def slot_entry(local: int, slot: int, cfg, store_port: int, lighthouse: str, out_dir: str | None, quiet: bool,
+               joining: bool, attempt: int) -> None:
+    """Entry of a process of a replica slot that the launcher started (`lowcomm train --elastic
+    --replicas R`): the launcher's store is the replica's job store, under this launch's prefix."""
+    size = cfg.workers // cfg.replicas
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=300))
+    job = dist.PrefixStore(f"lowcomm/elastic/slot{slot}.{attempt}/", store)
+    run_replica(cfg, local, size, job, lighthouse, Path(out_dir) if out_dir else None, quiet, joining,
+                slot * size + local, name=f"{slot:05d}")
+
+
+def run_replica(cfg, local: int, size: int, job: dist.Store, lighthouse: str, out: Path | None, quiet: bool,
+                joining: bool, fault_rank: int, name: str | None = None) -> None:
+    """Process `local` of a replica of `size`: its rank 0 the member at the lighthouse (ids sort by
+    `name`, else by start time), the others told each quorum through `job`."""
+    from .elastic import run_elastic
+    from ..elastic.replicas import MatesWatch, ReplicaLeader, ReplicaPeer
+
+    timeout = support.member_timeout(cfg)
+    m = (ReplicaLeader(lighthouse, job, size, timeout, support.min_workers(cfg), name) if local == 0
+         else ReplicaPeer(job, local, timeout))
+    watch = MatesWatch(job, local, size, timeout, m.alive)
+    try:
+        run_elastic(cfg, fault_rank, m, out, quiet, joining)
+    finally:
+        watch.done()
+        m.close()

@@ -1,0 +1,61 @@
+"""diloco under --elastic: a failed outer sync costs that sync, not the round before it.
+
+A diloco member trains H inner steps alone between outer syncs, so a peer's death or freeze is
+found only when the members reach the sync. Going back to the last commit would throw away every
+survivor's H inner steps. So before the step that ends a round, each member keeps its round state
+(its local parameters and inner optimizer after H-1 inner steps, the outer state, the records of
+those steps); when the sync, or the commit after it, fails, the survivors re-form and go back to
+the round state: only the round's last step and its sync are redone, by the members present.
+
+In the new quorum every member says which round step it can return to (none without a round
+state on the newest commit). A member holding the newest round's state loads it. A member without
+it (a restarted worker, a joiner) holds the committed state the heal gave it and enters the round
+at that step having trained nothing: the token-weighted merge counts it for the one step it
+trains, and its rows of the round's earlier steps are recorded absent (runlog.absent_vector).
+The inner steps a dead member trained in the round are lost with it: they never reach the merge,
+and the sync's `outer.tokens_per_member` in steps.jsonl shows the tokens that did.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..metrics.runlog import absent_vector
+from ..elastic import reshard
+
+
+class RoundState:
+    """One member's state before the last step of the current round, if kept."""
+
+    def __init__(self):
+        self.kept: dict | None = None
+
+    def keep(self, w) -> None:
+        """Before the step that ends a round (w: the ElasticWorker)."""
+        if self.kept is None or self.kept["step"] != w.step:
+            self.kept = {"step": w.step, "base": w.snapshot["step"], "pending": list(w.pending),
+                         "state": {"step": w.step, "strategy": reshard.snapshot(w.cfg.strategy, w.t.run)}}
+
+    def forget(self) -> None:
+        """The round committed: its state is of no more use."""
+        self.kept = None
+
+    def rejoin(self, w) -> int | None:
+        """After a quorum's heal (every member on the newest commit): all members back at the
+        newest round step any of them kept, or all on the commit. Returns that step, or None."""
+        mine = self.kept["step"] if self.kept is not None and self.kept["base"] == w.snapshot["step"] else None
+        every = [None] * w.view.world
+        dist.all_gather_object(every, mine)
+        steps = [s for s in every if s is not None]
+        if not steps:
+            self.kept = None
+            return None
+        target = max(steps)
+        if mine == target:
+            w._load(self.kept["state"])
+            w.pending = list(self.kept["pending"])
+        else:  # in the round from here, having trained none of it
+            committed = w.snapshot
+            w._load({"step": target, "strategy": {**committed["strategy"], "steps_done": target}})
+            w.pending = [absent_vector() for _ in range(target - committed["step"])]
+            self.kept = None
+        return target

@@ -1,0 +1,68 @@
+"""The end of a run: every rank's measurements gathered, summary.json (and trace.json) written."""
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import torch
+
+from .. import config as C
+from ..comm.groups import combined
+from ..metrics.levels import gather_levels, level_plans, level_summary
+from ..metrics.runlog import write_json_atomic
+from ..metrics.summary import build_summary, describe
+from ..diagnose.trace import write_trace
+from ..models.layout import layout_of
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def gather_trace(t, out_dir: Path | None, **metadata) -> None:
+    """Collective with --trace: every rank's spans to rank 0, which writes trace.json (at the end,
+    or when a run stops early to be resumed: what ran so far)."""
+    if t.tracer is None:
+        return
+    events = t.tracer.gather(t.comm, t.device)
+    if t.rank == 0 and out_dir is not None:
+        write_trace(out_dir / "trace.json", events, {"strategy": t.cfg.strategy, "workers": t.world,
+                                                     "link": C.to_dict(t.cfg)["link"], **metadata})
+
+
+def summarize(t, run, out_dir: Path | None, quiet: bool) -> dict | None:
+    """Gather every rank's measurements; rank 0 writes summary.json (and trace.json)."""
+    comm, strategy = t.comm, t.run.strategy
+    now = peak_memory_bytes(t.device)
+    peaks = comm.meta_all_gather(torch.tensor([float(now), float(now - t.mem_before)], device=t.device)).cpu()
+    peak, added = peaks[:, 0].max(), peaks[:, 1].max()
+    mine = combined(t.run.levels)  # every level's (a flat run: the world's)
+    slept = t.run.pacer.slept_s if t.run.pacer is not None else 0.0
+    link_times = comm.meta_all_gather(torch.tensor(
+        [mine.busy_s, mine.emulated_s, slept], dtype=torch.float64, device=t.device)).cpu()
+    every_level = gather_levels(comm, t.run.levels, t.device)
+    gather_trace(t, out_dir)
+    lead = t.rank == 0 and out_dir is not None
+    if not lead:
+        return None
+    replicas, layout = t.cfg.replicas or t.world, layout_of(t.model)
+    plan = level_plans(strategy, layout, replicas).slowest_cross(replicas)  # across (a flat run's only level)
+    links = {c.level: c.link.describe() for c in t.run.levels if c.link is not None}
+    levels = level_summary(every_level, strategy, layout, t.world, replicas, t.cfg.steps, links)
+    planned = sum(level["planned_wire_bytes"] for level in levels.values())
+    summary = build_summary(
+        t.cfg, world=t.world, backend=t.backend, params=sum(p.numel() for p in t.model.parameters()), source=t.source,
+        totals=run.totals, train_loss=run.train_loss, val_loss=run.val_loss, wall_s=run.wall_s,
+        optimizer_state_bytes=strategy.optimizer_state_bytes(), peak_mem_bytes=int(peak),
+        link=comm.link.describe() if comm.link is not None else None, link_times=link_times,
+        traced=t.tracer is not None, strategy_report=strategy.report(), plan=plan, planned_wire_bytes=planned)
+    summary.update(replicas=replicas, inside=t.cfg.inside if replicas < t.world else None, levels=levels,
+                   peak_mem_added_bytes=int(added))
+    write_json_atomic(out_dir / "summary.json", summary)
+    if not quiet:
+        print(describe(summary), flush=True)
+    return summary
+
+
