@@ -10,8 +10,8 @@ A strategy with no knob competes at the options given, at its fastest replica co
 """
 from __future__ import annotations
 
-from .planner import Prediction, rank, recommend
-from .replica_sizes import named, recommend_count
+from .planner import Prediction, named, rank, recommend
+from .replica_sizes import recommend_count
 
 
 def finalists(tuned: list, by_count: dict) -> list[Prediction]:

@@ -230,6 +230,11 @@ def predict(name: str, cluster: Cluster, options: Options | None = None, steps: 
         options=asdict(options) if fields(options) else {}, replicas=cluster.groups, levels=levels)
 
 
+def named(p: Prediction, workers: int) -> str:
+    """A prediction as a recommendation names it: the strategy, and its replica count unless flat."""
+    return p.label if p.replicas in (0, workers) else f"{p.label} with --replicas {p.replicas}"
+
+
 def rank(preds: list[Prediction]) -> list[Prediction]:
     """Fastest first: by predicted time to the target loss where known, then by tokens/s."""
     return sorted(preds, key=lambda p: (p.time_to_target_s is None, p.time_to_target_s or 0.0, -p.tokens_per_s))
@@ -237,7 +242,6 @@ def rank(preds: list[Prediction]) -> list[Prediction]:
 
 def recommend(ranked: list[Prediction], cluster: Cluster) -> str:
     """The first of `ranked`, and why, in words (with its --replicas where it is not flat)."""
-    from .replica_sizes import named
 
     best = ranked[0]
     ratio = cluster.price("all_reduce", 4 * cluster.params) / best.compute_s if best.compute_s > 0 else math.inf

@@ -16,7 +16,7 @@ import copy
 
 from ..errors import UsageError
 from .levels import divisors, fits
-from .planner import Prediction, format_seconds, rank
+from .planner import Prediction, format_seconds, named, rank
 from ..strategies import available
 from ..strategies import get as get_strategy
 from ..engines.inside import check_replicas
@@ -69,11 +69,6 @@ def runs_at(names: list[str], layout, workers: int, replicas: int, inside: str,
         reasons = "; ".join(f"{n}: {why}" for n, why in left.items())
         raise UsageError(f"no strategy planned runs with {where} ({reasons})")
     return kept, left
-
-
-def named(p: Prediction, workers: int) -> str:
-    """A prediction as a recommendation names it: the strategy, and its replica count unless flat."""
-    return p.label if p.replicas in (0, workers) else f"{p.label} with --replicas {p.replicas}"
 
 
 def recommend_count(best: list[Prediction], workers: int, one_setting: bool = False) -> str:
