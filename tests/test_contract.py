@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from lowcomm.metrics.trace import comm_wire_bytes, nesting_errors
 from lowcomm.run import make_run
 from lowcomm.strategies import available, get
 from lowcomm.strategies.options import cli_flag, type_name
+from lowcomm.strategies.overlap import OverlappedStrategy
 
 from dist_utils import run_dist
 
@@ -418,3 +420,54 @@ def test_a_replaced_comm_between_steps_continues_bit_identically(name, ends_and_
     group: the run goes on exactly as if nothing had changed."""
     for r in ends_and_groups:
         assert torch.equal(r[name]["straight"], r[name]["swapped"])
+
+
+# -- a rank that closes first serves the rounds its peers still start ---------------------------
+
+# Strategies whose rounds run beside compute: a peer may start rounds after this rank has closed
+# (adaptive acco ends equal backward() counts on different round counts). Forced here without
+# timing: their reproducible options fix the rounds, rank 0 stops after CLOSER calls, rank 1 goes
+# on for PEER calls, and only once rank 0 has entered close() (a file it writes just before).
+ROUNDS_IN_FLIGHT = [n for n in STRATEGIES if issubclass(get(n), OverlappedStrategy)]
+ROUND_OPTIONS = {"dpu": {"warmup_steps": 2}}  # delayed rounds from step 3 (DPU's default warm-up is 10)
+CLOSER, PEER = (5, 6), 13  # rank 0 ends at a step boundary / mid-step; rank 1 six rounds in
+
+
+def _close_early(rank, world, names, path):
+    out = {}
+    for name, n, alone in [(name, n, alone) for name in names for n in CLOSER for alone in (True, False)]:
+        torch.manual_seed(7)
+        model = make_model()
+        run = lowcomm.make_run(name, model, lowcomm.Comm(), make_optimizer, accum=ACCUM, schedule=schedule,
+                               **get(name).reproducible_options, **ROUND_OPTIONS.get(name, {}))
+        closing = Path(path) / f"{name}-{n}-{alone}.closing"
+        for micro in range(n if rank == 0 or alone else PEER):
+            if micro == n:  # rank 1 goes on only once rank 0 is in close()
+                while not closing.exists():
+                    time.sleep(0.01)
+            run.backward(lowcomm.lm_loss(run.model, batch(0, rank, micro)))
+        if rank == 0:
+            closing.touch()
+        run.close()
+        out[(name, n, alone)] = (flat(model), run.steps_done)
+    return out
+
+
+@pytest.fixture(scope="module")
+def closed_early(tmp_path_factory):
+    return run_dist(_close_early, 2, ROUNDS_IN_FLIGHT, str(tmp_path_factory.mktemp("closing")), timeout=120)
+
+
+@pytest.mark.parametrize("name", ROUNDS_IN_FLIGHT)
+def test_a_closed_rank_serves_the_rounds_its_peer_still_starts(name, closed_early):
+    """Rank 0 closes after 5 or 6 backward() calls while rank 1 makes 13: rank 0 takes part in
+    rank 1's further rounds (before, it waited in close()'s agreement while rank 1 waited in a
+    round: a hang). Both end on the same parameters and step count, and rank 1's extra
+    micro-batches were applied (the parameters differ from both ranks stopping early)."""
+    for n in CLOSER:
+        (p0, steps0), (p1, steps1) = (closed_early[r][(name, n, False)] for r in (0, 1))
+        assert torch.equal(p0, p1), f"{name}: ranks end on different parameters (rank 0 closed after {n})"
+        assert steps0 == steps1, (name, n, steps0, steps1)
+        alone = closed_early[0][(name, n, True)][0]
+        assert torch.equal(alone, closed_early[1][(name, n, True)][0])
+        assert not torch.equal(p0, alone), f"{name}: rank 1's rounds after rank 0 closed were not applied"

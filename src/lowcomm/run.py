@@ -311,21 +311,23 @@ class RunDriver:
     # -- the end ----------------------------------------------------------------------------
     def close(self) -> None:
         """End the run on every rank alike: the ranks agree on the last round (the most any
-        rank started), each completes it and drains what is in flight, a step left half
-        accumulated is dropped, and the final parameters are in the model. Then the
-        strategy's threads and hooks are released. Collective; idempotent."""
+        rank started; where rounds run beside compute, inside them: a closed rank serves its
+        peers' rounds until all have closed), each completes it and drains what is in flight,
+        a step left half accumulated is dropped, and the final parameters are in the model.
+        Then the strategy's threads and hooks are released. Collective; idempotent."""
         if self._closed:
             return
         try:
             self.ctx = None
             s = self.strategy
-            rounds = s.rounds_started()
-            if self.comm.world > 1:  # beside any round still in flight on the run's group
-                rounds = agree_max(rounds, self.comm.group)
-            if s.finish(rounds):
+            if s.end_run(self._agree):
                 s.share_inside()  # across replica groups: the final tensors to the whole replica
         finally:
             self.release()
+
+    def _agree(self, value: int) -> int:
+        """The most `value` over the ranks, beside any collective still in flight on the run's group."""
+        return agree_max(value, self.comm.group) if self.comm.world > 1 else value
 
     def release(self) -> None:
         """Release threads and hooks without a collective (after a failure, or a run stopped
