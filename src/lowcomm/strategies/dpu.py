@@ -63,9 +63,10 @@ class DPU(OverlappedStrategy):
         self.flat.zero_grad()
 
     def update(self, ctx):
-        if self.synchronous:
-            self.load_round(ctx.micro)
-            self.launch(estimate=False)
+        if self.synchronous:  # the votes first: a replica whose ranks have all closed reduces nothing
+            votes = self.votes(ctx.micro)
+            self.load_round(ctx.micro) if votes[0] else self.rounds.load_nothing()
+            self.launch(estimate=False, votes=votes)
         if (self.synchronous or self.delayed) and not self._land_round(ctx):
             return  # no rank computed: the run is over
         if not self.synchronous:

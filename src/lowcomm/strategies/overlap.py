@@ -115,6 +115,11 @@ class OverlappedRounds:
         self.buffer.copy_(self.flat.grads)
         self.buffer_count = count
 
+    def load_nothing(self) -> None:
+        """B <- 0: no micro-batch (what reducing a closed replica's zero gradients would give)."""
+        self.buffer.zero_()
+        self.buffer_count = 0
+
     def start(self, estimate: bool, count: int, computing: int) -> None:
         """Launch a round on B, of `count` micro-batches with `computing` ranks' votes (this
         rank's; across replica groups its replica's). An estimate round leaves the shard and
@@ -215,14 +220,18 @@ class OverlappedStrategy(ShardedStrategy):
         self.reduce_inside(op="sum")
         self.rounds.load_gradients(count)
 
-    def launch(self, estimate: bool) -> None:
-        """Start the round on B with this rank's vote; across replica groups with its replica's
-        count and votes, summed as the round starts, so that every position of a replica sends
-        the same ones (and a replica ends the run only when all its ranks have closed)."""
-        count, computing = self.rounds.buffer_count, int(self.rounds.open)
-        if self.inside is not None:
-            count, computing = self.inside.sum((count, computing), self.flat.grads.device, counted=computing > 0)
-        self.rounds.start(estimate, count, computing)
+    def votes(self, count: int) -> tuple[int, int]:
+        """(micro-batches, computing ranks) a round starts with: this rank's; across replica groups
+        its replica's, summed inside as the round starts, so that every position of a replica
+        sends the same (a replica ends the run only when all its ranks have closed)."""
+        computing = int(self.rounds.open)
+        if self.inside is None:
+            return count, computing
+        return self.inside.sum((count, computing), self.flat.grads.device, counted=computing > 0)
+
+    def launch(self, estimate: bool, votes: tuple[int, int] | None = None) -> None:
+        """Start the round on B with its votes (default: those of the micro-batches B holds)."""
+        self.rounds.start(estimate, *(votes or self.votes(self.rounds.buffer_count)))
 
     def end_run(self, agree) -> bool:
         """The run ends (collective; the driver's close): this rank stops computing and keeps
