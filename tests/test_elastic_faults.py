@@ -3,7 +3,7 @@
 
   join         `lowcomm join RUNDIR` (another process) joins at a commit point with the live state;
   kill in a    worker 1 is SIGKILLed inside a collective of its step (issued, its peers in it):
-  collective   the survivors re-form within about 2 s and redo the step; the launcher restarts it
+  collective   the survivors re-form once its heartbeats stop (about 2 s) and redo the step; the launcher restarts it
                and it rejoins with the live state (often in that same quorum: a restart takes less
                than the lighthouse's heartbeat timeout);
   freeze       the joiner is SIGSTOPped: the others drop it after --member-timeout and go on;
@@ -161,14 +161,18 @@ def test_the_survivors_of_every_fault_in_turn_finish_with_one_state(strategy, tm
     restarted, frozen, back, _ = quorums[-4:]
     assert joined["step"] == JOIN_AT and joined["committed"][2] == -1  # a new worker, no state of its own
     # Worker 1 died inside a collective of step KILL_IN; the step, half done, is redone by the
-    # survivors (diloco: the round since the last outer sync), who re-form within about 2 s.
+    # survivors (diloco: the round since the last outer sync), who re-form once its heartbeats
+    # stop (about 2 s): sooner than the frozen joiner, measured in this run, is dropped after
+    # waiting out --member-timeout (not an absolute bound: 2.7 s was seen at load 10-19).
     killed_at, op = (tmp_path / "killed").read_text().split()
     assert op in ("all_reduce", "reduce_scatter", "all_gather"), op
     assert after_kill["step"] == KILL_IN - (2 if strategy[0] == "diloco" else 1)
-    assert after_kill["time"] - float(killed_at) < 2.5, after_kill["time"] - float(killed_at)
+    dropped_killed, dropped_frozen = after_kill["time"] - float(killed_at), frozen["time"] - faults.at["frozen"]
+    assert dropped_killed < dropped_frozen, (dropped_killed, dropped_frozen)
     assert restarted["committed"][1] == -1  # the restarted worker starts from nothing, takes the live state
-    # The frozen joiner is dropped when a collective has waited --member-timeout for it.
-    assert MEMBER_TIMEOUT <= frozen["time"] - faults.at["frozen"] < MEMBER_TIMEOUT + 5.0
+    # The frozen joiner is dropped when a collective has waited --member-timeout for it (not
+    # --timeout's 600 s: a tenth of that is ample at any load).
+    assert MEMBER_TIMEOUT <= dropped_frozen < 10 * MEMBER_TIMEOUT, dropped_frozen
     assert back["time"] > faults.at["lighthouse"]  # formed by the restarted lighthouse
     for q, nxt in zip(quorums, quorums[1:] + [None]):  # who trained which step: the quorum of the time
         until = nxt["step"] if nxt else STEPS

@@ -173,13 +173,22 @@ def test_acco_is_no_worse_than_zero1_at_equal_tokens(corpus_run):
 @pytest.mark.slow
 def test_acco_with_a_three_times_slower_worker_still_converges(corpus_run):
     """--slowdown 1,3: the fast rank keeps accumulating while each round waits for
-    the slow one, so it computes about 3x the micro-batches, and the run still
-    learns. That each micro-batch weighs 1/N of the true total is checked exactly
-    in test_acco.py against the recurrence."""
+    the slow one, so it computes more micro-batches, about as much compute time as the
+    slow one (not a third of it), and the run still learns. That each micro-batch weighs
+    1/N of the true total is checked exactly in test_acco.py against the recurrence."""
     # 60 rounds at lr 3e-3 (1e-3 is too slow to learn in 60): only "it learned" is checked,
     # and the unigram plateau (~3.3-3.4) lies below 4.0 whichever seed (measured 3.711).
-    run, _ = corpus_run("acco", "--accum", "1", "--slowdown", "1,3", "--lr", "3e-3", steps=60, eval_every=0)
+    rounds = 60
+    run, _ = corpus_run("acco", "--accum", "1", "--slowdown", "1,3", "--lr", "3e-3", steps=rounds, eval_every=0)
     fast, slow = run["micro_batches_per_rank"]
-    assert 2.3 <= fast / slow <= 3.8, f"fast/slow micro-batches {fast}/{slow}"
+    busy_fast, busy_slow = run["compute_s_per_rank"]
+    # Against this run's own compute, not a count: on a quiet machine fast/slow is about 3, at
+    # load 10-19 the always-computing fast rank is slowed most (131/73 was seen). The slowdown
+    # took effect (per micro-batch, rank 1 is slower), the fast rank contributes more, and it
+    # fills the rounds' waits: its compute time is near the slow rank's, unless it reached
+    # max_accum (4 per round at accum 1). Without accumulating while waiting it would be a third.
+    assert busy_slow / slow > 1.5 * busy_fast / fast, (busy_fast, fast, busy_slow, slow)
+    assert fast > slow, f"fast/slow micro-batches {fast}/{slow}"
+    assert busy_fast >= 0.6 * busy_slow or fast >= 0.9 * 4 * rounds, (busy_fast, busy_slow, fast)
     assert run["tokens"] == (fast + slow) * 8 * 64
     assert run["final_val_loss"] < 4.0, run["final_val_loss"]
