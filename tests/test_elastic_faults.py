@@ -36,7 +36,11 @@ from lowcomm.cli import main  # noqa: E402
 from test_elastic import TINY, check_finished, jsonl, wait_for  # noqa: E402
 
 STEPS, JOIN_AT, KILL_IN = 100, 4, 6  # the members wait at JOIN_AT's commit point for the joiner
-# (STEPS: the faults end by step ~50 at most, measured; the rest is margin for a loaded machine)
+# ... and at REJOIN_AT's for it to come back through the restarted lighthouse, unless the test has
+# seen it back already (REJOINED, a file; on a quiet machine by step ~25, at load 14 by step 70:
+# the run once reached STEPS first and ended before every fault was made). The drop before it
+# comes at step ~5-10: the members wait out --member-timeout in a collective, not ahead of it.
+REJOIN_AT, REJOINED = 40, "rejoined"
 MEMBER_TIMEOUT = 3.0
 # `lowcomm join OUT` once the run has logged a step (so that it joins mid-run), in a Python
 # started with the test: its imports (3-10 s on the loaded machine) overlap the run's start.
@@ -109,6 +113,7 @@ class Faults:
         os.kill(beacon, signal.SIGKILL)  # dead: refused until the launcher has restarted it
         self.at["lighthouse"] = time.time()
         back = self.quorum(4, [0, 1, 2], [2])
+        (self.log.parent / REJOINED).touch()  # the members need not wait at REJOIN_AT for it
         wait_for(lambda: any(r["step"] > back["step"] for r in records(self.out / "steps.jsonl")),
                  "a step trained with the joiner back")
         self.at["killed"] = time.time()
@@ -124,7 +129,7 @@ class Faults:
                          ids=["ddp", "zero1", "diloco"])
 def test_the_survivors_of_every_fault_in_turn_finish_with_one_state(strategy, tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("LOWCOMM_TEST_HOLD_FOR_JOINER", str(JOIN_AT))
+    monkeypatch.setenv("LOWCOMM_TEST_HOLD_FOR_JOINER", f"{JOIN_AT},{REJOIN_AT}:{tmp_path / REJOINED}")
     monkeypatch.setenv("LOWCOMM_TEST_KILL_IN", f"1:{KILL_IN}")  # first launch of worker 1 only
     monkeypatch.setenv("LOWCOMM_TEST_KILL_LOG", str(tmp_path / "killed"))
     out = tmp_path / "run"
