@@ -305,3 +305,24 @@ def test_per_tensor_compression_is_each_tensors_own(spec):
     assert torch.equal(combined, torch.cat(each))
     with pytest.raises(ValueError, match="expected 14208"):
         per.compress(torch.zeros(10))
+
+
+@pytest.mark.parametrize("spec", ["int8,block:7", "int4,block:7", "sign,block:5", "topk:3,chunk:7,bits:2,quant:stat",
+                                  "topk:3,chunk:7,bits:16"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_workers_row_of_received_bytes_decodes_as_it_was_sent(spec, world):
+    """Received bytes are a (world, nbytes) buffer; each payload part is read back from its column
+    range. With odd sizes a part starts off its dtype's alignment, and on one worker the slice is
+    a single row whose stride is the row's length: both once failed to view."""
+    c, n = parse_spec(spec), 101
+    at, misaligned = 0, False
+    for dtype, count in c.layout(n):
+        size = torch.empty((), dtype=dtype).element_size()
+        misaligned, at = misaligned or at % size != 0, at + count * size
+    assert misaligned or spec.endswith("bits:16")  # (16-bit values after 8-bit indices: aligned at 2)
+    xs = [data(n, seed=s) for s in range(world)]
+    rows = torch.stack([c.to_bytes(c.compress(x)) for x in xs])
+    assert rows.shape == (world, c.nbytes(n))
+    received = torch.cat([torch.zeros(world, 3, dtype=torch.uint8), rows], dim=1)[:, 3:]  # off a boundary
+    got = c.decompress(c.from_bytes(received, n))
+    assert torch.equal(got, torch.stack([c.decompress(c.compress(x)) for x in xs]))

@@ -85,7 +85,9 @@ class Compressor:
         parts, at = [], 0
         for dtype, count in self.layout(n):
             size = count * _itemsize(dtype)
-            parts.append(buf[..., at:at + size].clone().view(dtype))
+            # a fresh contiguous copy: clone() keeps a one-row slice's stride (the whole row's
+            # length), which a view as a wider dtype refuses when it is not a multiple
+            parts.append(buf[..., at:at + size].clone(memory_format=torch.contiguous_format).view(dtype))
             at += size
         if at != buf.shape[-1]:
             raise ValueError(f"{self.name}: {buf.shape[-1]} bytes for rows of {n} values, expected {at}")
