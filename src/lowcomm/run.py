@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 import weakref
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -59,6 +60,14 @@ def make_run(strategy: str, model: nn.Module, comm: Comm, make_optimizer: MakeOp
                          total_steps=total_steps, inside=engine), pacer)
 
 
+def _deprecated(call: Callable, old: str, new: str) -> Callable:
+    """`call`, saying once per call site that `old` is deprecated and `new` is what to call."""
+    def forward(*args, **kwargs):
+        warnings.warn(f"{old} is deprecated: call {new}", DeprecationWarning, stacklevel=2)
+        return call(*args, **kwargs)
+    return forward
+
+
 def link_seed(seed: int, rank: int, intra: bool = False) -> int:
     """The seed of rank `rank`'s emulated link: each NIC jitters on its own, and the link inside
     its replica (`intra`) apart from the one across replicas."""
@@ -89,6 +98,10 @@ class RunDriver:
         self._last_loss = None                   # weakref to the latest loss backpropagated
         self._evaluating = self._closed = False
         self._hook = strategy.train_model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        # lowcomm 0.1's strategy was its own driver: code that ends or evaluates through
+        # `run.strategy` still works, and is told what to call now.
+        strategy.evaluating = _deprecated(self.evaluating, "run.strategy.evaluating()", "run.evaluating()")
+        strategy.close = _deprecated(self.close, "run.strategy.close()", "run.close()")
         if strategy.comm.world > 1:
             control_group(strategy.comm.group)  # made now, while nothing is in flight (see close)
 
@@ -342,6 +355,11 @@ class RunDriver:
     def __exit__(self, exc_type, *exc) -> None:
         # After an error a peer may be gone: no collective then.
         self.close() if exc_type is None else self.release()
+
+    def report(self) -> dict:
+        """lowcomm 0.1's make_strategy(...).report(): the strategy's report, with a warning."""
+        warnings.warn("run.report() is deprecated: call run.strategy.report()", DeprecationWarning, stacklevel=2)
+        return self.strategy.report()
 
     # -- what the trainer reads ---------------------------------------------------------------
     @property
