@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from ..errors import UsageError
 from .base import Strategy
-from .context import StepContext
+from .context import StepContext, schedule_like
 from .options import Options, option
 from .plan import flat_numel
 
@@ -112,7 +112,8 @@ class ShardOptimizer:
                 raise UsageError(f"{type(reference).__name__} cannot be rebuilt from param groups for a "
                                  f"sharded strategy; give it default arguments or use one param group") from None
             self.optimizer = make_optimizer([self.master])
-        self.optimizer.defaults = dict(reference.defaults)  # the schedule scales from the run's default lr
+        self.optimizer.defaults = dict(reference.defaults)
+        schedule_like(self.optimizer, reference)  # a shard holds only some groups: scale as the whole set
 
     def step(self, shard_grad: torch.Tensor) -> None:
         """One inner-optimizer step of the own shard from its (already averaged) gradient."""
