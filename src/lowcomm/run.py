@@ -56,6 +56,8 @@ def make_run(strategy: str, model: nn.Module, comm: Comm, make_optimizer: MakeOp
     strategy, options = resolve(strategy, options)  # an older spelling runs the strategy now named for it
     engine = make_inside(inside, replica)
     cls = get(strategy) if engine is None else engine.strategy_class(get(strategy))  # fsdp's ddp is HSDP
+    if engine is not None:  # the user's param groups onto the part a rank runs on (fsdp: its shards)
+        make_optimizer = engine.optimizer_factory(make_optimizer)
     return RunDriver(cls(model, comm, make_optimizer, accum=accum, schedule=schedule, options=options,
                          total_steps=total_steps, inside=engine), pacer)
 
