@@ -53,8 +53,8 @@ def optimizer_of_groups(reference: torch.optim.Optimizer, groups: list[dict], on
 
 def groups_by_index(reference: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[tuple[dict, list[int]]]:
     """(hyperparameters, indices into `params`) of each param group of `reference`."""
-    return [(hyper, [i for i, p in enumerate(params) if any(p is q for q in members)])
-            for hyper, members in param_groups_of(reference, params)]
+    index = {id(p): i for i, p in enumerate(params)}
+    return [(hyper, [index[id(p)] for p in members]) for hyper, members in param_groups_of(reference, params)]
 
 
 def rebuilt(reference: torch.optim.Optimizer, groups: list[tuple[dict, list[int]]], tensors: list[torch.Tensor],
