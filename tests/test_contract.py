@@ -471,3 +471,48 @@ def test_a_closed_rank_serves_the_rounds_its_peer_still_starts(name, closed_earl
         alone = closed_early[0][(name, n, True)][0]
         assert torch.equal(alone, closed_early[1][(name, n, True)][0])
         assert not torch.equal(p0, alone), f"{name}: rank 1's rounds after rank 0 closed were not applied"
+
+
+def groups_without_a_top_level_lr(params):
+    """Each group names its own lr; the optimizer's `lr` is then torch's default (1e-3)."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "lr": 1e-2},
+                              {"params": [p for p in params if p.dim() < 2], "lr": 1e-3, "weight_decay": 0.0}])
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_a_schedule_scales_each_groups_own_initial_lr(name):
+    """schedule(i) is the lr of the group with the largest initial lr, the other keeps its
+    tenth of it, and the step's reported lr is what that group steps at (one process, no group)."""
+    decaying = lambda i: 1e-2 / (i + 2)  # noqa: E731 -- differs from every initial lr at every step
+    model = make_model_seeded(1234)
+    run = make_run(name, model, lowcomm.Comm(), groups_without_a_top_level_lr, accum=ACCUM, schedule=decaying,
+                   total_steps=1000, **get(name).reproducible_options)
+    for _ in range(3):
+        step, micro = run.steps_done, iter(range(1000))
+        result = run.step(lambda: batch(step, 0, next(micro)), lowcomm.lm_loss)
+        # the scheduled groups (diloco's outer SGD is not scheduled)
+        groups = [g for opt in run.optimizers() for g in opt.param_groups if "initial_lr" in g]
+        assert len(groups) >= 2 and result.lr < 1e-2
+        for g in groups:
+            want = result.lr if g["initial_lr"] == 1e-2 else result.lr / 10
+            assert g["lr"] == pytest.approx(want, rel=1e-12), (g["initial_lr"], g["lr"], result.lr)
+    run.close()
+
+
+def test_a_shard_holding_only_a_lower_groups_values_is_scheduled_as_the_whole_set():
+    """A sharded strategy's rank whose shard holds only the 1e-3 group's values still steps it at a
+    tenth of the schedule: the largest initial lr is the run's, not this shard's (else ranks differ)."""
+    from lowcomm.strategies.context import apply_schedule
+    from lowcomm.strategies.flat import FlatModel, ShardOptimizer, param_groups_of
+    model = make_model_seeded(1234)
+    params = list(model.parameters())
+    reference = groups_without_a_top_level_lr(params)
+    groups = param_groups_of(reference, params)
+    ends = [sum(p.numel() for _, ps in groups[:g + 1] for p in ps) for g in range(len(groups))]
+    world = -(-ends[-1] // (ends[-1] - ends[0])) + 1  # the last shard inside the last group
+    flat = FlatModel(model, [p for _, ps in groups for p in ps], world, world - 1, group_ends=ends)
+    assert [g for g, _, _ in flat.own_pieces()] == [1]
+    shard = ShardOptimizer(flat, groups_without_a_top_level_lr, reference)
+    assert apply_schedule([shard.optimizer], lambda i: 4e-3, 0) == 4e-3
+    assert shard.optimizer.param_groups[0]["lr"] == pytest.approx(4e-4, rel=1e-12)

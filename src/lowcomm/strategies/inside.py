@@ -44,6 +44,11 @@ class InsideDDP:
         """The class that runs strategy `cls` with this engine inside (here: `cls` itself)."""
         return cls
 
+    def optimizer_factory(self, make_optimizer):
+        """make_optimizer as the strategy calls it on its part: here the tensors it owns are the
+        model's own parameters, so the user's function as it is (fsdp maps groups to shards)."""
+        return make_optimizer
+
     def part(self, model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], ModelLayout]:
         """The tensors this rank's position owns and their layout (what the strategy runs on)."""
         params = trainable(model)
