@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Regenerates every measured figure of the README and of docs/results.md, from runs made now.
+"""Regenerates the measured figures of docs/results.md and the README's figure, from runs made now.
 
     .venv/bin/python docs/regenerate_results.py      # ~7 minutes on 2 quiet cores
 
-1. `lowcomm train` with its defaults: the README's first-session output;
+1. `lowcomm train` with its defaults: the paragraph it ends with (docs/results.md's first session);
 2. `lowcomm bench` with its defaults (what `make bench` runs): docs/results.md's answer and
    table, and docs/bench_loss_vs_time.png (shown in the README);
 3. the short recipe (RECIPE): figures that do not depend on timing (bytes, optimizer state,
@@ -27,7 +27,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results.md"
-README = ROOT / "README.md"
 FIGURE = ROOT / "docs" / "bench_loss_vs_time.png"
 RUNS = ROOT / "runs"
 # Deterministic strategies at the default model and workers, two steps each, no emulated link:
@@ -116,7 +115,7 @@ def main(bench_flags: list[str]) -> None:
     state = tree()
     load, started = os.getloadavg()[0], time.time()
     out = lowcomm("train", "--out", str(RUNS / "readme-train"), "--overwrite")
-    write_block(README, "first-session", first_session(out) + "\n\n" + provenance(state, load, started)
+    write_block(RESULTS, "first-session", first_session(out) + "\n\n" + provenance(state, load, started)
                 + " `lowcomm train`, no flags.")
 
     load, started = os.getloadavg()[0], time.time()
@@ -133,7 +132,7 @@ def main(bench_flags: list[str]) -> None:
     lowcomm(*RECIPE, "--out", str(recipe), "--overwrite")
     write_block(RESULTS, "recipe", f"`lowcomm {' '.join(RECIPE)}`\n\n{recipe_table(recipe)}\n\n"
                 + provenance(state, load, started))
-    print(f"wrote {README.name}, {RESULTS.relative_to(ROOT)} and {FIGURE.relative_to(ROOT)}: commit them")
+    print(f"wrote {RESULTS.relative_to(ROOT)} and {FIGURE.relative_to(ROOT)}: commit them")
 
 
 if __name__ == "__main__":

@@ -259,6 +259,36 @@ def test_statistical_values_are_sparselocos_quantizer_at_its_size():
     assert torch.allclose(got, want + v.mean(-1, keepdim=True), atol=1e-6)
 
 
+def _authors_stat_quantize(val, n_bins=4, range_in_sigmas=6):
+    """The authors' TopKCompressor._quantize and _dequantize (tplr-ai/SparseLoCo, first published
+    as CCLoco: src/tplr/ccloco.py), on the values their top-k selected: decoded values."""
+    offset, shift = n_bins // 2, val.mean()
+    centered = val - shift
+    std = centered.norm() / math.sqrt(centered.numel() - 1) if centered.numel() > 1 else torch.tensor(0.0)
+    scale = range_in_sigmas * std / n_bins
+    if scale == 0 or torch.isnan(scale) or torch.isinf(scale):
+        scale = torch.tensor(1.0)
+    q = (centered / scale + offset).round().clamp(0, n_bins - 1).long()
+    sums = torch.zeros(n_bins).scatter_add_(0, q, centered)
+    counts = torch.zeros(n_bins).scatter_add_(0, q, torch.ones_like(centered))
+    return torch.where(counts > 0, sums / counts, 0.0)[q] + shift
+
+
+@pytest.mark.parametrize("n", [10, 64 + 10, 40])
+def test_statistical_values_of_a_short_row_are_over_its_own_values_only(n):
+    """A row shorter than its chunks is zero-padded, and where a chunk holds fewer than k of
+    the row's values top-k picks padding too: the quantizer's mean, σ and table are over the
+    row's own selected values, as the authors' (whose k is clamped to a short tensor)."""
+    t = TopK(chunk=64, k=16, value_bits=2, values="stat")
+    x = data(n, seed=n)
+    payload = t.compress(x)
+    chunks = -(-n // 64)
+    idx = (payload.parts[0].long().view(chunks, 16) + torch.arange(0, 64 * chunks, 64).unsqueeze(-1)).reshape(-1)
+    own = idx[idx < n]
+    assert own.numel() == min(n, 16) + max(0, min(n - 64, 16))
+    assert torch.allclose(t.decompress(payload)[own], _authors_stat_quantize(x[own]), atol=1e-6)
+
+
 def test_combine_averages_each_value_over_the_workers_that_sent_it():
     t = TopK(chunk=32, k=4)
     xs = [data(320, seed=s) for s in range(3)]
@@ -305,3 +335,24 @@ def test_per_tensor_compression_is_each_tensors_own(spec):
     assert torch.equal(combined, torch.cat(each))
     with pytest.raises(ValueError, match="expected 14208"):
         per.compress(torch.zeros(10))
+
+
+@pytest.mark.parametrize("spec", ["int8,block:7", "int4,block:7", "sign,block:5", "topk:3,chunk:7,bits:2,quant:stat",
+                                  "topk:3,chunk:7,bits:16"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_workers_row_of_received_bytes_decodes_as_it_was_sent(spec, world):
+    """Received bytes are a (world, nbytes) buffer; each payload part is read back from its column
+    range. With odd sizes a part starts off its dtype's alignment, and on one worker the slice is
+    a single row whose stride is the row's length: both once failed to view."""
+    c, n = parse_spec(spec), 101
+    at, misaligned = 0, False
+    for dtype, count in c.layout(n):
+        size = torch.empty((), dtype=dtype).element_size()
+        misaligned, at = misaligned or at % size != 0, at + count * size
+    assert misaligned or spec.endswith("bits:16")  # (16-bit values after 8-bit indices: aligned at 2)
+    xs = [data(n, seed=s) for s in range(world)]
+    rows = torch.stack([c.to_bytes(c.compress(x)) for x in xs])
+    assert rows.shape == (world, c.nbytes(n))
+    received = torch.cat([torch.zeros(world, 3, dtype=torch.uint8), rows], dim=1)[:, 3:]  # off a boundary
+    got = c.decompress(c.from_bytes(received, n))
+    assert torch.equal(got, torch.stack([c.decompress(c.compress(x)) for x in xs]))

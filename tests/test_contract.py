@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from lowcomm.diagnose.trace import comm_wire_bytes, nesting_errors
 from lowcomm.run.driver import make_run
 from lowcomm.strategies import available, get
 from lowcomm.contract.options import cli_flag, type_name
+from lowcomm.engines.overlap import OverlappedStrategy
 
 from dist_utils import run_dist
 
@@ -418,3 +420,99 @@ def test_a_replaced_comm_between_steps_continues_bit_identically(name, ends_and_
     group: the run goes on exactly as if nothing had changed."""
     for r in ends_and_groups:
         assert torch.equal(r[name]["straight"], r[name]["swapped"])
+
+
+# -- a rank that closes first serves the rounds its peers still start ---------------------------
+
+# Strategies whose rounds run beside compute: a peer may start rounds after this rank has closed
+# (adaptive acco ends equal backward() counts on different round counts). Forced here without
+# timing: their reproducible options fix the rounds, rank 0 stops after CLOSER calls, rank 1 goes
+# on for PEER calls, and only once rank 0 has entered close() (a file it writes just before).
+ROUNDS_IN_FLIGHT = [n for n in STRATEGIES if issubclass(get(n), OverlappedStrategy)]
+ROUND_OPTIONS = {"dpu": {"warmup_steps": 2}}  # delayed rounds from step 3 (DPU's default warm-up is 10)
+CLOSER, PEER = (5, 6), 13  # rank 0 ends at a step boundary / mid-step; rank 1 six rounds in
+
+
+def _close_early(rank, world, names, path):
+    out = {}
+    for name, n, alone in [(name, n, alone) for name in names for n in CLOSER for alone in (True, False)]:
+        torch.manual_seed(7)
+        model = make_model()
+        run = lowcomm.make_run(name, model, lowcomm.Comm(), make_optimizer, accum=ACCUM, schedule=schedule,
+                               **get(name).reproducible_options, **ROUND_OPTIONS.get(name, {}))
+        closing = Path(path) / f"{name}-{n}-{alone}.closing"
+        for micro in range(n if rank == 0 or alone else PEER):
+            if micro == n:  # rank 1 goes on only once rank 0 is in close()
+                while not closing.exists():
+                    time.sleep(0.01)
+            run.backward(lowcomm.lm_loss(run.model, batch(0, rank, micro)))
+        if rank == 0:
+            closing.touch()
+        run.close()
+        out[(name, n, alone)] = (flat(model), run.steps_done)
+    return out
+
+
+@pytest.fixture(scope="module")
+def closed_early(tmp_path_factory):
+    return run_dist(_close_early, 2, ROUNDS_IN_FLIGHT, str(tmp_path_factory.mktemp("closing")), timeout=120)
+
+
+@pytest.mark.parametrize("name", ROUNDS_IN_FLIGHT)
+def test_a_closed_rank_serves_the_rounds_its_peer_still_starts(name, closed_early):
+    """Rank 0 closes after 5 or 6 backward() calls while rank 1 makes 13: rank 0 takes part in
+    rank 1's further rounds (before, it waited in close()'s agreement while rank 1 waited in a
+    round: a hang). Both end on the same parameters and step count, and rank 1's extra
+    micro-batches were applied (the parameters differ from both ranks stopping early)."""
+    for n in CLOSER:
+        (p0, steps0), (p1, steps1) = (closed_early[r][(name, n, False)] for r in (0, 1))
+        assert torch.equal(p0, p1), f"{name}: ranks end on different parameters (rank 0 closed after {n})"
+        assert steps0 == steps1, (name, n, steps0, steps1)
+        alone = closed_early[0][(name, n, True)][0]
+        assert torch.equal(alone, closed_early[1][(name, n, True)][0])
+        assert not torch.equal(p0, alone), f"{name}: rank 1's rounds after rank 0 closed were not applied"
+
+
+def groups_without_a_top_level_lr(params):
+    """Each group names its own lr; the optimizer's `lr` is then torch's default (1e-3)."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "lr": 1e-2},
+                              {"params": [p for p in params if p.dim() < 2], "lr": 1e-3, "weight_decay": 0.0}])
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_a_schedule_scales_each_groups_own_initial_lr(name):
+    """schedule(i) is the lr of the group with the largest initial lr, the other keeps its
+    tenth of it, and the step's reported lr is what that group steps at (one process, no group)."""
+    decaying = lambda i: 1e-2 / (i + 2)  # noqa: E731 -- differs from every initial lr at every step
+    model = make_model_seeded(1234)
+    run = make_run(name, model, lowcomm.Comm(), groups_without_a_top_level_lr, accum=ACCUM, schedule=decaying,
+                   total_steps=1000, **get(name).reproducible_options)
+    for _ in range(3):
+        step, micro = run.steps_done, iter(range(1000))
+        result = run.step(lambda: batch(step, 0, next(micro)), lowcomm.lm_loss)
+        # the scheduled groups (diloco's outer SGD is not scheduled)
+        groups = [g for opt in run.optimizers() for g in opt.param_groups if "initial_lr" in g]
+        assert len(groups) >= 2 and result.lr < 1e-2
+        for g in groups:
+            want = result.lr if g["initial_lr"] == 1e-2 else result.lr / 10
+            assert g["lr"] == pytest.approx(want, rel=1e-12), (g["initial_lr"], g["lr"], result.lr)
+    run.close()
+
+
+def test_a_shard_holding_only_a_lower_groups_values_is_scheduled_as_the_whole_set():
+    """A sharded strategy's rank whose shard holds only the 1e-3 group's values still steps it at a
+    tenth of the schedule: the largest initial lr is the run's, not this shard's (else ranks differ)."""
+    from lowcomm.contract.context import apply_schedule
+    from lowcomm.engines.flat import FlatModel, ShardOptimizer, param_groups_of
+    model = make_model_seeded(1234)
+    params = list(model.parameters())
+    reference = groups_without_a_top_level_lr(params)
+    groups = param_groups_of(reference, params)
+    ends = [sum(p.numel() for _, ps in groups[:g + 1] for p in ps) for g in range(len(groups))]
+    world = -(-ends[-1] // (ends[-1] - ends[0])) + 1  # the last shard inside the last group
+    flat = FlatModel(model, [p for _, ps in groups for p in ps], world, world - 1, group_ends=ends)
+    assert [g for g, _, _ in flat.own_pieces()] == [1]
+    shard = ShardOptimizer(flat, groups_without_a_top_level_lr, reference)
+    assert apply_schedule([shard.optimizer], lambda i: 4e-3, 0) == 4e-3
+    assert shard.optimizer.param_groups[0]["lr"] == pytest.approx(4e-4, rel=1e-12)

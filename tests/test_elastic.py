@@ -1,5 +1,5 @@
 """--elastic as a user meets it: a worker SIGKILLed mid-run, with no restart left, is dropped by
-the survivors within about 2 s and they finish the run; no step is logged (applied) twice; every
+the survivors once its heartbeats stop (about 2 s), not after --member-timeout, and they finish the run; no step is logged (applied) twice; every
 live worker ends with the same parameters (by hash); a worker whose training thread is stuck is
 left out. Strategies that cannot run elastically are refused in one line. (Every fault kind, for
 each elastic strategy, in one run each: test_elastic_faults.py.)
@@ -21,7 +21,13 @@ TINY = ["--workers", "3", "--elastic", "--min-workers", "2", "--n-layer", "2", "
         "--d-model", "16", "--seq-len", "16", "--data", "pydoc", "--eval-every", "0", "--quiet"]
 
 
-def wait_for(ready, what: str, within: float = 60.0):
+MEMBER_TIMEOUT = 30.0  # --member-timeout where a test tells the heartbeats' drop from the timeout's
+# A hang guard, not a timing claim: how long a test waits for what its run will do (a quorum, a
+# record) before it fails instead of hanging. Generous: at load 10-19 a quorum took over 60 s.
+HANG_GUARD_S = 300.0
+
+
+def wait_for(ready, what: str, within: float = HANG_GUARD_S):
     deadline = time.monotonic() + within
     while not (value := ready()):
         assert time.monotonic() < deadline, f"no {what} within {within:.0f} s"
@@ -54,10 +60,10 @@ def train(out: Path, monkeypatch, capfd, *flags: str, **faults: str) -> str:
     return err
 
 
-def test_diloco_survivors_drop_a_killed_worker_within_2s_and_finish(tmp_path, monkeypatch, capfd):
+def test_diloco_survivors_drop_a_killed_worker_by_its_heartbeats_and_finish(tmp_path, monkeypatch, capfd):
     out, log = tmp_path / "run", tmp_path / "killed"
     err = train(out, monkeypatch, capfd, "--strategy", "diloco", "--sync-every", "4", "--steps", "24",
-                kill_at="1:6", kill_log=str(log))
+                "--member-timeout", str(MEMBER_TIMEOUT), kill_at="1:6", kill_log=str(log))
     assert "worker 1 failed: killed by signal SIGKILL; the others go on without it" in err
     records, summary = check_finished(out, 24)
     quorums = jsonl(out / "membership.jsonl")
@@ -65,8 +71,11 @@ def test_diloco_survivors_drop_a_killed_worker_within_2s_and_finish(tmp_path, mo
     # The round in which it died (steps 5-8) is kept: the survivors go back to their state before
     # step 8 (the step ending the round, whose sync failed) and redo only that step and the sync.
     assert quorums[1]["step"] == 4 and quorums[1]["round"] == 7, quorums[1]
+    # Dropped by its stopped heartbeats (the lighthouse's 1 s timeout: about 2 s on a quiet machine,
+    # 2.7 s seen at load 10-19; bench/faults.py reports the time), not after the member timeout,
+    # the other way a silent member leaves: well under a third of it, whatever the load.
     took = quorums[1]["time"] - float(log.read_text())
-    assert took < 2.5, f"the survivors re-formed {took:.2f} s after the kill"
+    assert took < MEMBER_TIMEOUT / 3, f"the survivors re-formed {took:.2f} s after the kill"
     assert records[3]["members"] == [0, 1, 2] and records[4]["members"] == [0, 2]
     # each outer sync records its contributors (token-weighted merge): three, then the two survivors
     assert [r["outer"]["contributors"] for r in records if "outer" in r] == [3, 2, 2, 2, 2, 2]
@@ -110,7 +119,8 @@ def test_a_worker_whose_training_thread_is_stuck_stops_heartbeating_and_is_left_
         alive.set()  # stuck from now on: its heartbeats stop 2 x 0.3 s later, the lighthouse drops it 1 s after
         views = []
         threading.Thread(target=lambda: views.append(asking.agree(0)), daemon=True).start()
-        wait_for(lambda: views, "quorum without the stuck worker", within=5.0)
+        # about 2 s; a lighthouse that kept waiting for it would take JOIN_TIMEOUT_MS (600 s)
+        wait_for(lambda: views, "quorum without the stuck worker", within=60.0)
         assert views[0].slots == (1,)
     finally:
         alive.set()

@@ -3,7 +3,7 @@
 
   join         `lowcomm join RUNDIR` (another process) joins at a commit point with the live state;
   kill in a    worker 1 is SIGKILLed inside a collective of its step (issued, its peers in it):
-  collective   the survivors re-form within about 2 s and redo the step; the launcher restarts it
+  collective   the survivors re-form once its heartbeats stop (about 2 s) and redo the step; the launcher restarts it
                and it rejoins with the live state (often in that same quorum: a restart takes less
                than the lighthouse's heartbeat timeout);
   freeze       the joiner is SIGSTOPped: the others drop it after --member-timeout and go on;
@@ -36,7 +36,11 @@ from lowcomm.cli.main import main  # noqa: E402
 from test_elastic import TINY, check_finished, jsonl, wait_for  # noqa: E402
 
 STEPS, JOIN_AT, KILL_IN = 100, 4, 6  # the members wait at JOIN_AT's commit point for the joiner
-# (STEPS: the faults end by step ~50 at most, measured; the rest is margin for a loaded machine)
+# ... and at REJOIN_AT's for it to come back through the restarted lighthouse, unless the test has
+# seen it back already (REJOINED, a file; on a quiet machine by step ~25, at load 14 by step 70:
+# the run once reached STEPS first and ended before every fault was made). The drop before it
+# comes at step ~5-10: the members wait out --member-timeout in a collective, not ahead of it.
+REJOIN_AT, REJOINED = 40, "rejoined"
 MEMBER_TIMEOUT = 3.0
 # `lowcomm join OUT` once the run has logged a step (so that it joins mid-run), in a Python
 # started with the test: its imports (3-10 s on the loaded machine) overlap the run's start.
@@ -109,6 +113,7 @@ class Faults:
         os.kill(beacon, signal.SIGKILL)  # dead: refused until the launcher has restarted it
         self.at["lighthouse"] = time.time()
         back = self.quorum(4, [0, 1, 2], [2])
+        (self.log.parent / REJOINED).touch()  # the members need not wait at REJOIN_AT for it
         wait_for(lambda: any(r["step"] > back["step"] for r in records(self.out / "steps.jsonl")),
                  "a step trained with the joiner back")
         self.at["killed"] = time.time()
@@ -124,7 +129,7 @@ class Faults:
                          ids=["ddp", "zero1", "diloco"])
 def test_the_survivors_of_every_fault_in_turn_finish_with_one_state(strategy, tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("LOWCOMM_TEST_HOLD_FOR_JOINER", str(JOIN_AT))
+    monkeypatch.setenv("LOWCOMM_TEST_HOLD_FOR_JOINER", f"{JOIN_AT},{REJOIN_AT}:{tmp_path / REJOINED}")
     monkeypatch.setenv("LOWCOMM_TEST_KILL_IN", f"1:{KILL_IN}")  # first launch of worker 1 only
     monkeypatch.setenv("LOWCOMM_TEST_KILL_LOG", str(tmp_path / "killed"))
     out = tmp_path / "run"
@@ -161,14 +166,18 @@ def test_the_survivors_of_every_fault_in_turn_finish_with_one_state(strategy, tm
     restarted, frozen, back, _ = quorums[-4:]
     assert joined["step"] == JOIN_AT and joined["committed"][2] == -1  # a new worker, no state of its own
     # Worker 1 died inside a collective of step KILL_IN; the step, half done, is redone by the
-    # survivors (diloco: the round since the last outer sync), who re-form within about 2 s.
+    # survivors (diloco: the round since the last outer sync), who re-form once its heartbeats
+    # stop (about 2 s): sooner than the frozen joiner, measured in this run, is dropped after
+    # waiting out --member-timeout (not an absolute bound: 2.7 s was seen at load 10-19).
     killed_at, op = (tmp_path / "killed").read_text().split()
     assert op in ("all_reduce", "reduce_scatter", "all_gather"), op
     assert after_kill["step"] == KILL_IN - (2 if strategy[0] == "diloco" else 1)
-    assert after_kill["time"] - float(killed_at) < 2.5, after_kill["time"] - float(killed_at)
+    dropped_killed, dropped_frozen = after_kill["time"] - float(killed_at), frozen["time"] - faults.at["frozen"]
+    assert dropped_killed < dropped_frozen, (dropped_killed, dropped_frozen)
     assert restarted["committed"][1] == -1  # the restarted worker starts from nothing, takes the live state
-    # The frozen joiner is dropped when a collective has waited --member-timeout for it.
-    assert MEMBER_TIMEOUT <= frozen["time"] - faults.at["frozen"] < MEMBER_TIMEOUT + 5.0
+    # The frozen joiner is dropped when a collective has waited --member-timeout for it (not
+    # --timeout's 600 s: a tenth of that is ample at any load).
+    assert MEMBER_TIMEOUT <= dropped_frozen < 10 * MEMBER_TIMEOUT, dropped_frozen
     assert back["time"] > faults.at["lighthouse"]  # formed by the restarted lighthouse
     for q, nxt in zip(quorums, quorums[1:] + [None]):  # who trained which step: the quorum of the time
         until = nxt["step"] if nxt else STEPS

@@ -2,7 +2,11 @@
 
 Timing tolerances (2 shared cores, other test runs beside us): a sleep never
 ends early, so every "at least the modeled time" bound is strict; upper bounds
-allow SLACK_S = 0.15 s of scheduling delay over the modeled time.
+allow the larger of SLACK_S = 0.15 s and three times this run's own lateness
+over the modeled time: the real op without a link plus how late a sleep of the
+modeled time woke, both measured in the same processes beside the cases (at load
+10-19 a fixed 0.15 s was not enough). An emulator that waited twice still fails
+on a quiet machine; one that did not wait fails the lower bounds at any load.
 """
 import time
 
@@ -47,11 +51,30 @@ def _sync_and_queue(rank, world):
     return {"sync": times, "first": first, "both": both, "emulated_s": comm.stats.emulated_s}
 
 
+def _lateness(rank, world) -> float:
+    """This process's delays right now: a real all-reduce of S without a link, plus how late a
+    sleep of the modeled time wakes (the slowest of three each)."""
+    comm, t = Comm(), torch.ones(N)
+    real, late = [], []
+    for _ in range(3):
+        comm.barrier()
+        t0 = time.perf_counter()
+        comm.all_reduce(t)
+        real.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        time.sleep(_modeled())
+        late.append(time.perf_counter() - t0 - _modeled())
+    return max(real) + max(late)
+
+
 def _all_cases(rank, world):
     # One spawn for every case: starting 2 processes costs more than the cases.
-    return {"sync": _sync_and_queue(rank, world), "overlap": _overlap(rank, world),
-            "future": _future(rank, world), "callback": _wait_inside_callback(rank, world),
-            "no_link": _no_link(rank, world)}
+    before = _lateness(rank, world)
+    out = {"sync": _sync_and_queue(rank, world), "overlap": _overlap(rank, world),
+           "future": _future(rank, world), "callback": _wait_inside_callback(rank, world),
+           "no_link": _no_link(rank, world)}
+    out["slack"] = max(SLACK_S, 3 * max(before, _lateness(rank, world)))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +85,11 @@ def results():
 def test_sync_and_queued_ops_take_the_modeled_time(results):
     m = _modeled()
     assert 0.4 < m < 0.5  # 2 MiB all-reduce at 5 MB/s plus 2 hops of 5 ms
-    for r in (x["sync"] for x in results):
+    for r, slack in ((x["sync"], x["slack"]) for x in results):
         for dt in r["sync"]:
-            assert m <= dt <= m + SLACK_S, (dt, m)
-        assert m <= r["first"] <= m + SLACK_S
-        assert 2 * m <= r["both"] <= 2 * m + SLACK_S
+            assert m <= dt <= m + slack, (dt, m, slack)
+        assert m <= r["first"] <= m + slack, (r, slack)
+        assert 2 * m <= r["both"] <= 2 * m + slack, (r, slack)
         # Most of each op was the emulator's (the real loopback op takes milliseconds).
         assert r["emulated_s"] > 0.8 * 4 * m
 
@@ -113,7 +136,7 @@ def _overlap(rank, world):
 
 def test_async_op_overlaps_compute(results):
     m = _modeled()
-    for r in (x["overlap"] for x in results):
+    for r, slack in ((x["overlap"], x["slack"]) for x in results):
         c = r["alone"]
         assert 0.5 * m < c < 2 * m, r  # calibration gave compute of similar length
         # max(compute, modeled), not the sum. Measured against the compute as it ran beside the
@@ -122,7 +145,7 @@ def test_async_op_overlaps_compute(results):
         # is contention, not a failure to overlap.
         computed = r["computed"]
         assert r["total"] >= m
-        assert r["total"] <= max(computed, m) + SLACK_S, (r, m)
+        assert r["total"] <= max(computed, m) + slack, (r, m, slack)
         assert r["total"] < computed + m - 0.5 * min(computed, m), (r, m)
         # Only the blocked part of wait() is exposed.
         assert abs(r["exposed"] - (r["total"] - r["computed"])) < 0.01
@@ -160,17 +183,17 @@ def _wait_inside_callback(rank, world):
 
 
 def test_an_op_waited_on_inside_a_callback_completes(results):
-    for r in (x["callback"] for x in results):
+    for r, slack in ((x["callback"], x["slack"]) for x in results):
         assert r["ok"]
-        assert r["modeled"] <= r["done"] <= r["modeled"] + SLACK_S
+        assert r["modeled"] <= r["done"] <= r["modeled"] + slack, (r, slack)
 
 
 def test_future_completes_at_the_modeled_end(results):
     m = _modeled()
-    for r in (x["future"] for x in results):
+    for r, slack in ((x["future"], x["slack"]) for x in results):
         assert r["ok"]
-        assert r["issued"] < 0.1 * m  # issuing does not block
-        assert m <= r["done"] <= m + SLACK_S
+        assert r["issued"] < 0.5 * m  # issuing does not block (blocking would take m)
+        assert m <= r["done"] <= m + slack, (r, slack)
 
 
 def _no_link(rank, world):
@@ -187,4 +210,4 @@ def _no_link(rank, world):
 def test_without_a_link_nothing_is_emulated(results):
     for r in (x["no_link"] for x in results):
         assert r["emulated"] == 0.0
-        assert r["dt"] < _modeled()  # two real loopback all-reduces of 2 MiB
+        assert r["dt"] < 2 * _modeled()  # two real loopback all-reduces of 2 MiB, not two modeled ones

@@ -54,7 +54,7 @@ def test_the_default_bench_table_agrees_with_the_recipe(recipe):
 
 def test_every_recorded_block_is_from_one_run_of_the_script():
     blocks = [R.read_block(R.RESULTS, "bench"), R.read_block(R.RESULTS, "recipe"),
-              R.read_block(R.README, "first-session")]
+              R.read_block(R.RESULTS, "first-session")]
     commits = {R.commit_of(b) for b in blocks}
     assert len(commits) == 1 and None not in commits, commits
     assert not any("uncommitted" in b for b in blocks), "measured on a tree that differs from its commit"

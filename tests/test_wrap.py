@@ -286,3 +286,28 @@ def test_bad_replicas_on_one_process_are_refused(kw, needle):
     with pytest.raises(UsageError) as e:
         _run("zero1", **kw)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# -- lowcomm 0.1's spellings: still working, each with a warning that says what to call ------
+
+def test_make_strategy_report_still_works_with_a_deprecation_warning():
+    torch.manual_seed(0)
+    run = lowcomm.make_strategy("powersgd", torch.nn.Linear(4, 1), lowcomm.Comm(),
+                                lambda p: torch.optim.SGD(p, lr=0.1))
+    with pytest.warns(DeprecationWarning, match=r"run\.report\(\) is deprecated: call run\.strategy\.report\(\)"):
+        report = run.report()
+    assert report == run.strategy.report() == {"powersgd_rank": 4, "powersgd_start": 10}
+    run.close()
+
+
+def test_wrap_strategy_evaluating_and_close_still_work_with_a_deprecation_warning():
+    model, run = _run("acco", accum=1, deterministic=True)
+    while not run.stepped:
+        run.backward(_loss(run))
+    with pytest.warns(DeprecationWarning, match=r"run\.strategy\.evaluating\(\) is deprecated: call run\.evaluating\(\)"):
+        with run.strategy.evaluating() as evaluated:
+            assert evaluated is model  # acco: θ swapped in, not the estimate it trains on
+    with pytest.warns(DeprecationWarning, match=r"run\.strategy\.close\(\) is deprecated: call run\.close\(\)"):
+        run.strategy.close()
+    with pytest.raises(UsageError, match="was closed"):
+        run.backward(_loss(run))

@@ -1,7 +1,17 @@
 """Single-process pieces for checking the overlapped strategies (acco, dpu) against their
 recurrences, written from ALGORITHMS.md, not from the strategy code. Micro-batch k of rank
 r is a deterministic function of (r, k), so a reference can recompute exactly the
-gradients each rank computed."""
+gradients each rank computed.
+
+Checked against the authors' code (edouardoyallon/acco, trainer_decoupled.py) and equal to it:
+ACCO's start-up gradient at θ_0 fills the buffer and the accumulator (prepare_grads and
+prepare_buffer_com, lines 244-294); a round divides the reduced gradient sum by the all-reduced
+count, steps the shard and all-gathers it, snapshotting and restoring shard and AdamW state on
+estimate rounds (communication_step, lines 67-125); after a round the model takes the gathered
+parameters, the buffer takes the accumulator, and the accumulator is zeroed after estimate
+rounds only (update_buffers_step, lines 43-63, called from train_acco, lines 501-517), so a
+real update sums the gradients at θ̃_t and θ_t. DPU applies last step's gradient (train_dpu,
+lines 619-663), without that code's zeroing on every other step only (ALGORITHMS.md)."""
 from __future__ import annotations
 
 import copy

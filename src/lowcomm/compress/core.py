@@ -85,7 +85,9 @@ class Compressor:
         parts, at = [], 0
         for dtype, count in self.layout(n):
             size = count * _itemsize(dtype)
-            parts.append(buf[..., at:at + size].clone().view(dtype))
+            # a fresh contiguous copy: clone() keeps a one-row slice's stride (the whole row's
+            # length), which a view as a wider dtype refuses when it is not a multiple
+            parts.append(buf[..., at:at + size].clone(memory_format=torch.contiguous_format).view(dtype))
             at += size
         if at != buf.shape[-1]:
             raise ValueError(f"{self.name}: {buf.shape[-1]} bytes for rows of {n} values, expected {at}")
@@ -228,15 +230,18 @@ class ValueCodec:
         extra = 1 + 2 ** self.bits if self.stat else groups
         return [(torch.uint8, packed_len(groups * per, self.bits)), (torch.float32, extra)]
 
-    def encode(self, vals: torch.Tensor) -> tuple:
-        """vals (..., groups, per) -> parts"""
+    def encode(self, vals: torch.Tensor, real: torch.Tensor | None = None) -> tuple:
+        """vals (..., groups, per) -> parts; `real` (the same shape, bool): which values are the
+        row's own, not its padding (None: all), the only ones the statistical quantizer's
+        mean, σ and table are taken over."""
         lead = vals.shape[:-2]
         if self.bits == 32:
             return (vals.float().reshape(*lead, -1).contiguous(),)
         if self.bits == 16:
             return (vals.to(torch.bfloat16).reshape(*lead, -1).contiguous(),)
         if self.stat:
-            return self._stat_encode(vals.float().reshape(*lead, -1))
+            return self._stat_encode(vals.float().reshape(*lead, -1),
+                                     None if real is None else real.reshape(*lead, -1).float())
         q = IntQuantizer(self.bits, vals.shape[-1]).compress(vals.reshape(*lead, -1))
         return q.parts
 
@@ -251,18 +256,28 @@ class ValueCodec:
         out = IntQuantizer(self.bits, per).decompress(Payload(parts, groups * per))
         return out.reshape(*lead, groups, per)
 
-    def _stat_encode(self, v: torch.Tensor) -> tuple:
-        """v (..., m) -> (packed codes, [shift, table of 2^b code means]) per row."""
+    def _stat_encode(self, v: torch.Tensor, real: torch.Tensor | None = None) -> tuple:
+        """v (..., m) -> (packed codes, [shift, table of 2^b code means]) per row; the statistics
+        over the values `real` (0/1 weights) marks, as the reference quantizes only a tensor's
+        own values (padding gets a code too, which the decoder drops)."""
         bins = 2 ** self.bits
-        shift = v.mean(-1, keepdim=True)
-        c = v - shift
-        m = v.shape[-1]
-        std = c.norm(dim=-1, keepdim=True) / math.sqrt(m - 1) if m > 1 else torch.zeros_like(shift)
+        if real is None:
+            shift = v.mean(-1, keepdim=True)
+            c = v - shift
+            m = v.shape[-1]
+            std = c.norm(dim=-1, keepdim=True) / math.sqrt(m - 1) if m > 1 else torch.zeros_like(shift)
+            weight = torch.ones_like(c)
+        else:
+            m = real.sum(-1, keepdim=True)
+            shift = (v * real).sum(-1, keepdim=True) / m.clamp(min=1)
+            c = v - shift
+            std = torch.where(m > 1, (c * real).norm(dim=-1, keepdim=True) / (m - 1).clamp(min=1).sqrt(), 0.0)
+            weight = real
         step = STAT_RANGE * std / bins
         step = torch.where((step > 0) & torch.isfinite(step), step, torch.ones_like(step))
         codes = torch.round(c / step + bins // 2).clamp_(0, bins - 1).long()
-        sums = torch.zeros(*v.shape[:-1], bins).scatter_add_(-1, codes, c)
-        counts = torch.zeros(*v.shape[:-1], bins).scatter_add_(-1, codes, torch.ones_like(c))
+        sums = torch.zeros(*v.shape[:-1], bins).scatter_add_(-1, codes, c * weight)
+        counts = torch.zeros(*v.shape[:-1], bins).scatter_add_(-1, codes, weight)
         table = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
         return (pack_bits(codes.to(torch.uint8), self.bits),
                 torch.cat([shift, table], dim=-1).contiguous())
@@ -300,8 +315,11 @@ class TopK(Compressor):
         idx = chunks.abs().topk(self.k, dim=-1, sorted=False).indices
         vals = chunks.gather(-1, idx)
         lead = x.shape[:-1]
+        # A short last chunk can have padding among its k: not the row's values (see encode).
+        real = None if n % self.chunk == 0 else \
+            idx + torch.arange(0, chunks.shape[-2] * self.chunk, self.chunk, device=idx.device).unsqueeze(-1) < n
         return Payload((encode_index(idx, self.idx_dtype).reshape(*lead, -1),
-                        *self.values.encode(vals)), n)
+                        *self.values.encode(vals, real)), n)
 
     def decompress(self, payload):
         n = payload.n

@@ -114,8 +114,9 @@ class DCTStacks:
 
 def _as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Received bytes (rows: workers) as `dtype`: a view where offset and row length
-    allow, else a copy."""
+    allow, else a copy. The copy is a clone, never contiguous(): one worker's slice is
+    already contiguous, so contiguous() would return it at its misaligned offset."""
     try:
         return buf.view(dtype)
     except RuntimeError:
-        return buf.contiguous().view(dtype)
+        return buf.clone(memory_format=torch.contiguous_format).view(dtype)

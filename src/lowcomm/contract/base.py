@@ -20,6 +20,8 @@ implements only the hooks its algorithm needs:
                            in flight, leave the final parameters in the model; True when that
                            changed them (default: nothing, False)
     rounds_started()       rounds this rank has started, for finish (default: steps_done)
+    end_run(agree)         collective, at close: finish(agree(rounds_started())), agree = the most over
+                           the ranks; strategies whose rounds run beside compute agree in them (overlap.py)
     use_comm(comm)         the run's group was replaced between steps (default: self.comm = comm)
     report()               strategy-specific fields of summary.json (default: none)
     resolve(options)       classmethod, optional: (name, options, note) of the strategy an older
@@ -147,6 +149,9 @@ class Strategy(Planned, ReplicaPart):
 
     def finish(self, rounds: int) -> bool:
         return False
+
+    def end_run(self, agree: Callable[[int], int]) -> bool:
+        return self.finish(agree(self.rounds_started()))
 
     def use_comm(self, comm: Comm) -> None:
         self.comm = comm

@@ -11,6 +11,7 @@ skipped steps and the trainer stops after --max-bad-steps of them in a row.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -106,21 +107,41 @@ def fill_nan_if_nonfinite(*tensors: torch.Tensor, force: bool = False) -> bool:
 
 
 def apply_schedule(optimizers: Iterable[torch.optim.Optimizer], schedule: Schedule | None, step: int) -> float:
-    """Set every param group's lr for optimizer step `step`, as torch's LambdaLR does: each
-    group keeps its own initial lr and follows the schedule's factor, schedule(step) / the
-    optimizer's default lr (a group at the default lr gets schedule(step) itself, exactly).
+    """Set every param group's lr for optimizer step `step`: schedule(step) is the lr of the
+    group(s) with the largest initial lr, and every group keeps its initial ratio to it
+    (torch's LambdaLR with the factor schedule(step) / that lr). One group, or groups at one
+    lr, each get schedule(step) itself; no group ever steps above it. (The optimizer's
+    top-level `lr=` plays no part: built from groups without one, it is torch's default.)
     Returns the run's lr at this step (the schedule's value, or the first group's lr)."""
     lr = float("nan")
     for optimizer in optimizers:
-        base = optimizer.defaults.get("lr")
-        if schedule is None or base is None:
+        if schedule is None or any("lr" not in g for g in optimizer.param_groups):
             lr = float(optimizer.param_groups[0]["lr"]) if math.isnan(lr) else lr
             continue
         lr = float(schedule(step))
+        top = schedule_reference(optimizer)
         for group in optimizer.param_groups:
             initial = group.setdefault("initial_lr", group["lr"])
-            group["lr"] = lr if initial == base else (initial * lr / base if base else 0.0)
+            group["lr"] = lr if initial == top or top == 0 else initial * lr / top
     return lr
+
+
+# optimizer -> the initial lr its schedule's value stands for, where its groups are a part of
+# the run's (a shard optimizer holding only some groups' pieces): taken from the whole set
+_REFERENCE_LR: "weakref.WeakKeyDictionary[torch.optim.Optimizer, float]" = weakref.WeakKeyDictionary()
+
+
+def schedule_like(optimizer: torch.optim.Optimizer, reference: torch.optim.Optimizer) -> None:
+    """Schedule `optimizer` (built from some of `reference`'s param groups) as `reference`
+    would be: the same largest initial lr on every rank, whichever groups this rank holds."""
+    _REFERENCE_LR[optimizer] = schedule_reference(reference)
+
+
+def schedule_reference(optimizer: torch.optim.Optimizer) -> float:
+    """The initial lr that the schedule's value stands for: the largest of the groups'."""
+    if optimizer in _REFERENCE_LR:
+        return _REFERENCE_LR[optimizer]
+    return max(float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups)
 
 
 def flat_of(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

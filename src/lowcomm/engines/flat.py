@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from ..errors import UsageError
 from ..contract.base import Strategy
-from ..contract.context import StepContext
+from ..contract.context import StepContext, schedule_like
 from ..contract.options import Options, option
 from ..contract.plan import flat_numel
 
@@ -35,6 +35,34 @@ def param_groups_of(reference: torch.optim.Optimizer, params: list[nn.Parameter]
     member = {id(p): g for g, group in enumerate(reference.param_groups) for p in group["params"]}
     return [({k: v for k, v in group.items() if k != "params"}, [p for p in params if member.get(id(p)) == g])
             for g, group in enumerate(reference.param_groups)]
+
+
+def optimizer_of_groups(reference: torch.optim.Optimizer, groups: list[dict], one_group) -> torch.optim.Optimizer:
+    """`reference`'s optimizer class over `groups` (each {hyperparameters, "params"}), with its
+    defaults; `one_group()` builds it where the class cannot be built from groups alone."""
+    try:
+        optimizer = type(reference)(groups)
+    except TypeError:  # an optimizer class that cannot be built from param groups alone
+        if len(groups) > 1:
+            raise UsageError(f"{type(reference).__name__} cannot be rebuilt from param groups for a "
+                             f"sharded strategy; give it default arguments or use one param group") from None
+        optimizer = one_group()
+    optimizer.defaults = dict(reference.defaults)
+    return optimizer
+
+
+def groups_by_index(reference: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[tuple[dict, list[int]]]:
+    """(hyperparameters, indices into `params`) of each param group of `reference`."""
+    index = {id(p): i for i, p in enumerate(params)}
+    return [(hyper, [index[id(p)] for p in members]) for hyper, members in param_groups_of(reference, params)]
+
+
+def rebuilt(reference: torch.optim.Optimizer, groups: list[tuple[dict, list[int]]], tensors: list[torch.Tensor],
+            make_optimizer) -> torch.optim.Optimizer:
+    """`reference`'s groups (groups_by_index) over `tensors`, the i-th standing for the i-th
+    parameter they were read from (e.g. its FSDP shard); every group kept, an empty one too."""
+    return optimizer_of_groups(reference, [{**hyper, "params": [tensors[i] for i in idx]} for hyper, idx in groups],
+                               lambda: make_optimizer(tensors))
 
 
 class FlatModel:
@@ -105,14 +133,8 @@ class ShardOptimizer:
             self.pieces.append((piece, slice(a, b)))
             hyper = {k: v for k, v in reference.param_groups[g].items() if k != "params"}
             groups.append({**hyper, "params": [piece]})
-        try:
-            self.optimizer = type(reference)(groups)
-        except TypeError:  # an optimizer class that cannot be built from param groups alone
-            if len(groups) > 1:
-                raise UsageError(f"{type(reference).__name__} cannot be rebuilt from param groups for a "
-                                 f"sharded strategy; give it default arguments or use one param group") from None
-            self.optimizer = make_optimizer([self.master])
-        self.optimizer.defaults = dict(reference.defaults)  # the schedule scales from the run's default lr
+        self.optimizer = optimizer_of_groups(reference, groups, lambda: make_optimizer([self.master]))
+        schedule_like(self.optimizer, reference)  # a shard holds only some groups: scale as the whole set
 
     def step(self, shard_grad: torch.Tensor) -> None:
         """One inner-optimizer step of the own shard from its (already averaged) gradient."""

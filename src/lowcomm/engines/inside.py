@@ -45,6 +45,11 @@ class InsideDDP:
         """The class that runs strategy `cls` with this engine inside (here: `cls` itself)."""
         return cls
 
+    def optimizer_factory(self, make_optimizer):
+        """make_optimizer as the strategy calls it on its part: here the tensors it owns are the
+        model's own parameters, so the user's function as it is (fsdp maps groups to shards)."""
+        return make_optimizer
+
     def part(self, model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], ModelLayout]:
         """The tensors this rank's position owns and their layout (what the strategy runs on)."""
         params = trainable(model)
@@ -138,11 +143,12 @@ class InsideDDP:
                 for j, span in self._spans(params, q, q * part):
                     params[j].copy_(flat[span].view_as(params[j]))
 
-    def sum(self, count: int, device: torch.device) -> int:
-        """`count` summed over the replica's ranks (micro-batches: a float64 all-reduce)."""
-        n = torch.tensor([float(count)], dtype=torch.float64, device=device)
-        self.comm.all_reduce(n, op="sum")
-        return int(n.item())
+    def sum(self, counts: tuple[int, ...], device: torch.device, counted: bool = True) -> tuple[int, ...]:
+        """`counts` summed over the replica's ranks (one float64 all-reduce; bookkeeping with
+        `counted=False`)."""
+        n = torch.tensor([float(c) for c in counts], dtype=torch.float64, device=device)
+        self.comm.all_reduce(n, op="sum") if counted else self.comm.meta_all_reduce(n, op="sum")
+        return tuple(int(v) for v in n.tolist())
 
 
 def make_inside(kind: str, comm: Comm | None):

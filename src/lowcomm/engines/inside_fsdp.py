@@ -32,8 +32,9 @@ import torch.nn as nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from ..comm import Comm
-from ..errors import RunError
+from ..errors import RunError, UsageError
 from ..models.layout import OUTSIDE, ModelLayout, block_list, layout_of, trainable
+from .flat import groups_by_index, rebuilt
 from ..contract.plan import LevelPlans, PlannedOp
 
 _OPS = {dist.ReduceOp.AVG: "avg", dist.ReduceOp.SUM: "sum"}  # what FSDP asks for fp32 gradients
@@ -100,6 +101,11 @@ class InsideFSDP:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
+        scalars = [name for name, p in model.named_parameters() if p.requires_grad and p.dim() == 0]
+        if scalars:  # FSDP2 shards dim 0 and refuses a tensor without one (a raw ValueError)
+            raise UsageError(f"--inside fsdp cannot shard the 0-d parameter '{scalars[0]}' (FSDP2 shards dim 0): "
+                             "give it shape (1,) or use --inside ddp")
+        self._originals = trainable(model)  # the user's parameters, until the optimizer's groups are read
         device = next(model.parameters()).device
         mesh = DeviceMesh.from_group(self.comm.group, device.type)
         self.units = [*(block_list(model) or []), model]  # the root last: it takes what the blocks left
@@ -114,6 +120,24 @@ class InsideFSDP:
         model.register_state_dict_post_hook(_local_state)
         model.register_load_state_dict_pre_hook(_sharded_state)
         return self.local, shard_layout(layout_of(model), self.comm.world, self.comm.rank)
+
+    def optimizer_factory(self, make_optimizer):
+        """make_optimizer as the strategy calls it, on this rank's shards, with the param groups
+        the user's make_optimizer gives the model's own parameters. FSDP replaced those, so
+        groups chosen by name or identity would all miss the shards: the user's function is
+        called once on the originals, and each group rebuilt on their shards (flat.rebuilt)."""
+        read = []  # (the reference optimizer, its groups by index), once
+
+        def make(params):
+            params = list(params)
+            if len(params) != len(self.local) or any(p is not q for p, q in zip(params, self.local)):
+                return make_optimizer(params)  # not the shards: nothing to map
+            if not read:
+                reference = make_optimizer(self._originals)
+                read.append((reference, groups_by_index(reference, self._originals)))
+                self._originals = []  # the full tensors are FSDP's shards now: let them go
+            return rebuilt(*read[0], self.local, make_optimizer)
+        return make
 
     @torch.no_grad()
     def reduce_to_owners(self, params, op: str = "avg") -> None:

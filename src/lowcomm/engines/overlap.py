@@ -16,6 +16,17 @@ fragment syncs and compressed all-reduces can all be clients.
 while the compute thread keeps accumulating gradients into the model's flat
 gradient buffer G. Afterwards `swap_in()` loads B's parameters into the model
 and `load_gradients()` hands G over as the next round's B.
+
+The end of a run is agreed inside the rounds, not beside them. How many rounds a
+rank starts can depend on timing (adaptive ACCO ends equal backward() counts on
+different round counts), so a rank that has closed cannot know how many more its
+peers will start, and an agreement beside the rounds would wait for a peer that
+waits in a round. Instead the count travels with a vote, [N, computing ranks]:
+a rank that has closed (`open` False) keeps starting rounds as a looping rank
+would, with no new micro-batches, and votes 0; it waits for the votes before
+sending more. A round in which no rank computes carries nothing (every rank skips
+its reduce-scatter and all-gather alike) and ends the run on every rank at once.
+A closed rank's vote is bookkeeping (meta), as the agreement it replaces was.
 """
 from __future__ import annotations
 
@@ -94,6 +105,8 @@ class OverlappedRounds:
         self.shard_grad = torch.empty(flat.shard_size, dtype=flat.grads.dtype, device=flat.grads.device)
         self.snapshot_bytes = 0
         self.skipped = False  # the last round's update was not applied (a non-finite gradient somewhere)
+        self.open = True      # this rank still computes micro-batches (False once closed: it serves rounds)
+        self.ended = False    # the last round found no rank computing: it carried nothing, the run is over
         self.engine = Background(comm, flat.params.device)
 
     # -- compute-thread side --------------------------------------------------
@@ -102,18 +115,27 @@ class OverlappedRounds:
         self.buffer.copy_(self.flat.grads)
         self.buffer_count = count
 
-    def start(self, estimate: bool) -> None:
-        """Launch a round on B. An estimate round leaves the shard and its optimizer state untouched."""
-        assert self.buffer_count > 0
-        count, self.buffer_count = self.buffer_count, 0
-        self.engine.submit(self._round, count, estimate)
+    def load_nothing(self) -> None:
+        """B <- 0: no micro-batch (what reducing a closed replica's zero gradients would give)."""
+        self.buffer.zero_()
+        self.buffer_count = 0
+
+    def start(self, estimate: bool, count: int, computing: int) -> None:
+        """Launch a round on B, of `count` micro-batches with `computing` ranks' votes (this
+        rank's; across replica groups its replica's). An estimate round leaves the shard and
+        its optimizer state untouched."""
+        assert count > 0 or not computing, "a computing rank starts a round with no micro-batch"
+        self.buffer_count = 0
+        self.engine.submit(self._round, count, computing, estimate)
 
     def in_flight(self) -> bool:
         return self.engine.in_flight()
 
     def wait(self) -> int:
-        """Block until the round is done; return the global micro-batch count N."""
-        return self.engine.wait()
+        """Block until the round is done; return the global micro-batch count N (`ended`: no
+        rank computed, nothing was sent or changed)."""
+        total, self.ended = self.engine.wait()
+        return total
 
     def swap_in(self) -> None:
         """Model parameters <- the parameters the round gathered into B."""
@@ -128,14 +150,20 @@ class OverlappedRounds:
         self.buffer_count = sd["buffer_count"]
 
     # -- communication-thread side -------------------------------------------
-    def _round(self, count: int, estimate: bool) -> int:
-        n = torch.tensor([float(count)], dtype=torch.float64, device=self.buffer.device)
+    def _round(self, count: int, computing: int, estimate: bool) -> tuple[int, bool]:
+        n = torch.tensor([float(count), float(computing)], dtype=torch.float64, device=self.buffer.device)
         fill_nan_if_nonfinite(self.buffer)  # a NaN reaches every rank's shard: all skip the round alike
-        counting = self.comm.all_reduce(n, op="sum", async_op=True)
+        if computing:  # the round goes on whatever the others vote: the count beside the reduction
+            counting = self.comm.all_reduce(n, op="sum", async_op=True)
+        else:  # closed: learn whether anyone still computes before sending more
+            counting = self.comm.meta_all_reduce(n)
+            if n[1].item() == 0:
+                return 0, True
         reducing = self.comm.reduce_scatter(self.shard_grad, self.buffer, op="sum", async_op=True)
-        counting.wait()
+        if computing:
+            counting.wait()
         reducing.wait()
-        self.shard_grad.div_(n)  # every micro-batch weighs the same, whoever computed it
+        self.shard_grad.div_(n[0])  # every micro-batch weighs the same, whoever computed it
         self.skipped = not all_finite(self.shard_grad)
         saved = self.shard_opt.snapshot() if estimate and not self.skipped else None
         if saved is not None:
@@ -145,12 +173,12 @@ class OverlappedRounds:
         self.comm.all_gather(self.buffer, self.shard_opt.own_params())
         if saved is not None:
             self.shard_opt.restore(saved)
-        return int(n.item())
+        return int(n[0].item()), False
 
     @staticmethod
     def plan(flat_bytes: int) -> list[PlannedOp]:
-        """One round's traffic: the count, the gradient sum, the gathered parameters."""
-        return [PlannedOp("all_reduce", 8, what="micro-batch count (float64)"),
+        """One round's traffic: the count and votes, the gradient sum, the gathered parameters."""
+        return [PlannedOp("all_reduce", 16, what="micro-batch count and computing ranks (2 float64)"),
                 PlannedOp("reduce_scatter", flat_bytes, what="gradient sum"),
                 PlannedOp("all_gather", flat_bytes, what="parameters")]
 
@@ -182,16 +210,48 @@ class OverlappedStrategy(ShardedStrategy):
     @classmethod
     def level_plans(cls, layout, replicas, size, options):
         plans = super().level_plans(layout, replicas, size, options)
-        count = PlannedOp("all_reduce", 8, what="micro-batch count inside the replica (float64)")
+        count = PlannedOp("all_reduce", 16, what="micro-batch count and computing ranks inside the replica "
+                                                  "(2 float64)")
         return LevelPlans(plans.intra + [count], plans.cross)
 
     def load_round(self, count: int) -> None:
         """The next round's B <- G of `count` micro-batches (across replica groups: the replica's
-        sum of the owned gradients, and of its ranks' counts)."""
-        if self.inside is not None:
-            self.reduce_inside(op="sum")
-            count = self.inside.sum(count, self.flat.grads.device)
+        sum of the owned gradients)."""
+        self.reduce_inside(op="sum")
         self.rounds.load_gradients(count)
+
+    def votes(self, count: int) -> tuple[int, int]:
+        """(micro-batches, computing ranks) a round starts with: this rank's; across replica groups
+        its replica's, summed inside as the round starts, so that every position of a replica
+        sends the same (a replica ends the run only when all its ranks have closed)."""
+        computing = int(self.rounds.open)
+        if self.inside is None:
+            return count, computing
+        return self.inside.sum((count, computing), self.flat.grads.device, counted=computing > 0)
+
+    def launch(self, estimate: bool, votes: tuple[int, int] | None = None) -> None:
+        """Start the round on B with its votes (default: those of the micro-batches B holds)."""
+        self.rounds.start(estimate, *(votes or self.votes(self.rounds.buffer_count)))
+
+    def end_run(self, agree) -> bool:
+        """The run ends (collective; the driver's close): this rank stops computing and keeps
+        taking part in rounds as a looping rank with no micro-batches would (`serve_step`,
+        sharing inside its replica after each as the driver does after a step), until a round
+        finds no rank computing (see the module docstring). No agreement beside the rounds."""
+        self.rounds.open = False
+        while self.serve_step():
+            self.steps_done += 1
+            self.share_inside()
+        self.settle()
+        return False
+
+    def serve_step(self) -> bool:
+        """One step with no micro-batch, as this strategy's loop would take it: False when its
+        round found no rank computing (the run is over)."""
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        """After the last round: leave the final parameters in the model (default: they are)."""
 
     def loss_scale(self) -> float:
         return 1.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 import weakref
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -55,8 +56,18 @@ def make_run(strategy: str, model: nn.Module, comm: Comm, make_optimizer: MakeOp
     strategy, options = resolve(strategy, options)  # an older spelling runs the strategy now named for it
     engine = make_inside(inside, replica)
     cls = get(strategy) if engine is None else engine.strategy_class(get(strategy))  # fsdp's ddp is HSDP
+    if engine is not None:  # the user's param groups onto the part a rank runs on (fsdp: its shards)
+        make_optimizer = engine.optimizer_factory(make_optimizer)
     return RunDriver(cls(model, comm, make_optimizer, accum=accum, schedule=schedule, options=options,
                          total_steps=total_steps, inside=engine), pacer)
+
+
+def _deprecated(call: Callable, old: str, new: str) -> Callable:
+    """`call`, saying once per call site that `old` is deprecated and `new` is what to call."""
+    def forward(*args, **kwargs):
+        warnings.warn(f"{old} is deprecated: call {new}", DeprecationWarning, stacklevel=2)
+        return call(*args, **kwargs)
+    return forward
 
 
 def link_seed(seed: int, rank: int, intra: bool = False) -> int:
@@ -89,6 +100,10 @@ class RunDriver:
         self._last_loss = None                   # weakref to the latest loss backpropagated
         self._evaluating = self._closed = False
         self._hook = strategy.train_model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        # lowcomm 0.1's strategy was its own driver: code that ends or evaluates through
+        # `run.strategy` still works, and is told what to call now.
+        strategy.evaluating = _deprecated(self.evaluating, "run.strategy.evaluating()", "run.evaluating()")
+        strategy.close = _deprecated(self.close, "run.strategy.close()", "run.close()")
         if strategy.comm.world > 1:
             control_group(strategy.comm.group)  # made now, while nothing is in flight (see close)
 
@@ -311,21 +326,23 @@ class RunDriver:
     # -- the end ----------------------------------------------------------------------------
     def close(self) -> None:
         """End the run on every rank alike: the ranks agree on the last round (the most any
-        rank started), each completes it and drains what is in flight, a step left half
-        accumulated is dropped, and the final parameters are in the model. Then the
-        strategy's threads and hooks are released. Collective; idempotent."""
+        rank started; where rounds run beside compute, inside them: a closed rank serves its
+        peers' rounds until all have closed), each completes it and drains what is in flight,
+        a step left half accumulated is dropped, and the final parameters are in the model.
+        Then the strategy's threads and hooks are released. Collective; idempotent."""
         if self._closed:
             return
         try:
             self.ctx = None
             s = self.strategy
-            rounds = s.rounds_started()
-            if self.comm.world > 1:  # beside any round still in flight on the run's group
-                rounds = agree_max(rounds, self.comm.group)
-            if s.finish(rounds):
+            if s.end_run(self._agree):
                 s.share_inside()  # across replica groups: the final tensors to the whole replica
         finally:
             self.release()
+
+    def _agree(self, value: int) -> int:
+        """The most `value` over the ranks, beside any collective still in flight on the run's group."""
+        return agree_max(value, self.comm.group) if self.comm.world > 1 else value
 
     def release(self) -> None:
         """Release threads and hooks without a collective (after a failure, or a run stopped
@@ -342,6 +359,11 @@ class RunDriver:
     def __exit__(self, exc_type, *exc) -> None:
         # After an error a peer may be gone: no collective then.
         self.close() if exc_type is None else self.release()
+
+    def report(self) -> dict:
+        """lowcomm 0.1's make_strategy(...).report(): the strategy's report, with a warning."""
+        warnings.warn("run.report() is deprecated: call run.strategy.report()", DeprecationWarning, stacklevel=2)
+        return self.strategy.report()
 
     # -- what the trainer reads ---------------------------------------------------------------
     @property

@@ -25,6 +25,9 @@ The schedule counts micro-batches, as the reference does: the step index
 passed to the schedule is (global micro-batches applied in real rounds so
 far) // (W * accum), i.e. how many zero1 steps' worth of data the real
 updates have consumed; an estimate round and the real round after it share one lr.
+Adaptive rounds mean equal backward() counts can end on different round counts: a
+rank that has closed serves its peers' further rounds with no new micro-batch until
+a round finds no rank computing (overlap.py), then the model gets the real θ.
 """
 from __future__ import annotations
 
@@ -98,10 +101,11 @@ class ACCO(OverlappedStrategy):
 
     @classmethod
     def level_plans(cls, layout, replicas, size, options):
-        # The start-up micro-batch's gradients are reduced inside the replica once more (no round).
+        # The start-up micro-batch's gradients are reduced inside the replica once more (the
+        # count goes with the first round).
         plans = super().level_plans(layout, replicas, size, options)
         startup = [replace(op, every=ONCE, offset=1, what=f"{op.what}, at start-up")
-                   for op in plans.intra if op.collective != "all_gather"]
+                   for op in plans.intra if op.collective == "reduce_scatter"]
         return LevelPlans(plans.intra + startup, plans.cross)
 
     def begin_step(self, ctx):
@@ -114,7 +118,7 @@ class ACCO(OverlappedStrategy):
         estimate = self.estimate_next
         if estimate:  # the estimate and the real round that follows share one lr
             self.lr = self.set_lr(self.applied // (self.data_parallel_ranks * self.accum))
-        self.rounds.start(estimate)
+        self.launch(estimate)
         if not estimate:
             self.flat.zero_grad()
             self.local_count = 0
@@ -136,26 +140,29 @@ class ACCO(OverlappedStrategy):
         self.end_round(ctx)
         return True
 
-    def rounds_started(self):
-        return self.steps_done + self.rounds.engine.pending
+    def serve_step(self):
+        """Closed: the next round as the loop would take it, with no new micro-batch (an estimate
+        round still sends the gradients G holds; G is zeroed when a real round starts)."""
+        if self.starting:  # closed before the start-up micro-batch: the start-up with none
+            self.starting = False
+            self.flat.zero_grad()
+            self.load_round(0)
+        if not self.rounds.engine.pending:
+            self.start_round()
+        return self.end_round(None)
 
-    def finish(self, rounds):
-        """The run ends: this rank completes the rounds the others started (the micro-batches
-        of an unfinished round are dropped), then the model gets the real θ."""
-        changed = self.steps_done < rounds
-        while self.steps_done < rounds:
-            if not self.rounds.engine.pending:
-                self.start_round()
-            self.end_round(None)
-            self.steps_done += 1
+    def settle(self):
+        """After the last round the model gets the real θ (an estimate round's θ̃ is not kept)."""
         if self.holds_estimate:
             self.flat.params.copy_(self.comm.meta_all_gather(self.shard_opt.own_params()).view(-1))
             self.holds_estimate = False
             self.share_inside(counted=False)  # bookkeeping, as the gather above
-        return changed
 
     def end_round(self, ctx):
+        """Land the round in flight; False when no rank computed in it (the run is over)."""
         total = self.rounds.wait()
+        if self.rounds.ended:
+            return False
         if self.rounds.skipped and ctx is not None:  # G may still hold the bad gradient: the next real round zeroes it
             ctx.skip()
         estimate = self.estimate_next
@@ -168,6 +175,7 @@ class ACCO(OverlappedStrategy):
         self.estimate_next = not estimate
         if ctx is not None:
             ctx.lr = self.lr
+        return True
 
     @contextmanager
     def swapped_for_eval(self):

@@ -11,15 +11,23 @@ checks the comm hook's return annotation at runtime.)
 
 Across replica groups (--replicas): each bucket reduce-scattered inside the replica, this
 rank's 1/K all-reduced across replicas (overlapped as above), all-gathered inside at the end.
+
+In a process without a group (the Python API's single process) there is no DDP: torch's
+reducer needs a process group. The step's gradients then go through the same comm hook as
+one bucket once the last backward is in (Comm does the collective's local effect), and the
+training forward runs on `SingleProcess`, which has DDP's shape (`.module`), so a loop that
+reaches its model as `run.model.module` runs unchanged under torchrun and alone.
 """
 import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import Comm
+from ..comm.torch_hooks import OwnedBucket
 from ..errors import UsageError
 from ..contract.base import Strategy
 from ..contract.context import write_flat
@@ -51,6 +59,18 @@ def paced_hook(strategy: "DDP", bucket: dist.GradBucket) -> torch.futures.Future
     return strategy.comm_hook(bucket)
 
 
+class SingleProcess(nn.Module):
+    """The training module of ddp in a process without a group: DDP's shape (the model as
+    `.module`, its forward) without DDP's reducer."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
 @register("ddp")
 class DDP(Strategy):
     Options = DDPOptions
@@ -69,6 +89,15 @@ class DDP(Strategy):
         self.wrap_in_ddp(model, comm, make_optimizer)
 
     def wrap_in_ddp(self, model, comm, make_optimizer) -> None:
+        self.buckets_sent = 0  # in the current step: none after a synced backward means DDP was bypassed
+        self.pieces = []  # across replica groups: (parameters, piece, numel) of each bucket this step
+        if self.owns_part or not dist.is_initialized():
+            # No reducer (see the module docstring): across replica groups a subclass runs on the
+            # tensors its position owns (powersgd); in a single process torch's DDP has no group.
+            self.ddp = None
+            self.local_model = model if self.owns_part else SingleProcess(model)
+            self.optimizer = make_optimizer(self.params if self.owns_part else model.parameters())
+            return
         self.ddp = DistributedDataParallel(model, process_group=comm.group,
                                            bucket_cap_mb=self.options.bucket_mb)
         # A proxy, not self: DDP's C++ reducer keeps the state alive, and a
@@ -76,8 +105,6 @@ class DDP(Strategy):
         # tears DDP down in the wrong order (SIGABRT, 'terminate called').
         self.ddp.register_comm_hook(weakref.proxy(self), paced_hook)
         self.optimizer = make_optimizer(model.parameters())
-        self.buckets_sent = 0  # in the current step: none after a synced backward means DDP was bypassed
-        self.pieces = []  # across replica groups: (parameters, piece, numel) of each bucket this step
 
     def comm_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """How one bucket of gradients is reduced (the seam subclasses replace, e.g. powersgd):
@@ -113,7 +140,7 @@ class DDP(Strategy):
 
     @property
     def train_model(self):
-        return self.ddp
+        return self.ddp if self.ddp is not None else self.local_model
 
     def optimizers(self):
         return [self.optimizer]
@@ -150,7 +177,21 @@ class DDP(Strategy):
         """Whether the next micro-batch's backward all-reduces: what DDP's no_sync()
         toggles, set here because the user's forward runs outside our code. DDP reads
         it in forward, so it must be right before the next forward begins."""
-        self.ddp.require_backward_grad_sync = last
+        if self.ddp is not None:
+            self.ddp.require_backward_grad_sync = last
+
+    def _update_unwrapped(self, ctx) -> None:
+        """Without DDP: the step's gradients (across replica groups: the replica's mean of the
+        owned ones) through comm_hook as one bucket, then the step."""
+        self.reduce_inside()
+        params = [p for p in self.params if p.grad is not None]
+        bucket = OwnedBucket(params)
+        ctx.poison_nonfinite(bucket.buffer())
+        reduced = self.comm_hook(bucket).wait()
+        write_flat(reduced, [p.grad for p in params])
+        if ctx.received_finite(reduced):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def begin_step(self, ctx):
         ctx.lr = self.set_lr(ctx.step)
@@ -158,7 +199,8 @@ class DDP(Strategy):
         self._sync_next(self.accum == 1)
 
     def paces_backward(self):
-        return not self.ddp.require_backward_grad_sync  # the hook paces before each bucket
+        # with DDP, the hook paces before each bucket of a synced backward
+        return self.ddp is None or not self.ddp.require_backward_grad_sync
 
     def after_backward(self, ctx):
         if ctx.micro < self.accum:
@@ -168,6 +210,9 @@ class DDP(Strategy):
         return True
 
     def update(self, ctx):
+        if self.ddp is None:
+            self._update_unwrapped(ctx)
+            return
         if self.buckets_sent == 0:
             raise UsageError("the loss was not computed through the DDP wrapper, so no gradient was "
                              "all-reduced: run the forward on run.model (strategy.train_model), not on "

@@ -10,8 +10,11 @@ gradient that the next one applies (it sends nothing).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+from ..comm import CommStats
+from ..contract.context import StepContext
 from ..engines.flat import ShardedOptions
 from ..contract.options import option
 from ..engines.overlap import OverlappedStrategy
@@ -54,37 +57,40 @@ class DPU(OverlappedStrategy):
     def begin_step(self, ctx):
         ctx.lr = self.set_lr(self.updates)
         self.synchronous = self.steps_done < self.warmup_steps
-        self.delayed = not self.synchronous and self.rounds.buffer_count > 0  # g(θ_{t-1}) waits in B
+        self.delayed = self.steps_done > self.warmup_steps  # g(θ_{t-1}) waits in B (the first delayed step: none)
         if self.delayed:
-            self.rounds.start(estimate=False)
+            self.launch(estimate=False)
         self.flat.zero_grad()
 
     def update(self, ctx):
-        if self.synchronous:
-            self.load_round(self.accum)
-            self.rounds.start(estimate=False)
-        if self.synchronous or self.delayed:
-            self._land_round(ctx)
+        if self.synchronous:  # the votes first: a replica whose ranks have all closed reduces nothing
+            votes = self.votes(ctx.micro)
+            self.load_round(ctx.micro) if votes[0] else self.rounds.load_nothing()
+            self.launch(estimate=False, votes=votes)
+        if (self.synchronous or self.delayed) and not self._land_round(ctx):
+            return  # no rank computed: the run is over
         if not self.synchronous:
-            self.load_round(self.accum)  # g(θ_t), applied next step
+            self.load_round(ctx.micro)  # g(θ_t), applied next step
 
-    def _land_round(self, ctx):
+    def _land_round(self, ctx) -> bool:
         self.rounds.wait()
-        if self.rounds.skipped and ctx is not None:
+        if self.rounds.ended:
+            return False
+        if self.rounds.skipped:
             ctx.skip()
         self.rounds.swap_in()
         self.updates += 1
+        return True
 
-    def rounds_started(self):
-        return self.updates + self.rounds.engine.pending
-
-    def finish(self, rounds):
-        """The run ends: a round in flight lands (every rank has one in flight, or none);
-        the gradient waiting in B for the next step is dropped."""
-        if self.rounds.engine.pending:
-            self._land_round(None)
-            return True
-        return False
+    def serve_step(self):
+        """Closed: a step with no micro-batch (a half-accumulated one's are dropped): the
+        delayed gradient waiting in B still goes with the round the peers start."""
+        ctx = StepContext(self.steps_done, time.perf_counter(), CommStats())
+        if not self.rounds.engine.pending:  # not begun, or begun without a round: (again) from its start
+            self.begin_step(ctx)
+        self.flat.zero_grad()
+        self.update(ctx)
+        return not self.rounds.ended
 
     def extra_state(self):
         return {**super().extra_state(), "updates": self.updates}

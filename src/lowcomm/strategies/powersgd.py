@@ -17,10 +17,11 @@ buckets, --bucket-mb, otherwise issued their collectives in an order that differ
 ranks), and its state kept per parameter (comm.powersgd_state), so that a resumed run
 continues bit-identically although its fresh DDP lays buckets out anew.
 
-Across replica groups (--replicas) there is no DDP wrapper: the hook runs once the step's
-gradients are in, on one bucket of the tensors this rank's position owns, after the replica's
-mean of them (Strategy.reduce_inside); its first Qs are drawn per parameter, so the K groups
-together compute what R single workers would.
+Across replica groups (--replicas), and in a process without a group, there is no DDP
+wrapper: the hook runs once the step's gradients are in, on one bucket (across replicas: of
+the tensors this rank's position owns, after the replica's mean of them, Strategy.reduce_inside;
+its first Qs are drawn per parameter, so the K groups together compute what R single workers
+would).
 """
 from dataclasses import dataclass
 
@@ -29,10 +30,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 
 from ..comm.powersgd_state import (MIN_COMPRESSION_RATE, HookStateLayout, compresses, hook_state_dict,
                                    load_hook_state, matrix_shape)
-from ..comm.torch_hooks import BucketChain, CountedGroup, OwnedBucket, route_collectives
+from ..comm.torch_hooks import BucketChain, CountedGroup, route_collectives
 from ..errors import UsageError
 from ..contract.base import Strategy
-from ..contract.context import write_flat
 from .ddp import DDP, DDPOptions
 from ..contract.options import option
 from ..contract.plan import PlannedOp
@@ -73,10 +73,9 @@ class PowerSGD(DDP):
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         Strategy.__init__(self, model, comm, make_optimizer, *args, **kwargs)
-        if self.owns_part:  # the hook runs in update(), on the replica's mean of the owned gradients
-            self.ddp, self.optimizer = None, make_optimizer(self.params)
-        else:
-            self.wrap_in_ddp(model, comm, make_optimizer)
+        # Across replica groups (and in a single process) without DDP: the hook runs in update(),
+        # on one bucket of the (owned) gradients (DDP._update_unwrapped).
+        self.wrap_in_ddp(model, comm, make_optimizer)
         route_collectives(_psgd, _default_hooks)
         self.psgd = _psgd.PowerSGDState(process_group=CountedGroup(comm),
                                         matrix_approximation_rank=self.options.rank,
@@ -137,41 +136,8 @@ class PowerSGD(DDP):
         load_hook_state(self.psgd, sd["powersgd"])
         self.layout.load_state_dict(sd["layout"])
 
-    # -- across replica groups: no DDP; torch's hook on one bucket of the owned gradients ------
-    @property
-    def train_model(self):
-        return self.model if self.ddp is None else self.ddp
-
-    def begin_step(self, ctx):
-        if self.ddp is None:
-            return Strategy.begin_step(self, ctx)
-        return super().begin_step(ctx)
-
-    def after_backward(self, ctx):
-        if self.ddp is None:
-            return Strategy.after_backward(self, ctx)
-        return super().after_backward(ctx)
-
-    def paces_backward(self):
-        return self.ddp is None or super().paces_backward()
-
-    def _update_owned(self, ctx):
-        """G <- the replica's mean (owned tensors); torch's hook on them across replicas; step."""
-        self.reduce_inside()
-        bucket = OwnedBucket(self.params)
-        ctx.poison_nonfinite(bucket.buffer())
-        self.layout.align(bucket)
-        reduced = _psgd.powerSGD_hook(self.psgd, bucket).wait()
-        write_flat(reduced, [p.grad for p in self.params])
-        if ctx.received_finite(reduced):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
     def update(self, ctx):
-        if self.ddp is None:
-            self._update_owned(ctx)
-        else:
-            super().update(ctx)
+        super().update(ctx)
         if ctx.skipped:  # the hook's error feedback and factors took in the non-finite gradient
             self.layout.forget()
 

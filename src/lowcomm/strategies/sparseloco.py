@@ -23,7 +23,9 @@ TopKCompressor; hparams/500M/sweeps/ccloco.yaml) and the paper:
   (1.56%), the middle of the paper's 1–3% (the reference sweeps use 32 and 128);
 - 2-bit values by their statistical quantizer (TopKCompressor._quantize with quantization_bins
   4, quantization_range 6): shift by the mean, step 6σ/4, 4 codes, decoded through each
-  code's mean value (lowcomm.compress.ValueCodec "stat");
+  code's mean value (lowcomm.compress.ValueCodec "stat"), over the tensor's own selected values
+  only: where a short tensor's padded chunk makes top-k pick padding, the padding is in no
+  statistic (the reference clamps k to the short tensor);
 - aggregation: all-gather of indices and values, each index averaged over the workers that
   sent it (batch_decompress: scatter_reduce "mean", include_self=False).
 - per tensor: each tensor's top-k chunks and its quantizer's mean/σ/table are its own

@@ -200,7 +200,7 @@ class ElasticWorker:
             self.step = t.step = self.step + 1
             if not is_commit(cfg, self.step):
                 continue
-            joins = max(self._commit(self.pending), hold_for_joiner_if_asked(self.step, self.m))
+            joins = max(self._commit(self.pending), hold_for_joiner_if_asked(self.step, self.m, self.joins_seen))
             self.pending = []
             if self.round is not None:
                 self.round.forget()

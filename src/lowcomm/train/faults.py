@@ -133,15 +133,21 @@ def nan_loss_if_asked(rank: int, step: int, loss_fn):
     return lambda model, batch: loss_fn(model, batch) * float("nan")
 
 
-def hold_for_joiner_if_asked(step: int, membership: Membership) -> int:
-    """Test-only: LOWCOMM_TEST_HOLD_FOR_JOINER=STEP makes every member wait at the commit point
-    of STEP until a joiner has announced itself, so a test's joiner arrives mid-run however
-    loaded the machine is (as the hooks above do for failures). Returns the joins seen then,
-    else 0 (a member's own count, not gathered, must not decide alone to re-form)."""
-    if os.environ.get("LOWCOMM_TEST_HOLD_FOR_JOINER") != str(step):
+def hold_for_joiner_if_asked(step: int, membership: Membership, seen: int = 0) -> int:
+    """Test-only: LOWCOMM_TEST_HOLD_FOR_JOINER=STEP[,STEP:FILE...] makes every member wait at the
+    commit point of each STEP until a joiner has announced itself since the `seen` joins the
+    members answered (with :FILE, not once FILE exists: the test saw what it waited for), so a
+    test's joiner arrives, or comes back, mid-run however loaded the machine is (as the
+    hooks above do for failures). Returns the joins seen then, else 0 (a member's own count, not
+    gathered, must not decide alone to re-form)."""
+    holds = dict((entry.split(":", 1) + [""])[:2] for entry in
+                 os.environ.get("LOWCOMM_TEST_HOLD_FOR_JOINER", "").split(",") if entry)
+    if str(step) not in holds:
         return 0
+    unless = holds[str(step)]
     deadline = time.monotonic() + 300
-    while membership.joins() == 0 and time.monotonic() < deadline:
+    while (membership.joins() <= seen and not (unless and os.path.exists(unless))
+           and time.monotonic() < deadline):
         membership.progress()  # waiting on purpose: not a stuck worker, whose heartbeats stop
         time.sleep(0.05)
     return membership.joins()
