@@ -176,13 +176,19 @@ def _setup(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str]:
     if case == "max_accum_below_accum":
         return ["--strategy", "acco", "--accum", "4", "--max-accum", "2", *d], ("--max-accum", "--accum 4")
     if case == "out_not_writable":
-        if os.geteuid() == 0:  # root writes through file modes, not into /proc/1
-            out = Path("/proc/1")
-        else:
-            out = tmp / "locked"
-            out.mkdir()
-            out.chmod(0o500)
+        out = unwritable_dir(tmp)
         return ["--out", str(out), *d], (str(out), "cannot be written")
+    if case == "out_under_proc":  # root passes every mode check, yet nothing can be made in /proc
+        return ["--out", "/proc/lowcomm-run", *d], ("/proc/lowcomm-run", "cannot be written")
+    if case == "tensorboard_not_writable":  # refused before the run dir is made, not at the first step
+        board = unwritable_dir(tmp) / "tb"
+        return ["--tensorboard", str(board), *d], ("--tensorboard", str(board), "cannot be written")
+    if case == "tensorboard_under_proc":
+        return ["--tensorboard", "/proc/tb", *d], ("--tensorboard '/proc/tb'", "cannot be written")
+    if case == "tensorboard_is_a_file":
+        p = tmp / "board"
+        p.write_text("not a directory\n")
+        return ["--tensorboard", str(p), *d], ("--tensorboard", str(p), "not a directory")
     if case == "out_is_a_file":
         p = tmp / "taken"
         p.write_text("not a directory\n")
@@ -222,6 +228,16 @@ def _setup(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str]:
     raise AssertionError(case)
 
 
+def unwritable_dir(tmp: Path) -> Path:
+    """A directory this process cannot write into."""
+    if os.geteuid() == 0:  # root writes through file modes, not into /proc/1
+        return Path("/proc/1")
+    locked = tmp / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    return locked
+
+
 def _previous_run(tmp: Path) -> Path:
     """A ddp run's directory as `lowcomm train` leaves it (config.toml; no checkpoint needed:
     what is refused is refused before one is looked for)."""
@@ -244,6 +260,7 @@ CASES = ["unknown_strategy", "workers_zero", "workers_negative", "workers_non_nu
          "model_beyond_memory", "micro_batch_beyond_memory", "workers_beyond_memory", "data_device",
          "data_fifo", "link_negative_bandwidth", "link_negative_latency", "link_negative_jitter",
          "slowdown_negative", "max_accum_below_accum", "out_not_writable", "out_is_a_file",
+         "out_under_proc", "tensorboard_not_writable", "tensorboard_under_proc", "tensorboard_is_a_file",
          "overwrite_not_a_run",
          "resume_with_another_strategy", "resume_with_overwrite", "toml_table_of_another_strategy",
          "empty_flag_value", "empty_option_value", "binary_data", "binary_file_in_data_dir",
