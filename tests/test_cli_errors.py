@@ -175,6 +175,8 @@ def _setup(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str]:
         return ["--slowdown", "-2,1", *d], "-2"
     if case == "max_accum_below_accum":
         return ["--strategy", "acco", "--accum", "4", "--max-accum", "2", *d], ("--max-accum", "--accum 4")
+    if case == "inside_fsdp_without_replicas":  # one process a replica: nothing to shard, not ignored silently
+        return ["--inside", "fsdp", *d], ("--inside fsdp", "needs replica groups", "--replicas")
     if case == "out_not_writable":
         out = unwritable_dir(tmp)
         return ["--out", str(out), *d], (str(out), "cannot be written")
@@ -260,7 +262,7 @@ CASES = ["unknown_strategy", "workers_zero", "workers_negative", "workers_non_nu
          "model_beyond_memory", "micro_batch_beyond_memory", "workers_beyond_memory", "data_device",
          "data_fifo", "link_negative_bandwidth", "link_negative_latency", "link_negative_jitter",
          "slowdown_negative", "max_accum_below_accum", "out_not_writable", "out_is_a_file",
-         "out_under_proc", "tensorboard_not_writable", "tensorboard_under_proc", "tensorboard_is_a_file",
+         "inside_fsdp_without_replicas", "out_under_proc", "tensorboard_not_writable", "tensorboard_under_proc", "tensorboard_is_a_file",
          "overwrite_not_a_run",
          "resume_with_another_strategy", "resume_with_overwrite", "toml_table_of_another_strategy",
          "empty_flag_value", "empty_option_value", "binary_data", "binary_file_in_data_dir",
