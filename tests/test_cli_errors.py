@@ -360,6 +360,12 @@ def _command_case(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str
         p = tmp / "bench.toml"
         p.write_text("[acco]\nmax_accum = 8\n")
         return [*bench, "--strategies", "ddp,zero1", "--config", str(p)], ("[acco]", "none of the strategies")
+    if case == "bench_recipe_of_two_million_runs":  # was minutes of silent checking, then years of runs
+        p = tmp / "huge.toml"
+        lrs = ", ".join(f"{(i + 1) * 1e-6:g}" for i in range(2000))
+        p.write_text(f"seeds = {list(range(1000))}\n[sweep]\nlr = [{lrs}]\n[[run]]\nstrategy = \"ddp\"\n")
+        return ["bench", str(p), "--out", str(tmp / "bench")], ("2,000,000 runs", "2,000 lr x 1,000 seeds",
+                                                                "at most 1,000")
     if case == "bench_single_strategy_flag":
         return [*bench, "--strategy", "ddp"], ("--strategy", "--strategies")
     raise AssertionError(case)
@@ -367,7 +373,7 @@ def _command_case(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str
 
 COMMAND_CASES = ["plan_absurd_params", "plan_absurd_width", "plan_absurd_depth", "plan_absurd_workers",
                  "plan_empty_strategies", "plan_train_only_flag", "bench_empty_strategies",
-                 "bench_table_of_no_benched_strategy", "bench_single_strategy_flag"]
+                 "bench_table_of_no_benched_strategy", "bench_single_strategy_flag", "bench_recipe_of_two_million_runs"]
 
 
 @pytest.mark.parametrize("case", COMMAND_CASES)
