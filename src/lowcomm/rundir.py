@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,18 +42,7 @@ def is_run(path: Path) -> bool:
 def check(out: Path, overwrite: bool, default: bool = False) -> None:
     """UsageError when the run could not write to `out`; writes nothing. A `default`
     name taken already is no error: `create` claims the next free one."""
-    if default:
-        out = out.parent
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"output path '{out}' exists and is not a directory")
-    existing = out
-    while not existing.exists():  # the directory mkdir will create it in
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UsageError(f"output path '{out}' cannot be created: '{existing}' is not a directory")
-    if not _writable(existing):
-        where = "" if existing == out else f" ('{existing}' is not writable)"
-        raise UsageError(f"output path '{out}' cannot be written{where}")
+    check_writable(out.parent if default else out, "output path")
     if default or not out.exists():
         return
     if (out / "steps.jsonl").exists() and not overwrite:
@@ -60,6 +50,22 @@ def check(out: Path, overwrite: bool, default: bool = False) -> None:
     if overwrite and any(out.iterdir()) and not is_run(out):
         raise UsageError(f"--overwrite refuses to empty '{out}': it is not a lowcomm run (no config.toml "
                          f"naming a strategy); choose another --out")
+
+
+def check_writable(path: Path, name: str) -> None:
+    """UsageError, one line naming `path` (introduced as `name`: "output path", "--tensorboard"),
+    unless it is a directory this process can write into or one it can create; leaves nothing."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{name} '{path}' exists and is not a directory")
+    existing = path
+    while not existing.exists():  # the directory mkdir will create it in
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{name} '{path}' cannot be created: '{existing}' is not a directory")
+    if not _writable(existing):
+        where = "" if existing == path else f" ('{existing}' is not writable)"
+        raise UsageError(f"{name} '{path}' cannot be written{where}")
 
 
 def create(out: Path, overwrite: bool, default: bool) -> Path:
@@ -93,9 +99,18 @@ def _claim(out: Path) -> Path:
 
 
 def _writable(path: Path) -> bool:
+    """Can this process make entries in the directory `path`? Modes and a read-only mount say
+    no at once; otherwise an empty directory is made and removed, as root passes every mode
+    check yet cannot create anything in /proc or /sys."""
     if not os.access(path, os.W_OK | os.X_OK):
         return False
     try:
-        return not os.statvfs(path).f_flag & os.ST_RDONLY  # root may write anywhere but on a read-only mount
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return False
     except OSError:
-        return True
+        pass
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".lowcomm-probe-", dir=path))
+    except OSError:
+        return False
+    return True

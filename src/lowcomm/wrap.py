@@ -81,7 +81,7 @@ def wrap(model: torch.nn.Module, make_optimizer: MakeOptimizer, strategy: str = 
     straggle = parse_stragglers(stragglers, "stragglers") if stragglers is not None else None
     run = dict(accum=accum, schedule=schedule, total_steps=total_steps,
                pacer=make_pacer(rank, world, factor, straggle, seed))
-    if not replicas and intra_link is None:  # flat, as always: the strategy on the (given) group
+    if not replicas and intra_link is None and inside == "ddp":  # flat, as always: the strategy on the group
         return make_run(strategy, model, Comm(group, link=cross_link), make_optimizer, **run, **options)
     strategy, opts = _replica_options(strategy, options, world, replicas or world, inside, accum, intra_link, group)
     layout = ReplicaLayout(world, replicas or world)

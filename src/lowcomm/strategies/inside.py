@@ -165,8 +165,10 @@ def make_inside(kind: str, comm: Comm | None):
 def check_replicas(cfg, supported: list[str]) -> None:
     """UsageError (one line) unless --replicas, --inside, --intra-link and the strategy of `cfg`
     (config.RunConfig) fit together (`supported`: the strategies that run under its --inside)."""
+    from ..nodes import under_torchrun
     check_layout(cfg.workers, cfg.replicas, cfg.inside, cfg.strategy, supported,
-                 intra_link=cfg.intra_link.bandwidth is not None, spell=_flag)
+                 intra_link=cfg.intra_link.bandwidth is not None, spell=_flag,
+                 one_replica=cfg.elastic and under_torchrun())
 
 
 def _flag(name: str, value=None) -> str:
@@ -176,10 +178,11 @@ def _flag(name: str, value=None) -> str:
 
 
 def check_layout(workers: int, replicas: int, inside: str, strategy: str, supported: list[str], *,
-                 intra_link: bool, spell=_flag) -> None:
+                 intra_link: bool, spell=_flag, one_replica: bool = False) -> None:
     """UsageError (one line) unless `replicas` replicas of `workers` processes, `inside` inside
     each and `strategy` across them fit together; `spell(name, value)` names a setting as the
-    caller's user wrote it (the CLI's flags, or lowcomm.wrap's keywords)."""
+    caller's user wrote it (the CLI's flags, or lowcomm.wrap's keywords). `one_replica`: the
+    processes are one replica of an elastic run (elastic/replica_run.py rules on --inside there)."""
     if replicas < 0:
         raise UsageError(f"replicas must be at least 1 (0: one per worker), got {replicas}")
     R = replicas or workers
@@ -194,6 +197,6 @@ def check_layout(workers: int, replicas: int, inside: str, strategy: str, suppor
     if R < workers and strategy not in supported:
         raise UsageError(f"strategy '{strategy}' does not run across replica groups yet ({spell('replicas', R)} of "
                          f"{spell('workers', workers)}; with {spell('inside', inside)}: {', '.join(supported)})")
-    if intra_link and R == workers:
-        raise UsageError(f"{spell('intra_link')} needs replica groups: {spell('replicas')} fewer than "
-                         f"{spell('workers')} ({workers})")
+    if R == workers and (intra_link or inside != "ddp" and not one_replica):  # else ignored without a word
+        what = spell("intra_link") if intra_link else spell("inside", inside)
+        raise UsageError(f"{what} needs replica groups: {spell('replicas')} fewer than {spell('workers')} ({workers})")
