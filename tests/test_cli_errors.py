@@ -175,14 +175,22 @@ def _setup(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str]:
         return ["--slowdown", "-2,1", *d], "-2"
     if case == "max_accum_below_accum":
         return ["--strategy", "acco", "--accum", "4", "--max-accum", "2", *d], ("--max-accum", "--accum 4")
+    if case == "inside_fsdp_without_replicas":  # one process a replica: nothing to shard, not ignored silently
+        return ["--inside", "fsdp", *d], ("--inside fsdp", "needs replica groups", "--replicas")
     if case == "out_not_writable":
-        if os.geteuid() == 0:  # root writes through file modes, not into /proc/1
-            out = Path("/proc/1")
-        else:
-            out = tmp / "locked"
-            out.mkdir()
-            out.chmod(0o500)
+        out = unwritable_dir(tmp)
         return ["--out", str(out), *d], (str(out), "cannot be written")
+    if case == "out_under_proc":  # root passes every mode check, yet nothing can be made in /proc
+        return ["--out", "/proc/lowcomm-run", *d], ("/proc/lowcomm-run", "cannot be written")
+    if case == "tensorboard_not_writable":  # refused before the run dir is made, not at the first step
+        board = unwritable_dir(tmp) / "tb"
+        return ["--tensorboard", str(board), *d], ("--tensorboard", str(board), "cannot be written")
+    if case == "tensorboard_under_proc":
+        return ["--tensorboard", "/proc/tb", *d], ("--tensorboard '/proc/tb'", "cannot be written")
+    if case == "tensorboard_is_a_file":
+        p = tmp / "board"
+        p.write_text("not a directory\n")
+        return ["--tensorboard", str(p), *d], ("--tensorboard", str(p), "not a directory")
     if case == "out_is_a_file":
         p = tmp / "taken"
         p.write_text("not a directory\n")
@@ -222,6 +230,16 @@ def _setup(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str]:
     raise AssertionError(case)
 
 
+def unwritable_dir(tmp: Path) -> Path:
+    """A directory this process cannot write into."""
+    if os.geteuid() == 0:  # root writes through file modes, not into /proc/1
+        return Path("/proc/1")
+    locked = tmp / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    return locked
+
+
 def _previous_run(tmp: Path) -> Path:
     """A ddp run's directory as `lowcomm train` leaves it (config.toml; no checkpoint needed:
     what is refused is refused before one is looked for)."""
@@ -244,6 +262,7 @@ CASES = ["unknown_strategy", "workers_zero", "workers_negative", "workers_non_nu
          "model_beyond_memory", "micro_batch_beyond_memory", "workers_beyond_memory", "data_device",
          "data_fifo", "link_negative_bandwidth", "link_negative_latency", "link_negative_jitter",
          "slowdown_negative", "max_accum_below_accum", "out_not_writable", "out_is_a_file",
+         "inside_fsdp_without_replicas", "out_under_proc", "tensorboard_not_writable", "tensorboard_under_proc", "tensorboard_is_a_file",
          "overwrite_not_a_run",
          "resume_with_another_strategy", "resume_with_overwrite", "toml_table_of_another_strategy",
          "empty_flag_value", "empty_option_value", "binary_data", "binary_file_in_data_dir",
@@ -341,6 +360,12 @@ def _command_case(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str
         p = tmp / "bench.toml"
         p.write_text("[acco]\nmax_accum = 8\n")
         return [*bench, "--strategies", "ddp,zero1", "--config", str(p)], ("[acco]", "none of the strategies")
+    if case == "bench_recipe_of_two_million_runs":  # was minutes of silent checking, then years of runs
+        p = tmp / "huge.toml"
+        lrs = ", ".join(f"{(i + 1) * 1e-6:g}" for i in range(2000))
+        p.write_text(f"seeds = {list(range(1000))}\n[sweep]\nlr = [{lrs}]\n[[run]]\nstrategy = \"ddp\"\n")
+        return ["bench", str(p), "--out", str(tmp / "bench")], ("2,000,000 runs", "2,000 lr x 1,000 seeds",
+                                                                "at most 1,000")
     if case == "bench_single_strategy_flag":
         return [*bench, "--strategy", "ddp"], ("--strategy", "--strategies")
     raise AssertionError(case)
@@ -348,7 +373,7 @@ def _command_case(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str
 
 COMMAND_CASES = ["plan_absurd_params", "plan_absurd_width", "plan_absurd_depth", "plan_absurd_workers",
                  "plan_empty_strategies", "plan_train_only_flag", "bench_empty_strategies",
-                 "bench_table_of_no_benched_strategy", "bench_single_strategy_flag"]
+                 "bench_table_of_no_benched_strategy", "bench_single_strategy_flag", "bench_recipe_of_two_million_runs"]
 
 
 @pytest.mark.parametrize("case", COMMAND_CASES)

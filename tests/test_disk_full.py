@@ -128,3 +128,14 @@ def test_partial_files_are_removed(tmp_path):
     (tmp_path / "steps.jsonl").write_text("")
     storage.remove_partial(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["ckpt-000005", "steps.jsonl"]
+
+
+def test_a_checkpoint_that_cannot_be_written_is_named_in_the_error(tmp_path, capsys):
+    """Not a full disk: the checkpoint's directory name is taken by a file. The one line names
+    that checkpoint, so a failure elsewhere can no longer read as a checkpoint's."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".ckpt-000001.tmp").write_text("in the way\n")  # where step 1's checkpoint is assembled
+    assert main(["train", *TINY, "--steps", "2", "--checkpoint-every", "1", "--out", str(out)]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert f"writing checkpoint {out / 'ckpt-000001'} failed: FileExistsError" in line, line

@@ -164,6 +164,7 @@ def test_model_params_counts_the_model_itself_at_any_depth():
     (["--replicas", "4", "--intra-link", "10gbit,50us"], "--intra-link needs replica groups"),
     (["--replicas", "2", "--intra-link", "fast"], "--intra-link 'fast' must be BANDWIDTH,LATENCY"),
     (["--workers", "1", "--intra-link", "10gbit,50us"], "--intra-link needs replica groups"),
+    (["--inside", "fsdp"], "--inside fsdp needs replica groups: --replicas fewer than --workers (4)"),
     (["--workers", "64", "--replicas", "1", "--strategies", "zero1"], "more ranks than the model has tensors"),
 ])
 def test_bad_input_exits_2_with_one_error_line(capsys, extra, message):

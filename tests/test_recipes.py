@@ -81,6 +81,19 @@ def test_a_bad_recipe_is_one_error_line_naming_the_key_and_the_file(case, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+def test_a_grid_of_many_runs_says_at_once_that_it_checks_them(tmp_path, capsys):
+    """Each run is checked before the first starts (about a second each on a loaded machine):
+    past ten the bench says so first, instead of sitting silent."""
+    lrs = ", ".join(f"{(i + 1) * 1e-4:g}" for i in range(12))
+    recipe = write(tmp_path, f"[sweep]\nlr = [{lrs}]\n[[run]]\nlabel = \"bad\"\nstrategy = \"ddp\"\nworkers = 0\n"
+                             f"[[run]]\nstrategy = \"ddp\"\n")
+    assert main(["bench", str(recipe), "--out", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[0] == f"lowcomm: checking the 24 runs of {recipe} before the first starts"
+    assert "workers" in captured.err and "[[run]] 'bad'" in captured.err
+    assert not (tmp_path / "out").exists()
+
+
 def test_run_flags_are_refused_with_a_recipe(tmp_path, capsys):
     recipe = write(tmp_path, RECIPE)
     for flags, name in ((["--lr", "1e-3"], "--lr"), (["--bits", "4"], "--bits"), (["--strategies", "ddp"], "--strategies")):

@@ -190,3 +190,21 @@ def test_bench_style_report_from_the_cli_prints_the_answer_first(tmp_path, capsy
     assert main(["report", str(runs[0]), "--out", str(tmp_path / "r")]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("# lowcomm report\n\n**Answer.**")
+
+
+def test_report_of_runs_is_written_under_runs_and_says_where(tmp_path, monkeypatch, capsys):
+    """Not to ./report: run in a clone, that left a directory beside the sources that git did
+    not ignore. An --out that cannot be written is one error line."""
+    runs = [fake_run(tmp_path / "in", "ddp", [(1, 100e6, 4.0), (2, 200e6, 3.0)]),
+            fake_run(tmp_path / "in", "diloco", [(2, 0, 4.5), (4, 10e6, 3.0)])]
+    work = tmp_path / "clone"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["report", *map(str, runs)]) == 0
+    (written,) = (work / "runs").iterdir()
+    assert written.name.startswith("report-") and (written / "report.md").is_file()
+    assert sorted(p.name for p in work.iterdir()) == ["runs"]
+    assert capsys.readouterr().out.rstrip().endswith(f"report: {Path('runs') / written.name / 'report.md'} and "
+                                                     f"plots in {Path('runs') / written.name}/")
+    assert main(["report", *map(str, runs), "--out", "/proc/report"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --out '/proc/report' cannot be written ('/proc' is not writable)"

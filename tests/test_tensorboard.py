@@ -43,3 +43,17 @@ def test_without_the_package_the_flag_exits_2_saying_what_to_install(tmp_path, d
     line = error_line(capfd.readouterr().err)
     assert "--tensorboard" in line and "pip install 'lowcomm[tensorboard]'" in line, line
     assert not out.exists() and not (tmp_path / "tb").exists()
+
+
+def test_a_directory_that_became_unwritable_is_named_with_its_flag(tmp_path):
+    """Writable when the run was checked, not when rank 0 opens it: the error says --tensorboard
+    and the directory, not a bare errno (nor, as it once did, that a checkpoint failed)."""
+    pytest.importorskip("tensorboard", reason="the optional tensorboard extra is not installed")
+    from test_cli_errors import unwritable_dir
+
+    from lowcomm.errors import RunError
+    from lowcomm.metrics.tensorboard import TensorBoardLog
+
+    board = unwritable_dir(tmp_path) / "tb"
+    with pytest.raises(RunError, match=f"--tensorboard {board}: cannot write there"):
+        TensorBoardLog(str(board))

@@ -281,6 +281,7 @@ def test_bad_replicas_through_wrap_are_refused_in_one_line(replica_runs, case, n
     ({"replicas": "2"}, "replicas must be a whole number of replicas, got '2'"),
     ({"intra_link": "10gbit,50us"}, "intra_link needs replica groups: replicas fewer than the world size (1)"),
     ({"replicas": 1, "inside": "tp"}, "unknown inside 'tp' (choose from: ddp, fsdp)"),
+    ({"inside": "fsdp"}, "inside='fsdp' needs replica groups: replicas fewer than the world size (1)"),
 ])
 def test_bad_replicas_on_one_process_are_refused(kw, needle):
     with pytest.raises(UsageError) as e:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
-from ..errors import DiskFull
+from ..errors import DiskFull, UsageError
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
 PARTIAL_DIRS = ".ckpt-*.tmp"   # checkpoint.write's directories before their rename
@@ -115,3 +116,37 @@ def first_failure(e: BaseException) -> str:
         inner = failure[0] if isinstance(failure, tuple) else failure
         return f"rank {rank}: {type(inner).__name__}: {' '.join(str(inner).split())}"
     return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def check_writable(path: Path, name: str) -> None:
+    """UsageError, one line naming `path` (introduced as `name`: "output path", "--tensorboard"),
+    unless it is a directory this process can write into or one it can create; leaves nothing."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{name} '{path}' exists and is not a directory")
+    existing = path
+    while not existing.exists():  # the directory mkdir will create it in
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{name} '{path}' cannot be created: '{existing}' is not a directory")
+    if not _writable(existing):
+        where = "" if existing == path else f" ('{existing}' is not writable)"
+        raise UsageError(f"{name} '{path}' cannot be written{where}")
+
+
+def _writable(path: Path) -> bool:
+    """Can this process make entries in the directory `path`? Modes and a read-only mount say
+    no at once; otherwise an empty directory is made and removed, as root passes every mode
+    check yet cannot create anything in /proc or /sys."""
+    if not os.access(path, os.W_OK | os.X_OK):
+        return False
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return False
+    except OSError:
+        pass
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".lowcomm-probe-", dir=path))
+    except OSError:
+        return False
+    return True

@@ -20,7 +20,7 @@ import torch
 
 from .. import config as C
 from ..errors import RunError
-from .storage import disk_full, write_text_atomic
+from .storage import disk_full, first_failure, write_text_atomic
 from ..contract.context import tensor_bytes
 from .layout import FORMAT, MANIFEST, checksums, config_hash, name_of, prune
 from .state import to_dcp
@@ -67,6 +67,9 @@ def save(trainer, out_dir: Path, keep: int, wall_s: float = 0.0) -> Path | None:
             shutil.rmtree(tmp, ignore_errors=True)
         if full is not None:
             raise full from e
+        if isinstance(e, OSError) or not isinstance(e, (Exception, KeyboardInterrupt, SystemExit)):
+            # a file error, or DCP's CheckpointException (a BaseException): say it was the checkpoint
+            raise RunError(f"writing checkpoint {out_dir / name_of(step)} failed: {first_failure(e)}") from e
         raise
 
 

@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
-from ..errors import UsageError
+from ..checkpoint.storage import check_writable
 from .flags import target_loss, target_loss_flag
 
 
 def add_report_arguments(report: argparse.ArgumentParser) -> None:
     report.add_argument("dirs", nargs="+", metavar="RUNDIR", help="run or bench directories")
     report.add_argument("--out", metavar="DIR", help="where to write report.md and the plots (default: the bench "
-                        "dir when given one bench, else ./report)")
+                        "dir when given one bench, else runs/report-<time>)")
     target_loss_flag(report, "the worst run's final loss")
 
 
@@ -21,10 +22,10 @@ def run(args) -> int:
 
     target = target_loss(args)
     entries = load_entries(args.dirs)
+    # Not ./report: run inside a clone, that left a directory git did not ignore; runs/ is the outputs'.
     out = Path(args.out) if args.out else Path(args.dirs[0]) if len(args.dirs) == 1 and is_bench(
-        Path(args.dirs[0])) else Path("report")
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"output path '{out}' exists and is not a directory")
+        Path(args.dirs[0])) else Path(f"runs/report-{time.strftime('%Y%m%d-%H%M%S')}")
+    check_writable(out, "--out")
     recipe = load_bench(args.dirs[0]) if len(args.dirs) == 1 and is_bench(Path(args.dirs[0])) else None
     if recipe is not None and "recipe" in recipe.meta:  # its variants at their best settings, as the bench wrote
         from ..bench.report.recipe import write_recipe_report

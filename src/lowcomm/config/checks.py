@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..comm.link import format_duration
 from ..errors import UsageError
 from ..strategies import registry
-from ..engines.inside import check_replicas
+from ..engines.inside import check_layout
 from ..contract.values import format_numbers
 from .schema import (BACKENDS, DEVICES, MAX_TIMEOUT_S, MODEL_PRESETS, SCHEDULES, DataConfig,
                      ModelConfig, OptimConfig, RunConfig)
@@ -26,6 +26,14 @@ def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
     _check_model(cfg.model)
     _check_data(cfg.data)
     _check_optim(cfg.optim)
+
+
+def check_replicas(cfg, supported: list[str]) -> None:
+    """UsageError (one line) unless --replicas, --inside, --intra-link and the strategy of `cfg`
+    (config.RunConfig) fit together (`supported`: the strategies that run under its --inside)."""
+    from .nodes import under_torchrun
+    check_layout(cfg.workers, cfg.replicas, cfg.inside, cfg.strategy, supported,
+                 intra_link=cfg.intra_link.bandwidth is not None, one_replica=cfg.elastic and under_torchrun())
 
 
 def _positive(name: str, value: float) -> None:

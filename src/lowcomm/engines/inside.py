@@ -163,13 +163,6 @@ def make_inside(kind: str, comm: Comm | None):
     return InsideDDP(comm)
 
 
-def check_replicas(cfg, supported: list[str]) -> None:
-    """UsageError (one line) unless --replicas, --inside, --intra-link and the strategy of `cfg`
-    (config.RunConfig) fit together (`supported`: the strategies that run under its --inside)."""
-    check_layout(cfg.workers, cfg.replicas, cfg.inside, cfg.strategy, supported,
-                 intra_link=cfg.intra_link.bandwidth is not None, spell=_flag)
-
-
 def _flag(name: str, value=None) -> str:
     """A setting as the command line spells it: `--replicas 3`."""
     flag = "--" + name.replace("_", "-")
@@ -177,10 +170,11 @@ def _flag(name: str, value=None) -> str:
 
 
 def check_layout(workers: int, replicas: int, inside: str, strategy: str, supported: list[str], *,
-                 intra_link: bool, spell=_flag) -> None:
+                 intra_link: bool, spell=_flag, one_replica: bool = False) -> None:
     """UsageError (one line) unless `replicas` replicas of `workers` processes, `inside` inside
     each and `strategy` across them fit together; `spell(name, value)` names a setting as the
-    caller's user wrote it (the CLI's flags, or lowcomm.wrap's keywords)."""
+    caller's user wrote it (the CLI's flags, or lowcomm.wrap's keywords). `one_replica`: the
+    processes are one replica of an elastic run (train/replica_run.py rules on --inside there)."""
     if replicas < 0:
         raise UsageError(f"replicas must be at least 1 (0: one per worker), got {replicas}")
     R = replicas or workers
@@ -195,9 +189,9 @@ def check_layout(workers: int, replicas: int, inside: str, strategy: str, suppor
     if R < workers and strategy not in supported:
         raise UsageError(f"strategy '{strategy}' does not run across replica groups yet ({spell('replicas', R)} of "
                          f"{spell('workers', workers)}; with {spell('inside', inside)}: {', '.join(supported)})")
-    if intra_link and R == workers:
-        raise UsageError(f"{spell('intra_link')} needs replica groups: {spell('replicas')} fewer than "
-                         f"{spell('workers')} ({workers})")
+    if R == workers and (intra_link or inside != "ddp" and not one_replica):  # else ignored without a word
+        what = spell("intra_link") if intra_link else spell("inside", inside)
+        raise UsageError(f"{what} needs replica groups: {spell('replicas')} fewer than {spell('workers')} ({workers})")
 
 
 def inside_level_plans(inside: str, cls, layout, replicas: int, size: int, options, accum: int) -> LevelPlans:

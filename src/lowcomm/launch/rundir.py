@@ -10,7 +10,6 @@ never wiped.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import time
@@ -21,6 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from ..checkpoint.storage import check_writable
 from ..errors import UsageError
 
 STALE = ("steps.jsonl", "summary.json", "trace.json", "error.log", "restarts.jsonl")  # outputs a reused directory must not keep
@@ -41,18 +41,7 @@ def is_run(path: Path) -> bool:
 def check(out: Path, overwrite: bool, default: bool = False) -> None:
     """UsageError when the run could not write to `out`; writes nothing. A `default`
     name taken already is no error: `create` claims the next free one."""
-    if default:
-        out = out.parent
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"output path '{out}' exists and is not a directory")
-    existing = out
-    while not existing.exists():  # the directory mkdir will create it in
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UsageError(f"output path '{out}' cannot be created: '{existing}' is not a directory")
-    if not _writable(existing):
-        where = "" if existing == out else f" ('{existing}' is not writable)"
-        raise UsageError(f"output path '{out}' cannot be written{where}")
+    check_writable(out.parent if default else out, "output path")
     if default or not out.exists():
         return
     if (out / "steps.jsonl").exists() and not overwrite:
@@ -90,12 +79,3 @@ def _claim(out: Path) -> Path:
         except FileExistsError:
             continue
     raise UsageError(f"no free output dir name next to '{out}'; pass --out")
-
-
-def _writable(path: Path) -> bool:
-    if not os.access(path, os.W_OK | os.X_OK):
-        return False
-    try:
-        return not os.statvfs(path).f_flag & os.ST_RDONLY  # root may write anywhere but on a read-only mount
-    except OSError:
-        return True

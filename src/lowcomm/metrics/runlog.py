@@ -16,7 +16,8 @@ every rank's StepResult gathered each step). Field meanings:
   flags           present on steps where the run's analysis found something, e.g.
                   "straggler rank 1 x3.0" (diagnose/stragglers.py), "slow link x2.4 (exposed
                   240 ms, link model 100 ms)" (diagnose/slowlink.py), "stalled all_reduce #412
-                  rank 1 3.2 s" (the launcher's, diagnose/stalls.py)
+                  rank 1 3.2 s" (the launcher's, diagnose/stalls.py), "loss spike 9.65 (x2.8
+                  the median 3.46 of the last 10 steps)" (diagnose/spikes.py)
 With replica groups (--replicas R < W) each level's share of the above, L = cross or intra:
   wire_bytes_L         summed over ranks (wire_bytes_cross + wire_bytes_intra = wire_bytes)
   exposed_comm_s_L     max over ranks

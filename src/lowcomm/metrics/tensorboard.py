@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import RunError
+from ..checkpoint.storage import check_writable
 from .scalars import missing
 
 INSTALL = "pip install 'lowcomm[tensorboard]' (or: pip install tensorboard)"
@@ -12,14 +13,13 @@ FLUSH_S = 10  # a live view: TensorBoard's default of 120 s is too slow to watch
 
 
 def require(directory: str) -> None:
-    """Refuse --tensorboard (UsageError, exit 2) when the package is missing or DIR cannot be one."""
+    """Refuse --tensorboard (UsageError, exit 2) when the package is missing or DIR cannot be
+    written: checked before the run directory is made, not found by the first step's log."""
+    check_writable(Path(directory), "--tensorboard")
     try:
         from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     except ImportError:
         raise missing("--tensorboard", "tensorboard", INSTALL) from None
-    path = Path(directory)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--tensorboard {directory}: exists and is not a directory")
 
 
 class TensorBoardLog:
@@ -27,7 +27,10 @@ class TensorBoardLog:
 
     def __init__(self, directory: str):
         from torch.utils.tensorboard import SummaryWriter
-        self._writer = SummaryWriter(log_dir=directory, flush_secs=FLUSH_S)
+        try:
+            self._writer = SummaryWriter(log_dir=directory, flush_secs=FLUSH_S)
+        except OSError as e:  # writable when checked (require); no longer: name the flag, not a bare errno
+            raise RunError(f"--tensorboard {directory}: cannot write there: {e.strerror or e}") from e
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         for tag, value in scalars.items():

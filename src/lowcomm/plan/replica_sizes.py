@@ -19,7 +19,7 @@ from .levels import divisors, fits
 from .planner import Prediction, format_seconds, named, rank
 from ..strategies import available
 from ..strategies import get as get_strategy
-from ..engines.inside import check_replicas
+from ..config.checks import check_replicas
 
 
 def choosing(cfg) -> bool:

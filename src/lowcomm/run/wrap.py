@@ -84,7 +84,7 @@ def wrap(model: torch.nn.Module, make_optimizer: MakeOptimizer, strategy: str = 
     def cross(_seed: int) -> LinkModel | None:  # made above with this rank's seed: a bad spec is refused first
         return cross_link
 
-    if not replicas and intra_link is None:  # flat, as always: the strategy on the (given) group
+    if not replicas and intra_link is None and inside == "ddp":  # flat, as always: the strategy on the group
         return build(strategy, model, make_optimizer, world_comm(ReplicaLayout(world, world), rank, seed, cross, group),
                      None, **run, **options)
     strategy, opts = _replica_options(strategy, options, world, replicas or world, inside, accum, intra_link, group)

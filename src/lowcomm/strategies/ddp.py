@@ -71,6 +71,31 @@ class SingleProcess(nn.Module):
         return self.module(*args, **kwargs)
 
 
+def bucket_runs(nbytes: int, first: int, size: int) -> list[tuple[int, int]]:
+    """DDP's buckets of `nbytes` as runs of equal buckets, [(bytes, count)]: torch's first
+    bucket of `first` bytes, then `size`-byte ones, the last one short."""
+    head = min(nbytes, first)
+    full, tail = divmod(nbytes - head, size)
+    return [(b, n) for b, n in ((head, 1), (size, full), (tail, 1)) if b > 0 and n > 0]
+
+
+def last_bucket_sent(runs: list[tuple[int, int]], total: int, backward: float, price) -> float:
+    """When one NIC, sending the buckets in turn as each fills (their bytes arriving evenly over
+    `backward` seconds), is done with the last: nic_j = max(arrival_j, nic_j-1) + price(j)
+    unrolled is the latest, over buckets j, of j's arrival plus the price of j and of every
+    bucket after it. Within a run of equal buckets both terms are linear in j, so the run's
+    first or last bucket gives its latest: O(runs), where a loop over the buckets took 1.6
+    million turns for a 1e13-parameter model."""
+    latest, after, done = 0.0, 0.0, total
+    for size, count in reversed(runs):  # `done`: bytes filled once the run's last bucket is
+        each = price(size)
+        latest = max(latest, backward * done / total + each + after,
+                     backward * (done - (count - 1) * size) / total + count * each + after)
+        after += count * each
+        done -= count * size
+    return latest
+
+
 @register("ddp")
 class DDP(Strategy):
     Options = DDPOptions
@@ -161,15 +186,8 @@ class DDP(Strategy):
         backward = cost.compute_s / cost.accum * 2 / 3
         exposed = 0.0
         for op in plan:
-            sizes, left = [], op.nbytes
-            while left > 0:
-                sizes.append(min(left, dist._DEFAULT_FIRST_BUCKET_BYTES if not sizes
-                                 else int(options.bucket_mb * 2**20)))
-                left -= sizes[-1]
-            nic_free, done = 0.0, 0
-            for size in sizes:
-                done += size
-                nic_free = max(backward * done / op.nbytes, nic_free) + cost.price(op.collective, size)
+            runs = bucket_runs(op.nbytes, dist._DEFAULT_FIRST_BUCKET_BYTES, int(options.bucket_mb * 2**20))
+            nic_free = last_bucket_sent(runs, op.nbytes, backward, lambda size: cost.price(op.collective, size))
             exposed += max(0.0, nic_free - backward) * cls.plan_rate(op, options, cost.steps)
         return exposed
 

@@ -1,5 +1,5 @@
 """Where each gathered step goes: rank 0's steps.jsonl, progress view and flags (stragglers, slow
-link, the launcher's stalled collectives), and the dashboards asked for (--tensorboard, --wandb).
+link, loss spikes, the launcher's stalled collectives), and the dashboards asked for (--tensorboard, --wandb).
 The training loop (worker.loop) hands records over; this module knows where they are written."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from ..metrics.progress import ProgressView
 from ..metrics.runlog import StepLog
 from ..metrics.scalars import ScalarLogs
 from ..diagnose.slowlink import SlowLinkFlags
+from ..diagnose.spikes import LossSpikeFlags, is_spike
 from ..diagnose.stalls import StallFlags
 from ..diagnose.stragglers import StragglerFlags
 from ..metrics.summary import Totals
@@ -27,6 +28,8 @@ class StepOutputs:
                                  levels=leveled)
         self.stragglers = StragglerFlags() if self.lead else None
         self.slow_link = SlowLinkFlags() if self.lead else None
+        self.spikes = LossSpikeFlags() if self.lead else None
+        self._shown_late: list[str] = []  # spikes of a gather's earlier steps, for its progress line
         self.stalls = StallFlags.for_run() if self.lead else None  # None without lowcomm's launcher
         self.board = ScalarLogs.for_run(cfg) if t.rank == 0 else None  # optional extras, checked before the run
 
@@ -47,12 +50,15 @@ class StepOutputs:
             if self.lead:
                 self.flag(record)
                 self.log.write(record)
+        # The progress line shows a gather's last step; a spike is one step's, so an earlier
+        # one is named with its step there (steps.jsonl has it on its own record).
+        self._shown_late = [f"step {r['step']}: {f}" for r in records[:-1] for f in r.get("flags", ()) if is_spike(f)]
         if self.board is not None:
             self.board.write(records, {c.level: c.snapshot().wire_bytes for c in self.levels})
 
     def flag(self, record: dict) -> None:
         """Every analysis' flags of this step, together in the record's `flags`."""
-        found = self.stragglers.flags(record) + self.slow_link.flags(record)
+        found = self.spikes.flags(record) + self.stragglers.flags(record) + self.slow_link.flags(record)
         if self.stalls is not None:
             found += self.stalls.flags(record)
         if found:
@@ -61,7 +67,8 @@ class StepOutputs:
     def show(self, step: int, totals: Totals, last: dict, elapsed: float) -> None:
         if self.lead:
             self.view.update(step, last["loss"], totals.tokens / elapsed, totals.wire / 1e6, totals.exposed / elapsed,
-                             last.get("val_loss"), totals.per_level(step, elapsed), last.get("flags"))
+                             last.get("val_loss"), totals.per_level(step, elapsed),
+                             self._shown_late + last.get("flags", []))
 
     def close(self) -> None:
         self.view.close()

@@ -367,15 +367,15 @@ def run_rank(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: 
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=start_timeout(cfg))
     try:
         train(cfg, rank, world, local_rank, out_dir, quiet)
-    except RuntimeError as e:
-        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+    except Exception as e:  # its own line names what failed (checkpoint.save names the checkpoint)
+        if isinstance(e, RuntimeError) and ("timed out" in str(e).lower() or "timeout" in str(e).lower()):
             raise RunError(f"a collective timed out after {cfg.timeout:g} s (--timeout): "
                            f"a peer stopped responding") from e
         raise disk_full(e) or e
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException: one line, not a raw dump
-        raise disk_full(e) or RunError(f"writing a checkpoint failed: {first_failure(e)}") from e
+        raise disk_full(e) or RunError(first_failure(e)) from e
     finally:
         leave_group()
 

@@ -10,18 +10,22 @@ from ..compare import _run_all, bench_dir
 from ..preflight import preflight
 from ..report.recipe import write_recipe_report
 from ...metrics.runs import load_bench
-from .grid import plan_grid
+from .grid import check_size, grid_size, plan_grid
 from .read import Recipe
 
 EXIT_MISSED_TARGET = 3  # --check-targets: a variant missed one (1 stays "a run failed")
 # What `lowcomm bench RECIPE.toml` takes besides the recipe: the recipe alone says what runs,
 # so that the bench can be repeated from it; a run flag is refused, not merged in silently.
+SAY_CHECKING = 10  # more runs than this: a line at once that they are being checked (about a second each)
 RECIPE_FLAGS = {"command", "recipe", "out", "overwrite", "quiet", "target_loss", "check_targets"}
 
 
 def run_recipe(recipe: Recipe, out: str, target_loss: float | None, overwrite: bool, quiet: bool,
                check_targets: bool) -> int:
     out_dir = bench_dir(out or recipe.out, overwrite, f"bench-{recipe.path.stem}")
+    if check_size(recipe) > SAY_CHECKING and not quiet:  # checking them takes a while: say so first
+        print(f"lowcomm: checking the {grid_size(recipe):,} runs of {recipe.path} before the first starts",
+              flush=True)
     planned = plan_grid(recipe, out_dir, overwrite)
     preflight([p.cfg for p in planned], out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -38,11 +38,36 @@ def points(variant: Variant, seeds: list[int]) -> list[Point]:
             for combo in itertools.product(*(variant.sweep[k] for k in names)) for seed in seeds]
 
 
+# A bench trains its runs one after another, each for minutes (seconds for the smallest), and
+# checks every one first (about a second each on a loaded 2-core machine): a thousand runs is
+# days of training already; a larger grid is a typo or a recipe to split, refused at once.
+MAX_RUNS = 1000
+
+
+def grid_size(recipe: Recipe) -> int:
+    """How many runs the recipe's grid holds (without laying it out: it may be millions)."""
+    return len(recipe.seeds) * sum(math.prod(len(values) for values in v.sweep.values()) for v in recipe.variants)
+
+
+def check_size(recipe: Recipe) -> int:
+    """The grid's run count; UsageError, with the limit and why, when it is beyond MAX_RUNS."""
+    runs = grid_size(recipe)
+    if runs > MAX_RUNS:
+        largest = max(recipe.variants, key=lambda v: math.prod(len(values) for values in v.sweep.values()))
+        swept = " x ".join(f"{len(values):,} {key}" for key, values in largest.sweep.items())
+        raise UsageError(f"recipe {recipe.path} has {runs:,} runs ([[run]] '{largest.label}': "
+                         f"{swept or 'no sweep'} x {len(recipe.seeds):,} seeds); a bench trains them one after "
+                         f"another, each for minutes, so it takes at most {MAX_RUNS:,}: sweep fewer values or "
+                         f"split the recipe")
+    return runs
+
+
 def plan_grid(recipe: Recipe, out: Path, overwrite: bool) -> list[Planned]:
     """Every run of the recipe, validated as `lowcomm train` validates one (UsageError naming the
     variant and the file before anything is written)."""
     from ...launch.launcher import prepare
 
+    check_size(recipe)
     planned = []
     one_cell = len(recipe.seeds) == 1
     for variant in recipe.variants:
