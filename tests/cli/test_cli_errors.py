@@ -33,6 +33,23 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.Comp
                           capture_output=True, text=True, timeout=timeout)
 
 
+def train_in_process(argv: list[str], work: Path, monkeypatch, capfd, what: str) -> tuple[int, str, str]:
+    """`lowcomm train ARGV` through `lowcomm.cli.main`, the function `python -m lowcomm` runs, in this
+    process from directory `work`, with the launcher replaced by a failure (bad input is refused
+    before it): (exit status, stdout, stderr)."""
+    import lowcomm.launch
+    from lowcomm.cli import main
+
+    def no_training(*a, **k):
+        raise AssertionError(f"{what}: the input was accepted and training was about to start")
+    monkeypatch.setattr(lowcomm.launch, "launch", no_training)
+    monkeypatch.chdir(work)
+    capfd.readouterr()
+    code = main(["train", *argv])
+    captured = capfd.readouterr()
+    return code, captured.out, captured.err
+
+
 def snapshot(path: Path) -> dict | None:
     """A directory's full contents (relative path -> bytes), or None when it does not exist."""
     if not path.exists():
@@ -287,19 +304,10 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, data_file, capfd, monke
     """Every case through `lowcomm.cli.main`, the function `python -m lowcomm` runs
     (in this process: a subprocess per case would spend the suite's time importing torch;
     test_bad_input_subprocess runs a representative subset the way a user does)."""
-    import lowcomm.launch
-    from lowcomm.cli import main
-
-    def no_training(*a, **k):
-        raise AssertionError(f"{case}: the input was accepted and training was about to start")
-    monkeypatch.setattr(lowcomm.launch, "launch", no_training)
     work, argv, names, out = _prepare_case(case, tmp_path, data_file)
     before = snapshot(out)
-    monkeypatch.chdir(work)
-    capfd.readouterr()
-    code = main(["train", *argv])
-    captured = capfd.readouterr()
-    assert_usage_error(code, captured.out, captured.err, names)
+    code, stdout, stderr = train_in_process(argv, work, monkeypatch, capfd, case)
+    assert_usage_error(code, stdout, stderr, names)
     assert snapshot(out) == before, "the output dir was touched"
     assert list(work.iterdir()) == [], "something was written to the working directory"
 
@@ -387,11 +395,10 @@ def test_text_that_is_not_utf8_is_trained_on_with_one_warning(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.procs
-def test_bad_input_without_out_writes_nothing(tmp_path):
+def test_bad_input_without_out_writes_nothing(tmp_path, monkeypatch, capfd):
     """With no --out the default is runs/<...> under the working directory: not created either."""
-    proc = run_cli(["--strategy", "telepathy"], cwd=tmp_path)
-    assert_usage_error(proc.returncode, proc.stdout, proc.stderr, "telepathy")
+    code, stdout, stderr = train_in_process(["--strategy", "telepathy"], tmp_path, monkeypatch, capfd, "telepathy")
+    assert_usage_error(code, stdout, stderr, "telepathy")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -461,14 +468,14 @@ def test_valid_tiny_run_writes_the_output_contract(tmp_path, data_file):
     assert C.to_dict(via_cli) == cfg
 
 
-@pytest.mark.procs
-def test_existing_run_is_not_overwritten(tmp_path, data_file):
+def test_existing_run_is_not_overwritten(tmp_path, data_file, monkeypatch, capfd):
     """An output dir that already holds a run is a usage error unless --overwrite."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "steps.jsonl").write_text('{"step": 1}\n')
     (out / "config.toml").write_text("# old\n")
     before = snapshot(out)
-    proc = run_cli([*TINY, "--data", str(data_file), "--out", str(out)], cwd=tmp_path)
-    assert_usage_error(proc.returncode, proc.stdout, proc.stderr, str(out))
+    code, stdout, stderr = train_in_process([*TINY, "--data", str(data_file), "--out", str(out)], tmp_path,
+                                            monkeypatch, capfd, "an existing run")
+    assert_usage_error(code, stdout, stderr, str(out))
     assert snapshot(out) == before
