@@ -3,9 +3,10 @@
 `data_file` writes the small text that the tiny CLI runs of several folders train on
 (tests/helpers/tiny_runs.py has their flags).
 
-Every test that starts a process (a worker, a launcher's, a CLI subprocess) carries one of the
-marks in PROCESS_MARKS, so that `make test-fast`, which leaves them out, never waits for one: an
-unmarked test that starts one fails, naming the marks (the hooks at the end).
+Every test that starts a worker process or a Python subprocess (a CLI run, torchrun) carries one
+of the marks in PROCESS_MARKS, so that `make test-fast`, which leaves them out, never waits for
+one: an unmarked test that starts one fails, naming the marks (the hooks at the end; their own
+test is tests/test_marks.py).
 
 `corpus_run` trains on the bundled Shakespeare corpus with one small recipe and
 remembers each run for the whole session, so the convergence checks of several
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing.process
+import os
 import subprocess
+import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -74,21 +77,37 @@ def data_file(tmp_path: Path) -> Path:
 
 # pyproject.toml describes each; `make test-fast` runs what has none of them.
 PROCESS_MARKS = ("procs", "faults", "elastic", "slow")
+LAUNCHERS = ("lowcomm", "torchrun")
+
+
+def _starts_python(args, executable) -> bool:
+    """Whether a subprocess runs Python or a launcher: a worker or a CLI run, what the marks are
+    about (a library's helper such as matplotlib's fc-list is not)."""
+    program = executable or (args if isinstance(args, (str, bytes, os.PathLike)) else args[0])
+    first = os.fsdecode(program).split()[0]
+    return first == sys.executable or Path(first).name.startswith("python") or Path(first).name in LAUNCHERS
 
 
 @contextmanager
 def _no_process_started(item: pytest.Item):
-    """Refuse, then fail the test on, any process started while an unmarked test runs (raised
-    where it is started, and again after the phase in case the code under test caught it)."""
+    """Refuse, then fail the test on, a worker process or a Python subprocess started while an
+    unmarked test runs (raised where it is started, and again after the phase in case the code
+    under test caught it)."""
     refused: list[str] = []
+    execute_child = subprocess.Popen._execute_child
 
     def refuse(*args, **kwargs):
         refused.append(item.nodeid)
         raise RuntimeError(f"{item.nodeid} starts a process but has none of the marks {', '.join(PROCESS_MARKS)}")
 
+    def execute_unless_python(popen, args, executable, *rest, **kwargs):
+        if _starts_python(args, executable):
+            refuse()
+        return execute_child(popen, args, executable, *rest, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
-        patch.setattr(subprocess.Popen, "_execute_child", refuse)
+        patch.setattr(subprocess.Popen, "_execute_child", execute_unless_python)
         yield
     if refused:
         pytest.fail(f"{item.nodeid} starts a process: mark it with one of {', '.join(PROCESS_MARKS)}", pytrace=False)
