@@ -466,6 +466,7 @@ def closed_early(tmp_path_factory):
     return run_dist(_close_early, 2, ROUNDS_IN_FLIGHT, str(tmp_path_factory.mktemp("closing")), timeout=120)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", ROUNDS_IN_FLIGHT)
 def test_a_closed_rank_serves_the_rounds_its_peer_still_starts(name, closed_early):
     """Rank 0 closes after 5 or 6 backward() calls while rank 1 makes 13: rank 0 takes part in

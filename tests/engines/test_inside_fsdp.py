@@ -163,6 +163,7 @@ def through_wrap():
     return run_dist(_groups_through_wrap, 2, timeout=300)
 
 
+@pytest.mark.procs
 def test_param_groups_chosen_by_identity_reach_the_shards(through_wrap):
     """FSDP replaces the model's parameters by shards: the user's make_optimizer sees the model's
     own parameters, and its groups are rebuilt on their shards (lr 0 biases stay put; the run
@@ -174,6 +175,7 @@ def test_param_groups_chosen_by_identity_reach_the_shards(through_wrap):
         assert err <= 1e-5, f"fsdp inside differs from ddp inside by {err:.1e} after 10 steps"
 
 
+@pytest.mark.procs
 def test_a_scalar_parameter_under_fsdp_is_refused_in_one_line(through_wrap):
     for r in through_wrap:
         assert r["scalar"].startswith("UsageError: ") and "0-d parameter 'temperature'" in r["scalar"], r["scalar"]

@@ -130,6 +130,7 @@ def test_partial_files_are_removed(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt-000005", "steps.jsonl"]
 
 
+@pytest.mark.procs
 def test_a_checkpoint_that_cannot_be_written_is_named_in_the_error(tmp_path, capsys):
     """Not a full disk: the checkpoint's directory name is taken by a file. The one line names
     that checkpoint, so a failure elsewhere can no longer read as a checkpoint's."""
