@@ -1,6 +1,7 @@
 # The two commands of the README's quick start, from a fresh clone on a machine with Python >= 3.10 and make:
 #   make bench   creates .venv in the clone, installs lowcomm there and compares the default strategies
 #   make test    the same environment, then the test suite (what .ci/run does)
+#   make test-fast  the tests that start no process (the inner loop: under 2 minutes on 2 cores)
 # Everything is installed into .venv, inside the clone: an externally-managed system Python (PEP 668,
 # Debian and Ubuntu) works, and no interpreter other jobs share is touched. `rm -rf .venv` undoes it.
 # Flags: make bench BENCH_FLAGS="--workers 4 --link 1gbit,5ms"; make test PYTEST_FLAGS="-k bench".
@@ -13,7 +14,7 @@ STAMP := $(VENV)/.installed
 BENCH_FLAGS ?=
 PYTEST_FLAGS ?=
 
-.PHONY: install bench test
+.PHONY: install bench test test-fast
 
 install: $(STAMP)
 
@@ -35,3 +36,7 @@ bench: install
 
 test: install
 	$(PYTHON) -m pytest -q $(PYTEST_FLAGS)
+
+# The marks are described in pyproject.toml; a test that starts a process has one (tests/conftest.py).
+test-fast: install
+	$(PYTHON) -m pytest -q -m "not (procs or faults or elastic or slow)" $(PYTEST_FLAGS)

@@ -41,7 +41,7 @@ the planner's ring pay the model's time.
 
     sudo python bench/validate_link.py [--rates 1gbit,200mbit] [--sizes-mb 1,4,16,64] [--reps 2]
 
-The same namespaces host a two-node torchrun cluster in tests/test_netns_cluster.py
+The same namespaces host a two-node torchrun cluster in tests/launch/test_netns_cluster.py
 (`two_namespaces` below is shared with it). Only addresses inside the
 namespaces made here (10.77.0.1 and 10.77.0.2 on our own veth pair) are used.
 """

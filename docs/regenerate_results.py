@@ -7,7 +7,7 @@
 2. `lowcomm bench` with its defaults (what `make bench` runs): docs/results.md's answer and
    table, and docs/bench_loss_vs_time.png (shown in the README);
 3. the short recipe (RECIPE): figures that do not depend on timing (bytes, optimizer state,
-   the losses of deterministic strategies), which tests/test_results.py recomputes in CI and
+   the losses of deterministic strategies), which tests/bench/test_results.py recomputes in CI and
    compares with docs/results.md.
 
 Each is written between `<!-- results:NAME -->` and `<!-- /results:NAME -->` with the commit it

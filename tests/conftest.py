@@ -1,5 +1,13 @@
 """Fixtures shared across test files.
 
+`data_file` writes the small text that the tiny CLI runs of several folders train on
+(tests/helpers/tiny_runs.py has their flags).
+
+Every test that starts a worker process or a Python subprocess (a CLI run, torchrun) carries one
+of the marks in PROCESS_MARKS, so that `make test-fast`, which leaves them out, never waits for
+one: an unmarked test that starts one fails, naming the marks (the hooks at the end; their own
+test is tests/test_marks.py).
+
 `corpus_run` trains on the bundled Shakespeare corpus with one small recipe and
 remembers each run for the whole session, so the convergence checks of several
 files share their baselines (the ddp run that tests/strategies/test_ddp.py checks is the
@@ -9,8 +17,15 @@ these runs are most of the suite's compute.
 from __future__ import annotations
 
 import json
+import multiprocessing.process
+import os
+import subprocess
+import sys
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import pytest
+from tiny_runs import TEXT
 
 # A 2-layer, width-64 GPT (~0.12 M parameters) learns the corpus faster per step than
 # the 1 M-parameter tiny preset (measured at 150 steps, W=2, seed 0: 2.82 vs 3.36 nats)
@@ -51,3 +66,72 @@ def corpus_run(tmp_path_factory):
         return done[key]
 
     return run
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> Path:
+    p = tmp_path / "text.txt"
+    p.write_text(TEXT)
+    return p
+
+
+# pyproject.toml describes each; `make test-fast` runs what has none of them.
+PROCESS_MARKS = ("procs", "faults", "elastic", "slow")
+LAUNCHERS = ("lowcomm", "torchrun")
+
+
+def _starts_python(args, executable) -> bool:
+    """Whether a subprocess runs Python or a launcher: a worker or a CLI run, what the marks are
+    about (a library's helper such as matplotlib's fc-list is not)."""
+    program = executable or (args if isinstance(args, (str, bytes, os.PathLike)) else args[0])
+    first = os.fsdecode(program).split()[0]
+    return first == sys.executable or Path(first).name.startswith("python") or Path(first).name in LAUNCHERS
+
+
+@contextmanager
+def _no_process_started(item: pytest.Item):
+    """Refuse, then fail the test on, a worker process or a Python subprocess started while an
+    unmarked test runs (raised where it is started, and again after the phase in case the code
+    under test caught it)."""
+    refused: list[str] = []
+    execute_child = subprocess.Popen._execute_child
+
+    def refuse(*args, **kwargs):
+        refused.append(item.nodeid)
+        raise RuntimeError(f"{item.nodeid} starts a process but has none of the marks {', '.join(PROCESS_MARKS)}")
+
+    def execute_unless_python(popen, args, executable, *rest, **kwargs):
+        if _starts_python(args, executable):
+            refuse()
+        return execute_child(popen, args, executable, *rest, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        patch.setattr(subprocess.Popen, "_execute_child", execute_unless_python)
+        yield
+    if refused:
+        pytest.fail(f"{item.nodeid} starts a process: mark it with one of {', '.join(PROCESS_MARKS)}", pytrace=False)
+
+
+def _guarded(item: pytest.Item):
+    if any(item.get_closest_marker(name) for name in PROCESS_MARKS):
+        return nullcontext()
+    return _no_process_started(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _guarded(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _guarded(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    with _guarded(item):
+        return (yield)

@@ -113,6 +113,7 @@ def text_file(tmp_path_factory) -> Path:
     return p
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_cli_run_sends_exactly_its_comm_plan(name, world, tmp_path, text_file):
@@ -230,6 +231,7 @@ def lives(tmp_path_factory):
     return first, second
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_state_round_trip_continues_bit_identically(name, lives):
     first, second = lives
@@ -244,6 +246,7 @@ def test_state_round_trip_continues_bit_identically(name, lives):
         assert state_a["steps_done"] == state_b["steps_done"] == 6
 
 
+@pytest.mark.procs
 def test_trainer_state_resumes_data_position_and_strategy(lives):
     first, second = lives
     for rank in range(2):
@@ -252,6 +255,7 @@ def test_trainer_state_resumes_data_position_and_strategy(lives):
         assert torch.equal(straight[1], resumed[1]) and straight[2] == resumed[2]
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_push_style_equals_step(name, lives):
     for rank_out in lives[0]:
@@ -261,6 +265,7 @@ def test_push_style_equals_step(name, lives):
         assert all(t >= ACCUM * MICRO * SEQ for t in r["tokens"]), r["tokens"]  # counted by the forward hook
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_close_leaves_no_thread(name, lives):
     for rank_out in lives[0]:
@@ -386,6 +391,7 @@ def ends_and_groups():
     return run_dist(_ends_and_groups, 2, STRATEGIES, timeout=600)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_close_ends_a_users_loop_on_the_same_parameters_everywhere(name, ends_and_groups):
     """Equal backward() counts on every rank, adaptive rounds, a slow rank: close() agrees on a
@@ -400,6 +406,7 @@ def test_close_ends_a_users_loop_on_the_same_parameters_everywhere(name, ends_an
 CROSS_TENSOR_COMPRESSION = {"quantized", "sparseloco", "onebit_adam"}
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_each_param_group_keeps_its_own_lr_and_weight_decay(name, ends_and_groups):
     """AdamW with biases and norms at lr 0 / no decay and the matrices at lr 1e-2 / decay 0.1:
@@ -414,6 +421,7 @@ def test_each_param_group_keeps_its_own_lr_and_weight_decay(name, ends_and_group
             torch.testing.assert_close(got["grouped"], got["frozen"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_a_replaced_comm_between_steps_continues_bit_identically(name, ends_and_groups):
     """The driver's one place where a run's group changes (use_comm), exercised with the same
@@ -458,6 +466,7 @@ def closed_early(tmp_path_factory):
     return run_dist(_close_early, 2, ROUNDS_IN_FLIGHT, str(tmp_path_factory.mktemp("closing")), timeout=120)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", ROUNDS_IN_FLIGHT)
 def test_a_closed_rank_serves_the_rounds_its_peer_still_starts(name, closed_early):
     """Rank 0 closes after 5 or 6 backward() calls while rank 1 makes 13: rank 0 takes part in

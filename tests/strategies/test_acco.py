@@ -74,6 +74,7 @@ def acco_reference(counts: list[list[int]]) -> torch.Tensor:
     return theta.cpu()
 
 
+@pytest.mark.procs
 def test_acco_matches_its_recurrence_and_estimates_leave_no_trace():
     rounds = 20  # 10 optimizer steps
     out = run_dist(_acco_worker, W, rounds)
@@ -89,6 +90,7 @@ def test_acco_matches_its_recurrence_and_estimates_leave_no_trace():
     assert rel_err(expected, flat(make_model()).cpu()) > 1e-3
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(W < 2, reason="needs two workers, one of them slow")
 def test_acco_fast_worker_contributes_more_and_every_micro_batch_weighs_the_same():
     """Rank 1 takes 3x as long per micro-batch (the --slowdown pacer: sleeping costs
@@ -126,6 +128,7 @@ def _ended_loops(rank, world, loops):
     return ends
 
 
+@pytest.mark.procs
 def test_a_users_loop_with_adaptive_rounds_ends_cleanly_every_time():
     """Leaving the `with` block ends the run collectively: no rank closes while another still
     waits on a round, and both hold the same parameters, in every one of ten loops."""

@@ -10,14 +10,17 @@ from exact_reference import check_gpt_matches_single_process, check_gradient_sca
     check_non_gpt_module_with_custom_loss
 
 
+@pytest.mark.procs
 def test_gpt_trains_as_one_process_on_the_global_batch(gpt_runs):
     check_gpt_matches_single_process("ddp", gpt_runs)
 
 
+@pytest.mark.procs
 def test_any_module_with_a_custom_loss_trains_as_one_process(mlp_runs):
     check_non_gpt_module_with_custom_loss("ddp", mlp_runs)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])
 def test_gradients_are_averaged_not_summed(kind, gpt_runs, mlp_runs):
     check_gradient_scale_under_sgd("ddp", kind, gpt_runs, mlp_runs)

@@ -17,6 +17,8 @@ from compressed_common import (ACCUM, assert_bytes_equal_plans, assert_round_tri
                                steps)
 from dist_utils import flat_params, rel_err
 
+pytestmark = pytest.mark.procs
+
 BYTE_CASES = [("demo", {}, 2), ("demo", {"compact_index": True, "values": "bf16"}, 2),
               ("demo", {"values": "sign", "compact_index": True, "chunk": 16, "topk": 5}, 2)]
 W3_CASES = BYTE_CASES[1:]  # W=3: fewer cases, the run is the cost

@@ -105,6 +105,7 @@ LOCAL_SGD_RUNS = {"diloco_h1": (_h1_and_ddp, (2,)), "diloco_h4": (diloco_h4, (2,
                   "diloco_bytes": (_bytes, (2, 3))}
 
 
+@pytest.mark.procs
 def test_h1_with_sgd_equals_ddp(local_sgd_runs):
     ranks = local_sgd_runs(2)
     for r in ranks:
@@ -113,11 +114,13 @@ def test_h1_with_sgd_equals_ddp(local_sgd_runs):
     assert torch.equal(ranks[0]["diloco_h1"][1], ranks[1]["diloco_h1"][1])
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("world", [2, 3])
 def test_counted_bytes_equal_plan(local_sgd_runs, world):
     check_counted_bytes(local_sgd_runs(world), "diloco", BYTE_CASES, "diloco_bytes")
 
 
+@pytest.mark.procs
 def test_outer_compress_without_loss_equals_the_fp32_all_reduce(local_sgd_runs):
     for r in local_sgd_runs(2):
         params, left = r["diloco_lossless"]
@@ -125,6 +128,7 @@ def test_outer_compress_without_loss_equals_the_fp32_all_reduce(local_sgd_runs):
         assert left == 0.0
 
 
+@pytest.mark.procs
 def test_outer_error_feedback_keeps_what_was_not_sent(local_sgd_runs):
     for r in local_sgd_runs(2):
         assert len(r["diloco_ef"]) == 3  # H=2, 6 steps
@@ -137,6 +141,7 @@ def test_outer_error_feedback_keeps_what_was_not_sent(local_sgd_runs):
         assert float(r["diloco_ef"][0][1].abs().max()) == 0.0 and float(r["diloco_ef"][1][1].abs().max()) > 0
 
 
+@pytest.mark.procs
 def test_inner_state_is_local_and_survives_sync(local_sgd_runs):
     params = make_model().num_params()
     for r in local_sgd_runs(2):
@@ -148,6 +153,7 @@ def test_inner_state_is_local_and_survives_sync(local_sgd_runs):
         assert state_numel == 2 * params  # AdamW's exp_avg and exp_avg_sq: 2P, not sent
 
 
+@pytest.mark.procs
 def test_close_mid_period_ends_on_the_global_parameters(local_sgd_runs):
     """close() without total_steps syncs once more: every rank ends on θ_global, exactly as a
     run that knew its length and synced at its last step."""

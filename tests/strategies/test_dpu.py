@@ -10,6 +10,8 @@ import lowcomm
 from lowcomm.models import lm_loss
 from overlap_reference import ACCUM, W, Counter, RefOpt, flat, grad_sum, make_model, make_optimizer, micro_batch
 
+pytestmark = pytest.mark.procs
+
 
 # -- DPU -----------------------------------------------------------------------
 

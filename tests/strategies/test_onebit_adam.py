@@ -35,11 +35,13 @@ def spawned(tmp_path_factory):
     return {world: shared_results(onebit_adam_checks, world, tmp_path_factory) for world in (2, 3)}
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("world", [2, 3])
 def test_counted_bytes_equal_the_plans(world, spawned):
     assert_bytes_equal_plans([r["bytes"] for r in spawned[world]], BYTE_CASES, world)
 
 
+@pytest.mark.procs
 def test_a_run_resumed_after_the_freeze_continues_bit_identically(spawned):
     results = [r["round_trip"] for r in spawned[2]]
     assert_round_trip(results)

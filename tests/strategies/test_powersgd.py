@@ -9,6 +9,8 @@ import pytest
 from compressed_common import (assert_bytes_equal_plans, assert_round_trip, counted_bytes, in_shared_spawn,
                                round_trip, shared_results)
 
+pytestmark = pytest.mark.procs
+
 # start 2 makes their 3 steps cross into compression
 BYTE_CASES = [("powersgd", {"start": 2}, 3), ("powersgd", {"start": 2, "rank": 1}, 3)]
 W3_CASES = BYTE_CASES[1:]  # W=3: fewer cases, the run is the cost

@@ -49,11 +49,13 @@ def test_the_papers_defaults_on_diloco():
     assert [(op.collective, op.nbytes, op.every) for op in plan] == [("all_gather", 4 * (3 * 144 + 20 + 16), 15)]
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("world", [2, 3])
 def test_counted_bytes_equal_plan(local_sgd_runs, world):
     check_counted_bytes(local_sgd_runs(world), "sparseloco", BYTE_CASES, "sparseloco_bytes")
 
 
+@pytest.mark.procs
 def test_resumes_with_its_residuals(local_sgd_runs):
     for r in local_sgd_runs(2):
         saved, straight, resumed, same_params = r["sparseloco_resume"]

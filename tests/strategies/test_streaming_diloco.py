@@ -66,17 +66,20 @@ LOCAL_SGD_RUNS = {"diloco_h4": (diloco_h4, (2,)), "streaming_as_diloco": (_as_di
                   "streaming_in_flight": (_in_flight, (2,)), "streaming_bytes": (_bytes, (2, 3))}
 
 
+@pytest.mark.procs
 def test_one_fragment_without_delay_or_mixing_equals_diloco(local_sgd_runs):
     for r in local_sgd_runs(2):
         err = rel_err(r["streaming_as_diloco"], r["diloco_h4"])
         assert err <= 1e-6, f"streaming F=1 vs diloco: {err:.2e}"
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("world", [2, 3])
 def test_counted_bytes_equal_plan(local_sgd_runs, world):
     check_counted_bytes(local_sgd_runs(world), "streaming_diloco", BYTE_CASES, "streaming_bytes")
 
 
+@pytest.mark.procs
 def test_resumes_bit_identically_with_a_sync_in_flight(local_sgd_runs):
     for r in local_sgd_runs(2):
         got = r["streaming_in_flight"]
@@ -84,6 +87,7 @@ def test_resumes_bit_identically_with_a_sync_in_flight(local_sgd_runs):
         assert torch.equal(got["params"][0], got["params"][1]) and torch.equal(got["globals"][0], got["globals"][1])
 
 
+@pytest.mark.procs
 def test_a_group_replaced_with_a_sync_in_flight_continues_bit_identically(local_sgd_runs):
     """use_comm lands what is in flight on the old group; the next syncs use the new one."""
     for r in local_sgd_runs(2):

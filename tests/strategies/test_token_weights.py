@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 import lowcomm
 
 from dist_utils import flat_params, rel_err
 from local_sgd import EXACT, SEQ, adamw, batch, build, diloco_h4, sgd, train
+
+pytestmark = pytest.mark.procs
 
 CASES = {  # name -> (min contributors, sequence length of rank r, does rank r's loss go NaN)
     "unequal": (1, lambda r: SEQ - 4 * r, lambda r: False),

@@ -9,6 +9,8 @@ from dist_utils import rel_err
 from exact_reference import TOL, W, check_gpt_matches_single_process, check_gradient_scale_under_sgd, \
     check_non_gpt_module_with_custom_loss
 
+pytestmark = pytest.mark.procs
+
 
 def test_gpt_trains_as_one_process_on_the_global_batch(gpt_runs):
     check_gpt_matches_single_process("zero1", gpt_runs)

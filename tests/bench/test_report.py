@@ -1,0 +1,163 @@
+"""report.md's answer (first to the target, fewest bytes, what to pick and why), runs of
+other setups flagged as not comparable, and plots fit for a slide. Runs are written by
+hand here (summary.json, steps.jsonl, config.toml), so every number is known and no
+worker is started."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.figure
+import pytest
+
+from lowcomm.cli.main import main
+from lowcomm.bench.report import load_entries, write_report
+from lowcomm.bench.report.plots import ABOVE_TARGET
+from fake_runs import fake_run
+
+@pytest.fixture(autouse=True)
+def no_plots(request, monkeypatch):
+    """Drawing four PNGs takes seconds; only the test about plots draws them."""
+    if "plots" not in request.node.name:
+        monkeypatch.setattr("lowcomm.bench.report.write_plots", lambda *a: [])
+
+
+def report_of(tmp_path: Path, runs: list[Path], target: float | None = None) -> tuple[str, dict]:
+    out = tmp_path / "report"
+    write_report(load_entries([str(r) for r in runs]), out, target)
+    return (out / "report.md").read_text(), json.loads((out / "report.json").read_text())
+
+
+def answer_of(report_md: str) -> str:
+    first = report_md.split("\n\n")[1]
+    assert first.startswith("**Answer.**"), report_md[:300]
+    return first
+
+
+def test_answer_names_the_fastest_the_fewest_bytes_and_a_pick_with_its_reason(tmp_path):
+    runs = [fake_run(tmp_path, "ddp", [(1, 100e6, 4.0), (2, 200e6, 3.0)]),
+            fake_run(tmp_path, "diloco", [(2, 0, 4.5), (4, 10e6, 3.0)])]
+    text = answer_of(report_of(tmp_path, runs)[0])
+    assert "Target loss 3.0000, on 2 workers, link 100mbit,10ms, GPT 0.12M params (tiny, 2 layers, width 64)" in text
+    assert "First to reach it: **ddp** (2.0 s; next diloco, 4.0 s)." in text
+    assert "Fewest bytes to it: **diloco** (10.00 MB, 20.0x fewer than ddp)." in text
+    assert "Pick **ddp** for this setting: it reaches the target first; diloco sends 20.0x fewer bytes but " \
+           "takes 2.0x as long here" in text
+
+
+def test_a_tie_in_time_is_decided_by_bytes_then_optimizer_memory(tmp_path):
+    """ddp and zero1 reach the target 3% apart (noise): zero1, with half the optimizer state, is picked."""
+    runs = [fake_run(tmp_path, "ddp", [(1, 100e6, 4.0), (2.0, 200e6, 3.0)], state_mb=8),
+            fake_run(tmp_path, "zero1", [(1, 100e6, 4.0), (2.06, 200e6, 3.0)], state_mb=4)]
+    text = answer_of(report_of(tmp_path, runs)[0])
+    assert "First to reach it: **ddp**" in text
+    assert "Pick **zero1** for this setting: within 3% of ddp's time" in text and "less optimizer state" in text
+
+
+def test_a_pick_that_ends_well_above_the_lowest_final_loss_is_said_to(tmp_path):
+    """The default target is the loss every run reached: the run that only just reached it at its
+    end can be first to it, and the answer must not hide that it ends far above the others."""
+    runs = [fake_run(tmp_path, "ddp", [(2, 100e6, 4.6), (4, 200e6, 3.3)]),
+            fake_run(tmp_path, "onebit_adam", [(1, 10e6, 4.5), (3, 20e6, 4.5)])]
+    text = answer_of(report_of(tmp_path, runs)[0])
+    assert "Pick **onebit_adam**" in text
+    assert "But mind where it ends: onebit_adam's final loss 4.5000 is 36% above ddp's 3.3000" in text
+    close = [fake_run(tmp_path / "b", "ddp", [(2, 100e6, 4.6), (4, 200e6, 3.3)]),
+             fake_run(tmp_path / "b", "zero1", [(1, 10e6, 4.0), (3, 20e6, 3.32)])]
+    assert "mind where it ends" not in answer_of(report_of(tmp_path / "b", close)[0])
+
+
+def test_no_run_reaching_the_target_says_so(tmp_path):
+    runs = [fake_run(tmp_path, "ddp", [(1, 1e6, 4.0), (2, 2e6, 3.5)])]
+    text = answer_of(report_of(tmp_path, runs, target=3.0)[0])
+    assert "No run reached the target loss 3.0000; the lowest final loss is **ddp**'s (3.5000)" in text
+
+
+def test_runs_of_another_setup_are_flagged_and_left_out_of_the_answer(tmp_path):
+    a = fake_run(tmp_path / "a", "ddp", [(1, 1e6, 4.0), (2, 2e6, 3.0)])
+    b = fake_run(tmp_path / "b", "zero1", [(1, 1e6, 4.0), (2, 2e6, 3.1)])
+    small = fake_run(tmp_path / "c", "demo", [(0.5, 1e5, 3.5), (1, 2e5, 2.5)], params=45_000, steps=25)
+    other_data = fake_run(tmp_path / "d", "acco", [(0.5, 1e5, 3.5), (1, 2e5, 2.9)], data="pydoc")
+    more_workers = fake_run(tmp_path / "e", "diloco", [(0.5, 1e5, 3.5), (1, 2e5, 2.9)], workers=4)
+    report_md, report = report_of(tmp_path, [a, b, small, other_data, more_workers])
+    rows = {r["label"]: r for r in report["rows"]}
+    assert [label for label, r in rows.items() if r["comparable"]] == ["ddp", "zero1"]
+    assert rows["demo"]["not_comparable"] == ["model 0.045M, seq 32 (others: 0.12M, seq 32)",
+                                              "6,400 tokens planned (others: 512)"]
+    assert rows["acco"]["not_comparable"] == ["data pydoc (others: shakespeare)"]
+    assert rows["diloco"]["not_comparable"][-1] == "4 workers (others: 2)"
+    assert "| demo † |" in report_md and "| ddp |" in report_md
+    assert "† Not comparable with the other runs" in report_md
+    # the target and the answer come from the comparable runs only: demo's 2.5 would win otherwise
+    assert report["target_loss"] == 3.1
+    text = answer_of(report_md)
+    assert "**ddp**" in text and "**demo**" not in text and "left out of this answer: demo, acco, diloco" in text
+
+
+def test_tokens_beyond_the_plan_are_stated(tmp_path):
+    runs = [fake_run(tmp_path, "zero1", [(1, 1e6, 4.0), (2, 2e6, 3.0)]),
+            fake_run(tmp_path, "acco", [(1, 1e6, 4.0), (2, 2e6, 3.0)], extra_tokens=256)]
+    report_md, report = report_of(tmp_path, runs)
+    acco = next(r for r in report["rows"] if r["label"] == "acco")
+    assert (acco["tokens"], acco["tokens_planned"]) == (512 + 256, 512)
+    assert "acco 768 (+50%)" in answer_of(report_md)
+    assert "| acco | 3.0000 | 768 |" in report_md
+
+
+def test_plots_have_a_title_units_distinct_styles_and_target_marks(tmp_path, monkeypatch):
+    figures = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def keep(fig, path, *a, **k):
+        figures[Path(path).name] = fig
+        return save(fig, path, *a, **k)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    runs = [fake_run(tmp_path, "ddp", [(1, 100e6, 5.5), (2, 200e6, 3.2), (3, 300e6, 3.0)]),
+            fake_run(tmp_path, "zero1", [(1, 100e6, 5.5), (2, 200e6, 3.2), (3, 300e6, 3.0)]),
+            fake_run(tmp_path, "diloco", [(1, 0, 5.6), (2, 8e6, 3.1), (3, 16e6, 2.9)])]
+    report_of(tmp_path, runs)
+    for name in ("loss_vs_time.png", "loss_vs_bytes.png", "time_breakdown.png", "rank_breakdown.png",
+                 "tokens_per_s.png"):
+        title = figures[name]._suptitle.get_text()
+        assert "2 workers, link 100mbit,10ms, GPT 0.12M params" in title, name
+        ax = figures[name].axes[0]
+        assert "(" in ax.get_ylabel(), (name, ax.get_ylabel())  # a unit
+    by_bytes = figures["loss_vs_bytes.png"].axes[0]
+    assert by_bytes.get_xscale() == "log" and "(MB)" in by_bytes.get_xlabel()
+    curves = [line for line in by_bytes.get_lines() if line.get_marker() not in ("*", "None")]
+    assert all(x > 0 for line in curves for x in line.get_xdata())  # diloco's 0-byte point is not drawn
+    assert "diloco (1 points at 0 MB not shown)" in [t.get_text() for t in by_bytes.get_legend().get_texts()]
+    ddp, zero1 = curves[0], curves[1]  # the same numbers, drawn so both can be told apart
+    assert (ddp.get_linestyle(), ddp.get_marker()) != (zero1.get_linestyle(), zero1.get_marker())
+    by_time = figures["loss_vs_time.png"].axes[0]
+    assert by_time.get_xscale() == "linear"
+    stars = [line for line in by_time.get_lines() if line.get_marker() == "*"]
+    assert len(stars) == 3 and all(line.get_ydata()[0] == 3.0 for line in stars)  # target: the worst final loss
+    low, high = by_time.get_ylim()
+    assert low < 2.9 and high == pytest.approx(3.0 + ABOVE_TARGET * 0.1)  # not stretched to the first 5.5
+    assert "(s" in by_time.get_xlabel()
+
+
+def test_bench_style_report_from_the_cli_prints_the_answer_first(tmp_path, capsys):
+    runs = [fake_run(tmp_path, "ddp", [(1, 100e6, 4.0), (2, 200e6, 3.0)])]
+    assert main(["report", str(runs[0]), "--out", str(tmp_path / "r")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("# lowcomm report\n\n**Answer.**")
+
+
+def test_report_of_runs_is_written_under_runs_and_says_where(tmp_path, monkeypatch, capsys):
+    """Not to ./report: run in a clone, that left a directory beside the sources that git did
+    not ignore. An --out that cannot be written is one error line."""
+    runs = [fake_run(tmp_path / "in", "ddp", [(1, 100e6, 4.0), (2, 200e6, 3.0)]),
+            fake_run(tmp_path / "in", "diloco", [(2, 0, 4.5), (4, 10e6, 3.0)])]
+    work = tmp_path / "clone"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["report", *map(str, runs)]) == 0
+    (written,) = (work / "runs").iterdir()
+    assert written.name.startswith("report-") and (written / "report.md").is_file()
+    assert sorted(p.name for p in work.iterdir()) == ["runs"]
+    assert capsys.readouterr().out.rstrip().endswith(f"report: {Path('runs') / written.name / 'report.md'} and "
+                                                     f"plots in {Path('runs') / written.name}/")
+    assert main(["report", *map(str, runs), "--out", "/proc/report"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --out '/proc/report' cannot be written ('/proc' is not writable)"

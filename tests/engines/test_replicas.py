@@ -1,0 +1,233 @@
+"""Replica groups (--replicas R of --workers W, ddp inside each replica), every strategy.
+
+Exact reduction: R replicas of K processes at micro-batch m, the replica's processes splitting
+what one worker would read, equal R single-process workers at micro-batch K·m (same seed:
+final parameters within 1e-6), and the K cross-replica groups together send what the R workers
+send. For every registered strategy that runs across replicas, in one W=4 spawn: (2, 2) against
+(2, 1) on the replicas' first ranks, plus bytes per level against Strategy.level_plans. The CLI
+runs check summary.json's levels at (R, K) = (2, 2), (2, 1) and (1, 2). What cannot run is
+refused in one line, exit 2, nothing written.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import rel_err, run_dist
+
+import lowcomm
+from lowcomm.checkpoint import read, read_state
+from lowcomm.cli.main import main
+from lowcomm.comm.control import register_control
+from lowcomm.comm.groups import ReplicaLayout, form
+from lowcomm.metrics.levels import planned_bytes
+from lowcomm.models.layout import layout_of
+from lowcomm.run.driver import make_run
+from lowcomm.strategies import available, get
+
+# -- every strategy in one W=4 spawn: (2, 2) against (2, 1) ------------------------------------
+
+R, K, MICRO, SEQ, ACCUM, N_STEPS = 2, 2, 2, 16, 2, 4
+ACROSS = [n for n in available() if get(n).runs_inside("ddp")]
+LOCAL_SGD = {"sync_every": 2, "sync_by": "steps"}
+OPTIONS = {"diloco": LOCAL_SGD, "sparseloco": LOCAL_SGD,
+           "streaming_diloco": {**LOCAL_SGD, "fragments": 2, "fragment_delay": 1},
+           "onebit_adam": {"freeze_variance_after": 2},  # 1-bit from step 3
+           "powersgd": {"start": 2}}  # compressed from step 3
+# The compressors that round run in float64 here: the replica's mean gradient and a single worker's
+# differ in the last bits (4.9e-8 for ddp), so in float32 an element within that of a quantization
+# boundary can take the other level, and Adam carries the difference on (quantized: 4.9e-4 on one
+# machine, 9e-8 on another). In float64 no element comes that close (quantized: 5.9e-9). 1-bit Adam
+# sends signs: a momentum within rounding of zero may still take the other sign and move by its
+# block's scale (float64 1.3e-6, float32 5.9e-6 and 1.1e-5 on two machines).
+DTYPE = {"quantized": torch.float64, "onebit_adam": torch.float64}
+TOLERANCE = {"onebit_adam": 5e-5}
+# Bytes: the blockwise compressors pad each position's piece to whole blocks on R ranks
+# (a few per cent on this small model); the overlapped rounds send a micro-batch count per group.
+BYTES_SLACK = {"quantized": 0.1, "onebit_adam": 0.1}
+
+
+def _model():
+    return lowcomm.GPT(vocab_size=256, seq_len=SEQ, n_layer=1, n_head=2, d_model=16)
+
+
+def _batch(step: int, worker: int, micro: int, rows: slice):
+    """Micro-batch `micro` of worker `worker` (K·MICRO rows), the rows `rows` of it."""
+    g = torch.Generator().manual_seed(100_000 * step + 100 * worker + micro)
+    seq = torch.randint(0, 256, (K * MICRO, SEQ + 1), generator=g)[rows]
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def _train(name, comm, replica, worker: int, rows: slice):
+    torch.manual_seed(1234)
+    model = _model().to(DTYPE.get(name, torch.float32))
+    options = {**get(name).reproducible_options, **OPTIONS.get(name, {})}
+    run = make_run(name, model, comm, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                   accum=ACCUM, schedule=lambda step: 1e-2 * min(1.0, (step + 1) / 3), total_steps=N_STEPS,
+                   replica=replica, **options)
+    for _ in range(N_STEPS):
+        step, micro = run.steps_done, iter(range(1000))
+        run.step(lambda: _batch(step, worker, next(micro), rows), lowcomm.lm_loss)
+    run.close()
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def _replica_life(rank, world, names):
+    layout = ReplicaLayout(world, R)
+    levels = form(layout)
+    # The reference: the replicas' first ranks as R single workers (the others idle).
+    ref, _ = dist.new_subgroups_by_enumeration(layout.cross_ranks())
+    control, _ = dist.new_subgroups_by_enumeration(layout.cross_ranks(), backend="gloo")
+    register_control(ref, control)
+    out = {}
+    for name in names:
+        before = {c.level: c.snapshot().wire_bytes for c in (levels.intra, levels.cross)}
+        p = layout.position(rank)
+        grouped = _train(name, levels.cross, levels.intra, layout.replica(rank), slice(p * MICRO, (p + 1) * MICRO))
+        counted = {c.level: c.snapshot().wire_bytes - before[c.level] for c in (levels.intra, levels.cross)}
+        flat, flat_bytes = None, 0
+        if p == 0:
+            comm = lowcomm.Comm(ref)
+            flat = _train(name, comm, None, layout.replica(rank), slice(None))
+            flat_bytes = comm.snapshot().wire_bytes
+        out[name] = {"grouped": grouped, "counted": counted, "flat": flat, "flat_bytes": flat_bytes}
+    return out
+
+
+@pytest.fixture(scope="module")
+def replica_runs():
+    return run_dist(_replica_life, R * K, ACROSS, timeout=600)
+
+
+def _planned(name, level):
+    cls = get(name)
+    options = cls.Options(**{**cls.reproducible_options, **OPTIONS.get(name, {})}).validate(name)
+    plans = cls.level_plans(layout_of(_model()), R, K, options)
+    if level == "intra":
+        return planned_bytes([plans.intra], K, R, lambda op: op.occurrences(N_STEPS))
+    return planned_bytes(plans.cross, R, K, lambda op: cls.plan_occurrences(op, N_STEPS, options))
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("name", ACROSS)
+def test_every_strategy_across_replicas_equals_one_worker_per_replica(name, replica_runs):
+    tolerance = TOLERANCE.get(name, 1e-6)
+    for rank, out in enumerate(replica_runs):  # rank r·K + p holds what worker r holds
+        reference = replica_runs[rank - rank % K][name]["flat"]
+        assert rel_err(out[name]["grouped"], reference) <= tolerance, (name, rank)
+    cross = sum(out[name]["counted"]["cross"] for out in replica_runs)
+    flat = sum(out[name]["flat_bytes"] for out in replica_runs)
+    # the K groups together send what the R workers send
+    assert abs(cross - flat) <= BYTES_SLACK.get(name, 0) * flat + 16 * R * N_STEPS * (K - 1), (cross, flat)
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("name", ACROSS)
+def test_every_strategy_sends_its_level_plans(name, replica_runs):
+    for level in ("intra", "cross"):
+        counted = sum(out[name]["counted"][level] for out in replica_runs)
+        assert counted == _planned(name, level), (name, level)
+
+
+# -- through the CLI: summary.json's levels -------------------------------------------------
+
+STEPS = 4
+TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good "
+        "fortune, must be in want of a wife.\n") * 80
+# (workers, replicas, micro-batch): (2, 2) replicas of 2, (2, 1) the flat reference, (1, 2)
+LAYOUTS = {"2x2": (4, 2, 2), "2x1": (2, 2, 4), "1x2": (2, 1, 2)}
+EXTRA = {"ddp": [], "diloco": ["--sync-every", "2", "--sync-by", "steps"]}
+
+
+def _argv(data, out, strategy, workers, replicas, micro):
+    return ["train", "--strategy", strategy, "--workers", str(workers), "--replicas", str(replicas),
+            "--micro-batch", str(micro), "--steps", str(STEPS), "--n-layer", "2", "--n-head", "2",
+            "--d-model", "16", "--seq-len", "16", "--eval-every", "0", "--eval-batches", "1",
+            "--data", str(data), "--out", str(out), "--quiet", "--checkpoint-every", str(STEPS),
+            *EXTRA[strategy]]
+
+
+def _params(out, rank):
+    model = read_state(read(sorted(out.glob("ckpt-*"))[-1]), rank)["strategy"]["model"]
+    return torch.cat([model[k].detach().reshape(-1).float() for k in sorted(model)])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replicas")
+    data = root / "text.txt"
+    data.write_text(TEXT)
+    done = {}
+    for strategy in EXTRA:
+        for name, (workers, replicas, micro) in LAYOUTS.items():
+            out = root / f"{strategy}-{name}"
+            assert main(_argv(data, out, strategy, workers, replicas, micro)) == 0
+            done[strategy, name] = (json.loads((out / "summary.json").read_text()),
+                                    [_params(out, r) for r in range(workers)])
+    return done
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("strategy", list(EXTRA))
+def test_replicas_of_k_equal_one_worker_at_k_times_the_micro_batch(runs, strategy):
+    (grouped, params), (flat, reference) = runs[strategy, "2x2"], runs[strategy, "2x1"]
+    for rank, p in enumerate(params):  # rank r·K + p holds what worker r holds
+        assert rel_err(p, reference[rank // 2]) <= 1e-6, (strategy, rank)
+    assert grouped["tokens"] == flat["tokens"]
+    cross = grouped["levels"]["cross"]
+    assert cross["groups"] == 2 and cross["ranks_per_group"] == 2
+    # each position syncs its part: the K groups together send what the R workers send
+    assert cross["wire_bytes"] == flat["levels"]["cross"]["wire_bytes"]
+    assert flat["levels"]["intra"]["wire_bytes"] == 0 and grouped["levels"]["intra"]["wire_bytes"] > 0
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("strategy", list(EXTRA))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_bytes_per_level_equal_the_plan(runs, strategy, layout):
+    summary = runs[strategy, layout][0]
+    for level in ("intra", "cross"):
+        counted = summary["levels"][level]
+        assert counted["wire_bytes"] == counted["planned_wire_bytes"], (level, counted)
+    assert summary["wire_bytes_total"] == summary["planned_wire_bytes_total"] == sum(
+        summary["levels"][level]["wire_bytes"] for level in ("intra", "cross"))
+
+
+REFUSED = {
+    "fsdp": (["--strategy", "demo", "--replicas", "2", "--inside", "fsdp"], ("demo", "--inside fsdp")),
+    "bf16_flat": (["--strategy", "zero1", "--replicas", "2", "--param-dtype", "bf16"], ("--param-dtype bf16",)),
+    "inside_unknown": (["--replicas", "2", "--inside", "tp"], ("--inside", "tp")),
+    "not_dividing": (["--replicas", "3"], ("--replicas 3", "--workers 4")),
+    "negative": (["--replicas", "-1"], ("replicas", "-1")),
+    "intra_link_flat": (["--intra-link", "10gbit,50us"], ("--intra-link", "--replicas")),
+    "intra_link_bad": (["--replicas", "2", "--intra-link", "fast"], ("--intra-link", "fast")),
+    "sync_by_time": (["--strategy", "diloco", "--replicas", "2", "--sync-by", "time"], ("--sync-by time",)),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_in_one_line(case, tmp_path, capsys):
+    flags, names = REFUSED[case]
+    out = tmp_path / "run"
+    assert main(["train", "--workers", "4", "--steps", "2", "--out", str(out), "--quiet", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert all(name in err for name in names), err
+    assert not out.exists()
+
+
+def test_toml_spelling(tmp_path):
+    from lowcomm import config as C
+    path = tmp_path / "run.toml"
+    path.write_text('workers = 4\nreplicas = 2\ninside = "ddp"\n[intra_link]\nbandwidth = "10gbit"\nlatency = "50us"\n')
+    cfg = C.load_toml(path)
+    C.validate(cfg)
+    assert (cfg.replicas, cfg.inside, cfg.intra_link.bandwidth) == (2, "ddp", 10e9 / 8)
+    assert C.load_toml(_write(tmp_path / "again.toml", C.to_toml(cfg))).intra_link == cfg.intra_link
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path

@@ -1,0 +1,55 @@
+"""The tiny CLI run that the launcher, diagnosis and metrics tests start (its flags and its text),
+how to find the worker processes a launcher started, and the one `error:` line a failed run prints.
+The `data_file` fixture that writes TEXT is in tests/conftest.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good "
+        "fortune, must be in want of a wife.\n") * 60
+TINY = ["--workers", "2", "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--seq-len", "16",
+        "--micro-batch", "2", "--eval-every", "0", "--eval-batches", "1", "--log-every", "1", "--quiet"]
+
+
+def workers_of(pid: int) -> set[int]:
+    """The worker processes launcher `pid` started: the children of its fork server
+    (or, where the platform has none, its spawned children)."""
+    kids = children(pid)
+    servers = {k for k in kids if b"multiprocessing.forkserver" in _read(f"/proc/{k}/cmdline")}
+    spawned = {k for k in kids if b"spawn_main" in _read(f"/proc/{k}/cmdline")}
+    return spawned | {w for s in servers for w in children(s)}
+
+
+def children(pid: int) -> set[int]:
+    kids: set[int] = set()
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return kids
+    for task in tasks:
+        try:
+            kids |= {int(k) for k in (task / "children").read_text().split()}
+        except OSError:
+            pass
+    return kids
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie has exited; only its exit status is left)."""
+    stat = _read(f"/proc/{pid}/stat")
+    return bool(stat) and stat.rsplit(b")", 1)[1].split()[0] != b"Z"
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""
+
+
+def error_line(err: str) -> str:
+    """The one `error:` line, with no traceback on the terminal."""
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
