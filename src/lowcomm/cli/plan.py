@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import sys
 from dataclasses import asdict, replace
 
@@ -147,7 +148,26 @@ def _tune(args, cfg, cluster, by_count, chosen, options, bench, runs, per_token,
         return tuple(sorted((R for R, ranked in by_count.items() if any(p.strategy == name for p in ranked)),
                             key=lambda R: R != chosen))
     names = list(dict.fromkeys(p.strategy for ranked in by_count.values() for p in ranked))
-    return plan_tune.tune_all(args, names, options, cluster, bench, target, predict_one, counts_of)
+    return plan_tune.tune_all(args, names, options, cluster, bench, target, predict_one, counts_of,
+                              _tuning_progress(cfg.workers // max(1, min(by_count, default=1)), len(names)))
+
+
+# A replica of this many ranks or more is priced position by position for every setting --tune
+# tries: seconds per strategy at ten thousand, minutes for all of them at a million (one core).
+SAY_TUNING_AT = 10_000
+
+
+def _tuning_progress(ranks_per_replica: int, strategies: int):
+    """What `--tune` says while it searches: nothing for a small cluster; for a large one, a line
+    at once that it will take a while, then one as each strategy is done (to stderr)."""
+    if ranks_per_replica < SAY_TUNING_AT:
+        return lambda name, i, n: None
+    print(f"lowcomm plan: --tune prices each of up to {ranks_per_replica:,} ranks of a replica for every "
+          f"setting of {strategies} strategies: this may take minutes; a line as each is done",
+          file=sys.stderr, flush=True)
+    start = time.monotonic()
+    return lambda name, i, n: print(f"  tuned {name} ({i} of {n}, {time.monotonic() - start:.0f} s)",
+                                    file=sys.stderr, flush=True)
 
 
 def _plan_config(args, calibrated: bool):

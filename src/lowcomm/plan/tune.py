@@ -217,10 +217,12 @@ def table(tuned: list[Tuned], workers: int = 0) -> str:
     return "\n".join(lines)
 
 
-def tune_all(args, names, options, cluster, bench, target, predict_one, counts_of=lambda name: (0,)):
+def tune_all(args, names, options, cluster, bench, target, predict_one, counts_of=lambda name: (0,),
+             done=lambda name, i, n: None):
     """`--tune`: each strategy's best setting (None without --tune); `predict_one(name, options,
     replicas)` prices one setting, `counts_of(name)` the replica counts it runs at (the plan's
-    choice at the given knobs first), searched together with the knobs."""
+    choice at the given knobs first), searched together with the knobs; `done(name, i, n)` is
+    told as each strategy's search ends (the i-th of n)."""
     from ..metrics.runs import reach
     from ..contract.values import convert
 
@@ -249,7 +251,7 @@ def tune_all(args, names, options, cluster, bench, target, predict_one, counts_o
         return reach(e.curve, target, "tokens") if e is not None else None
 
     out = []
-    for name in names:
+    for i, name in enumerate(names, 1):
         keys = [k.field for k in knobs_of(name) if k.quality]
         covered = "; ".join(" ".join(f"{k}={e.config.get(name, {}).get(k)}" for k in keys)
                             for e in by_strategy.get(name, ())) if bench is not None else None
@@ -257,6 +259,7 @@ def tune_all(args, names, options, cluster, bench, target, predict_one, counts_o
                  reach_at if bench is not None and target is not None else None, bound, covered, counts_of(name))
         if t is not None:
             out.append(t)
+        done(name, i, len(names))
     return out
 
 

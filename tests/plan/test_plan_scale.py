@@ -68,3 +68,21 @@ def test_tensors_owned_by_the_positions_of_a_replica_are_those_a_scan_assigns(se
     numels = [rng.choice([1, 4, 4, 16, 64, 64, 1000]) for _ in range(rng.randint(1, 60))]
     for K in (1, 2, 3, 7, len(numels), len(numels) + 5):
         assert owned_tensors(numels, K) == _owned_by_scanning(numels, K), (seed, K)
+
+
+def test_tuning_a_huge_cluster_says_at_once_that_it_takes_a_while(capsys):
+    """--tune prices every rank position of a replica for each setting it tries: at tens of
+    thousands of ranks a replica it says so before it starts and names each strategy as it is
+    done, instead of minutes of silence; a small cluster's plan says nothing of it."""
+    from lowcomm.cli.main import main
+
+    def tune(workers):
+        assert main(["plan", "--params", "1e9", "--workers", str(workers), "--link", "1gbit,10ms",
+                     "--worker-tflops", "300", "--tune", "--intra-link", "100gbit,5us",
+                     "--strategies", "diloco,ddp"]) == 0
+        return capsys.readouterr().err.splitlines()
+
+    said = tune(20_000)
+    assert said[0].startswith("lowcomm plan: --tune prices each of up to 10,000 ranks of a replica"), said
+    assert [line.split(" (")[0].strip() for line in said[1:]] == ["tuned diloco", "tuned ddp"], said
+    assert not [line for line in tune(64) if "tune" in line]
