@@ -221,3 +221,24 @@ def test_acco_with_a_three_times_slower_worker_still_converges(corpus_run):
     assert busy_fast >= 0.6 * busy_slow or fast >= 0.9 * 4 * rounds, (busy_fast, busy_slow, fast)
     assert run["tokens"] == (fast + slow) * 8 * 64
     assert run["final_val_loss"] < 4.0, run["final_val_loss"]
+
+
+def test_an_acco_run_says_before_it_starts_how_to_give_an_update_ddps_batch(tmp_path, data_file, monkeypatch, capfd):
+    """At ddp's flags an ACCO update sums two rounds, so a run makes half ddp's updates of twice
+    its batch (on a small model: stuck on the plateau ddp leaves). The launch says so in one line,
+    with the flags that give each update ddp's batch at the same tokens; ddp says nothing."""
+    import lowcomm.launch.launcher
+    from lowcomm.cli.main import main
+
+    monkeypatch.setattr(lowcomm.launch.launcher, "launch", lambda *a, **k: None)  # no training here
+    said = {}
+    for argv in (["--strategy", "acco"], ["--strategy", "acco", "--micro-batch", "3", "--accum", "2"], []):
+        assert main(["train", *argv, "--data", str(data_file), "--out", str(tmp_path / f"run{len(said)}")]) == 0
+        said[" ".join(argv)] = [line for line in capfd.readouterr().err.splitlines() if line.startswith("note:")]
+    assert said["--strategy acco"] == [
+        "note: acco's update sums two rounds of --accum 1 micro-batch(es): at ddp's flags it makes half ddp's "
+        "updates, each of twice its batch; --micro-batch 8 --steps 400 --warmup 40 gives each update ddp's "
+        "batch at the same tokens (docs/strategies.md)"]
+    assert said["--strategy acco --micro-batch 3 --accum 2"][0].endswith(
+        "its like-for-like peer is ddp --accum 4 (docs/strategies.md)")
+    assert said[""] == []

@@ -56,6 +56,11 @@ class Options:
         """Rules that involve the run's settings too (cfg: a RunShape or config.RunConfig, e.g. its accum);
         called once the strategy is chosen. Subclasses raise UsageError."""
 
+    def run_note(self, cfg) -> str | None:
+        """One line said before a CLI run starts where these settings are legal but easily
+        misread (cfg: a config.RunConfig); None: nothing to say."""
+        return None
+
     def validate(self, strategy: str = "", where: str = "") -> "Options":
         """Convert each value to its declared type and check its bounds; UsageError
         names the first bad value by its flag and TOML key (`where` adds e.g. ' (in run.toml)')."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -41,6 +42,8 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resu
     check_elastic(cfg)  # the elastic component's own checks, after the config's
     if chosen and os.environ.get("RANK", "0") == "0":
         print(f"lowcomm: {chosen}", flush=True)
+    if (note := cfg.strategy_options().run_note(cfg)) and os.environ.get("RANK", "0") == "0":
+        print(f"note: {note}", file=sys.stderr, flush=True)
     backend = pick_backend(cfg)
     if (backend == "nccl" or cfg.device == "cuda") and not torch.cuda.is_available():
         raise UsageError(f"backend '{backend}' on device '{cfg.device}' needs CUDA, and no GPU is visible")

@@ -51,6 +51,16 @@ class AccoOptions(ShardedOptions):
         super().check_run(cfg)
         self.rounds_bound(cfg.accum)
 
+    def run_note(self, cfg) -> str | None:
+        # At ddp's flags an update takes twice ddp's batch and a run half its updates (the
+        # estimate and the real round each compute --accum micro-batches); on a small model that
+        # is the difference between leaving the unigram plateau or not (docs/strategies.md).
+        b, steps, warmup = cfg.micro_batch, cfg.steps, cfg.optim.warmup_steps
+        same = (f"--micro-batch {b // 2} --steps {2 * steps} --warmup {2 * warmup} gives each update ddp's "
+                f"batch at the same tokens" if b % 2 == 0 else f"its like-for-like peer is ddp --accum {2 * cfg.accum}")
+        return (f"acco's update sums two rounds of --accum {cfg.accum} micro-batch(es): at ddp's flags it makes "
+                f"half ddp's updates, each of twice its batch; {same} (docs/strategies.md)")
+
     def rounds_bound(self, accum: int) -> int:
         """Most micro-batches per round: max_accum (0: 4·accum); below accum is refused,
         through the CLI and TOML (check_run) and the Python API (the constructor) alike."""
