@@ -1,6 +1,6 @@
 """report.md and report.json of a recipe bench (`lowcomm bench RECIPE.toml`): the answer and
 a table of each variant at its own best setting against the baseline, the whole grid (every
-setting tried, its loss over seeds), every run, and the plots: the usual four of each
+setting tried, its loss over seeds), every run, and the plots: the usual five of each
 variant at its best setting (its first seed), and loss against the swept value."""
 from __future__ import annotations
 
