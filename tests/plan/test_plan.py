@@ -52,20 +52,25 @@ def test_zero1_exposes_everything_and_acco_hides_a_step_of_compute(capsys):
     assert got["zero1"]["step_s"] == pytest.approx(COMPUTE + rs + ag, rel=1e-12)  # 0.075700829184
     assert got["zero1"]["model_state_bytes"] == 2 * 4 * N + 8 * N // W  # flat θ, ∇θ; Adam of the own shard
     count = 6 * LAT + (2 * 3 * 16 // 4) / BW  # ACCO's all-reduce of the count and votes (2 float64)
-    acco_comm = count + rs + ag
-    assert got["acco"]["exposed_comm_s"] == pytest.approx(acco_comm - COMPUTE, rel=1e-12)
-    assert got["acco"]["step_s"] == pytest.approx(acco_comm, rel=1e-12)
-    # While the round's communication runs, each worker keeps computing micro-batches: the
-    # round lasts acco_comm, a micro-batch COMPUTE (accum 1), so 2.46 of them (at most 4).
-    assert got["acco"]["tokens_per_step"] == pytest.approx(T * acco_comm / COMPUTE, rel=1e-12)
-    assert got["acco"]["tokens_per_s"] == pytest.approx(T * acco_comm / COMPUTE / acco_comm, rel=1e-12)
+    acco_round = count + rs + ag
+    # A step is one update of zero1's batch: two rounds (estimate, real), each behind half the
+    # step's compute.
+    assert got["acco"]["comm_s"] == pytest.approx(2 * acco_round, rel=1e-12)
+    assert got["acco"]["exposed_comm_s"] == pytest.approx(2 * acco_round - COMPUTE, rel=1e-12)
+    assert got["acco"]["step_s"] == pytest.approx(2 * acco_round, rel=1e-12)
+    # While a round's communication runs, each worker keeps computing half micro-batches: the
+    # round lasts acco_round, a half micro-batch COMPUTE / 2 (accum 1), so 4.9 of them, capped
+    # at max_accum 4: 4 halves a round, 8 a step, four steps' worth of --micro-batch.
+    assert 2 * acco_round / COMPUTE > 4
+    assert got["acco"]["tokens_per_step"] == pytest.approx(4 * T, rel=1e-12)
+    assert got["acco"]["tokens_per_s"] == pytest.approx(4 * T / (2 * acco_round), rel=1e-12)
     assert got["zero1"]["tokens_per_s"] == pytest.approx(T / got["zero1"]["step_s"], rel=1e-12)
 
 
 def test_acco_extra_micro_batches_stop_at_max_accum_and_follow_slowdowns(capsys):
-    got, _ = plan(capsys, "--strategies", "acco", "--max-accum", "2", "--slowdown", "1,1,1,4")
-    # the slow worker's micro-batch takes 4 COMPUTE = 0.094 s > the round's communication, so
-    # the round lasts that long; the three others fit 4 micro-batches, capped at 2
+    got, _ = plan(capsys, "--strategies", "acco", "--max-accum", "2", "--slowdown", "1,1,1,6")
+    # the slow worker's half micro-batch takes 3 COMPUTE = 0.071 s > a round's communication, so
+    # the round lasts that long; the three others fit 6 half micro-batches, capped at 2
     assert got["acco"]["tokens_per_step"] == pytest.approx(T * (2 + 2 + 2 + 1) / 4, rel=1e-12)
     got, _ = plan(capsys, "--strategies", "acco", "--deterministic")
     assert got["acco"]["tokens_per_step"] == T  # exactly accum per round

@@ -59,7 +59,7 @@ class RecordedRun:
         rank's (4 ranks on 2 loaded cores: up to 2x apart). A log without every rank's times
         (an older run) gives each rank's total over its tokens, averaged over ranks."""
         s = self.summary
-        tokens_per_micro = self.config.get("micro_batch", 16) * self.config.get("model", {}).get("seq_len", 128)
+        tokens_per_micro = self.tokens_per_micro_batch()
         factors = s.get("slowdown") or [1.0] * s["workers"]
         per_step = [max(c / f / (m * tokens_per_micro) for c, f, m in zip(r["per_rank"]["compute_s"], factors,
                                                                           r["per_rank"]["micro_batches"]) if m)
@@ -69,6 +69,14 @@ class RecordedRun:
         per_rank = [c / f / (m * tokens_per_micro)
                     for c, f, m in zip(s["compute_s_per_rank"], factors, s["micro_batches_per_rank"]) if m]
         return sum(per_rank) / len(per_rank)
+
+    def tokens_per_micro_batch(self) -> float:
+        """Tokens in one micro-batch as the run computed it: its tokens over its micro-batches
+        (acco's loader cuts each --micro-batch in two), else --micro-batch x --seq-len."""
+        s = self.summary
+        if s.get("tokens") and sum(s.get("micro_batches_per_rank", ())):
+            return s["tokens"] / sum(s["micro_batches_per_rank"])
+        return self.config.get("micro_batch", 16) * self.config.get("model", {}).get("seq_len", 128)
 
     def overhead_s(self) -> float:
         """Per-step time outside forward/backward and network waits (optimizer steps,
