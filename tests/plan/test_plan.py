@@ -88,6 +88,20 @@ def test_diloco_pays_one_all_reduce_per_period(capsys):
     assert "2.2x compute" in out["recommendation"]
 
 
+def test_a_one_step_delayed_outer_step_hides_its_reduction_behind_a_period(capsys):
+    # H=2: the sync (0.052 s) runs behind the next period's two inner steps (0.047 s): 4.9 ms of
+    # it is left exposed, once per period; at H=4 all of it is hidden.
+    sync = 6 * LAT + 2 * 3 / 4 * 4 * N / BW
+    got, _ = plan(capsys, "--strategies", "diloco", "--sync-every", "2", "--outer-delay", "1")
+    assert got["diloco"]["exposed_comm_s"] == pytest.approx((sync - 2 * COMPUTE) / 2, rel=1e-12)
+    assert got["diloco"]["step_s"] == pytest.approx(COMPUTE + (sync - 2 * COMPUTE) / 2, rel=1e-12)
+    got, _ = plan(capsys, "--strategies", "diloco,streaming_diloco", "--sync-every", "4", "--outer-delay", "1")
+    assert got["diloco"]["exposed_comm_s"] == 0.0 and got["diloco"]["step_s"] == pytest.approx(COMPUTE, rel=1e-12)
+    assert got["streaming_diloco"]["exposed_comm_s"] == 0.0  # each fragment's behind its period too
+    got, _ = plan(capsys, "--strategies", "diloco", "--sync-every", "4")
+    assert got["diloco"]["exposed_comm_s"] == pytest.approx(sync / 4, rel=1e-12)  # synchronous: all of it
+
+
 def test_steps_average_a_run_with_its_final_sync(capsys):
     # --steps 20 with H=16: one regular sync at step 16 and the final one at step 20
     got, _ = plan(capsys, "--strategies", "diloco", "--sync-every", "16", "--steps", "20")
@@ -352,18 +366,21 @@ def test_params_without_tokens_per_step_warns_that_the_batch_is_the_presets(caps
 
 def test_tune_recommends_the_tuned_setting_and_its_command_plans_the_same_step(capsys):
     """With --tune the recommendation names the tuned setting (diloco's H = 64 on the slow link,
-    not the default 32 the table ranks by), the fastest of every strategy's tuned setting, and
-    its command line, planned again, predicts the same step."""
+    not the default 32 the table ranks by, and its outer step a period late, which hides a third
+    of each sync, with the plain outer SGD PCCL runs it with), the fastest of every strategy's tuned setting, and its command line, planned
+    again, predicts the same step."""
     argv = [*CLUSTER, "--params", "1e6", *SLOW, "--strategies", "diloco,ddp,quantized"]
     assert main([*argv, "--tune"]) == 0
     out = json.loads(capsys.readouterr().out)
     rec = out["recommended"]
-    assert (rec["strategy"], rec["replicas"], rec["knobs"]) == ("diloco", 4, {"sync_every": 64})
+    assert (rec["strategy"], rec["replicas"], rec["knobs"]) == ("diloco", 4, {"sync_every": 64, "outer_delay": 1,
+                                                                          "outer_momentum": 0.0})
     assert all(rec["step_s"] <= t["tuned"]["step_s"] for t in out["tuned"])
     assert out["ranked"][0]["label"] == "diloco H=32"  # the table: the options given
-    assert out["recommendation"].startswith("use diloco H=64 (tuned; the command below): ")
+    assert out["recommendation"].startswith("use diloco H=64 delayed (tuned; the command below): ")
     assert out["recommendation"].endswith("\ncommand: " + rec["command"])
-    assert rec["command"] == "lowcomm train --strategy diloco --workers 4 --sync-every 64"
+    assert rec["command"] == ("lowcomm train --strategy diloco --workers 4 --sync-every 64 --outer-delay 1 "
+                              "--outer-momentum 0")
     words = rec["command"].split()[2:]
     words[0] = "--strategies"
     assert main([*argv, *words]) == 0
@@ -385,15 +402,17 @@ def test_tune_searches_the_replica_count_with_the_knobs(capsys):
     by_r = {e["replicas"]: e for e in t["by_replicas"]}
     assert set(by_r) == {4, 2}
     sync = 6 * 0.02 + 2 * 3 / 4 * 4 * N / 1.25e6  # all_reduce(4N) on 4 ranks over 10mbit, 20 ms
-    assert by_r[4]["step_s"] == pytest.approx(COMPUTE + sync / 64, rel=1e-12)
+    # the sync a period late: 64 inner steps (1.51 s) of it hidden
+    assert by_r[4]["step_s"] == pytest.approx(COMPUTE + (sync - 64 * COMPUTE) / 64, rel=1e-12)
     assert by_r[2]["step_s"] < by_r[4]["step_s"]
-    assert (t["knobs"]["sync_every"]["tuned"], t["replicas"]) == (64, 2)
+    assert (t["knobs"]["sync_every"]["tuned"], t["knobs"]["outer_delay"]["tuned"], t["replicas"]) == (64, 1, 2)
     assert t["tuned"]["step_s"] == pytest.approx(by_r[2]["step_s"], rel=1e-12)
     rec = out["recommended"]
-    assert (rec["replicas"], rec["knobs"]) == (2, {"sync_every": 64})
-    assert rec["command"] == "lowcomm train --strategy diloco --workers 4 --replicas 2 --inside ddp --sync-every 64"
+    assert (rec["replicas"], rec["knobs"]) == (2, {"sync_every": 64, "outer_delay": 1, "outer_momentum": 0.0})
+    assert rec["command"] == ("lowcomm train --strategy diloco --workers 4 --replicas 2 --inside ddp --sync-every 64 "
+                              "--outer-delay 1 --outer-momentum 0")
     assert out["recommendation"].startswith("replica size (searched with the knobs): --replicas 2 (2 replicas of 2 "
-                                            "workers each) is fastest, diloco H=64 at ")
+                                            "workers each) is fastest, diloco H=64 delayed at ")
     assert f"{by_r[2]['tokens_per_s'] / by_r[4]['tokens_per_s']:.2f}x the tokens/s of the same setting on the flat " \
         "cluster." in out["recommendation"]
 
@@ -442,9 +461,10 @@ def test_tune_says_in_its_answer_which_settings_the_calibration_did_not_measure(
     assert main(["plan", "--calibrate", str(tmp_path), "--tune", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["recommended"]["knobs"]["sync_every"] == 8 and out["recommended"]["time_to_target_s"] is not None
-    assert ("\ncaveat: the calibration measured sync_every=8 only; sync_every=16, sync_every=32, sync_every=64 "
-            "not ranked by time to target\ncommand: lowcomm train --strategy diloco --workers 2 --sync-every 8"
-            ) in out["recommendation"]
+    assert ("\ncaveat: the calibration measured sync_every=8 outer_delay=0 only; sync_every=8 outer_delay=1, "
+            "sync_every=16 outer_delay=0, sync_every=16 outer_delay=1, sync_every=32 outer_delay=0, sync_every=32 "
+            "outer_delay=1, sync_every=64 outer_delay=0, sync_every=64 outer_delay=1 not ranked by time to target"
+            "\ncommand: lowcomm train --strategy diloco --workers 2 --sync-every 8") in out["recommendation"]
 
 
 def test_tune_of_strategies_without_knobs_still_answers_with_a_command(capsys):
