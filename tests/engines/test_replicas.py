@@ -47,6 +47,7 @@ TOLERANCE = {"onebit_adam": 5e-5}
 # Bytes: the blockwise compressors pad each position's piece to whole blocks on R ranks
 # (a few per cent on this small model); the overlapped rounds send a micro-batch count per group.
 BYTES_SLACK = {"quantized": 0.1, "onebit_adam": 0.1}
+ROUNDS_PER_STEP = {"acco": 2}  # acco's step is an estimate and a real round, each with its count
 
 
 def _model():
@@ -120,7 +121,8 @@ def test_every_strategy_across_replicas_equals_one_worker_per_replica(name, repl
     cross = sum(out[name]["counted"]["cross"] for out in replica_runs)
     flat = sum(out[name]["flat_bytes"] for out in replica_runs)
     # the K groups together send what the R workers send
-    assert abs(cross - flat) <= BYTES_SLACK.get(name, 0) * flat + 16 * R * N_STEPS * (K - 1), (cross, flat)
+    counts = 16 * R * N_STEPS * ROUNDS_PER_STEP.get(name, 1) * (K - 1)
+    assert abs(cross - flat) <= BYTES_SLACK.get(name, 0) * flat + counts, (cross, flat)
 
 
 @pytest.mark.procs
