@@ -67,13 +67,17 @@ def calibrate(bench, runs: dict) -> Calibration:
     if contended:
         calibration.caveats.append(contended)
     if apart:
-        ms = 1000 * calibration.tokens_per_micro
+        micro = calibration.tokens_per_micro
         calibration.caveats.append(
             f"compute per micro-batch differs between the bench's runs by more than {COMPUTE_SPREAD:g}x: "
-            + ", ".join(f"{label} {ms * s:.3g} ms" for label, s in apart.items())
-            + f" against the median {ms * median:.3g} ms: not the model's arithmetic (CPU contention?); "
-              f"every strategy is priced at {ms * calibration.per_token_s:.3g} ms, the median of the others")
+            + ", ".join(f"{label} {_ms(micro * s)}" for label, s in apart.items())
+            + f" against the median {_ms(micro * median)}: not the model's arithmetic (CPU contention?); "
+              f"every strategy is priced at {_ms(calibration.per_micro_s)}, the median of the others")
     return calibration
+
+
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:,.0f} ms" if seconds >= 0.1 else f"{1000 * seconds:.3g} ms"
 
 
 def tokens_per_micro(run) -> int:
