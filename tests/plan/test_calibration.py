@@ -95,6 +95,18 @@ def test_runs_that_agree_within_the_spread_are_priced_at_their_median_with_no_ca
     assert out["assumptions"]["caveats"] == []
 
 
+def test_runs_that_all_disagree_are_priced_at_the_median_of_them_all_and_each_is_named(capsys, tmp_path):
+    """100 and 200 ms: both more than COMPUTE_SPREAD from their median, 150 ms; no run is left to
+    trust over the other, so both are named and every strategy is priced at 150 ms."""
+    bench = _bench(tmp_path, {"ddp": _even(0.1), "diloco": _even(0.2)}, QUIET)
+    out = _plan(capsys, bench, "--strategies", "ddp,diloco")
+    assert [p["compute_s"] for p in out["ranked"]] == pytest.approx([0.15] * 2, rel=1e-9)
+    assert out["assumptions"]["caveats"] == [
+        f"compute per micro-batch differs between the bench's runs by more than {COMPUTE_SPREAD:g}x: ddp 100 ms, "
+        f"diloco 200 ms against the median 150 ms: not the model's arithmetic (CPU contention?); every strategy is "
+        f"priced at 150 ms, the median of them all"]
+
+
 def test_per_step_work_is_each_rank_s_step_less_its_compute_and_waits_with_the_optimizer_split_out(capsys, tmp_path):
     """Rank 0 computes 100 ms, waits 50 ms, steps its optimizer 4 ms, its step lasts 160 ms: 10 ms
     of own work, 4 ms of it the optimizer. Rank 1 computes 120 ms, waits 20 ms, steps 6 ms in a

@@ -56,13 +56,14 @@ class Calibration:
 def calibrate(bench, runs: dict) -> Calibration:
     """The calibration of `bench` (metrics/runs.Bench); `runs`: its run of each strategy."""
     recorded = [e for e in bench.entries if hasattr(e, "summary")]
-    per_run = {e.label: run_seconds_per_token(e) for e in recorded}
+    first = recorded[0]
+    # each run's figure at the first run's model size (a recipe may vary it; compute grows ~linearly with N)
+    per_run = {e.label: run_seconds_per_token(e) * first.summary["params"] / e.summary["params"] for e in recorded}
     median = statistics.median(per_run.values())
     apart = {label: s for label, s in per_run.items() if max(s / median, median / s) > COMPUTE_SPREAD}
-    kept = [s for label, s in per_run.items() if label not in apart] or list(per_run.values())
-    first = recorded[0]
-    calibration = Calibration(statistics.median(kept), first.summary["params"], tokens_per_micro(first), per_run,
-                              {name: run_work(run) for name, run in runs.items()})
+    kept = [s for label, s in per_run.items() if label not in apart]
+    calibration = Calibration(statistics.median(kept or per_run.values()), first.summary["params"],
+                              tokens_per_micro(first), per_run, {name: run_work(run) for name, run in runs.items()})
     contended = contention(bench.meta, max(e.summary["workers"] for e in recorded))
     if contended:
         calibration.caveats.append(contended)
@@ -72,7 +73,8 @@ def calibrate(bench, runs: dict) -> Calibration:
             f"compute per micro-batch differs between the bench's runs by more than {COMPUTE_SPREAD:g}x: "
             + ", ".join(f"{label} {_ms(micro * s)}" for label, s in apart.items())
             + f" against the median {_ms(micro * median)}: not the model's arithmetic (CPU contention?); "
-              f"every strategy is priced at {_ms(calibration.per_micro_s)}, the median of the others")
+              f"every strategy is priced at {_ms(calibration.per_micro_s)}, the median of "
+              + ("the others" if kept else "them all"))
     return calibration
 
 
