@@ -27,9 +27,10 @@ def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--tokens-per-step", metavar="N", help="tokens per step, all workers, e.g. 4M "
                       "(default: workers * accum * micro-batch * seq-len)")
     plan.add_argument("--strategies", metavar="A,B,...", help="strategies to plan (default: every registered one)")
-    plan.add_argument("--calibrate", metavar="DIR", help="take each strategy's compute speed and loss per "
-                      "token from a `lowcomm bench` dir (or one `lowcomm train` run dir); rank by predicted time "
-                      "to the target loss (default: none)")
+    plan.add_argument("--calibrate", metavar="DIR", help="take the model's compute per micro-batch (one figure "
+                      "for every strategy), each strategy's per-step work and its loss per token from a `lowcomm "
+                      "bench` dir (or one `lowcomm train` run dir); rank by predicted time to the target loss "
+                      "(default: none)")
     target_loss_flag(plan, "with --calibrate, the bench's worst final loss")
     plan.add_argument("--tune", action="store_true", help="also search each strategy's knobs (H, fragments, top-k, "
                       "bits, PowerSGD rank, max-accum, bucket size) over a small grid and report its best setting "
