@@ -131,12 +131,12 @@ def test_plan_calibrates_from_the_bench(bench, capsys):
     out = json.loads(capsys.readouterr().out)
     # one worker's compute per token, measured as a step waits for it: each step's slowest rank's
     # forward/backward seconds over its tokens, averaged over steps; the model's, so every strategy
-    # is priced at the median of the runs' figures (of two runs, their mean)
+    # is priced at the median of the runs' figures (of two runs, their geometric mean)
     def per_token(name):
         records = [json.loads(line) for line in (bench / name / "steps.jsonl").read_text().splitlines()]
         return sum(max(c / (m * 4 * 32) for c, m in zip(r["per_rank"]["compute_s"], r["per_rank"]["micro_batches"]))
                    for r in records) / len(records)
-    model = (per_token("ddp") + per_token("zero1")) / 2
+    model = (per_token("ddp") * per_token("zero1")) ** 0.5
     assert [p["compute_s"] for p in out["ranked"]] == pytest.approx([2 * 4 * 32 / 2 * model] * 2, rel=1e-9)
     assert out["target_loss"] == max(summary(bench / n)["final_val_loss"] for n in ("ddp", "zero1"))
     assert all(p["time_to_target_s"] is not None and math.isfinite(p["time_to_target_s"]) for p in out["ranked"])

@@ -161,3 +161,24 @@ def test_report_of_runs_is_written_under_runs_and_says_where(tmp_path, monkeypat
                                                      f"plots in {Path('runs') / written.name}/")
     assert main(["report", *map(str, runs), "--out", "/proc/report"]) == 2
     assert capsys.readouterr().err.strip() == "error: --out '/proc/report' cannot be written ('/proc' is not writable)"
+
+
+def test_a_run_with_outer_syncs_shows_what_each_sync_left_exposed(tmp_path):
+    """diloco's 3 outer syncs left 0.9 s exposed in all (its steps' waits): 0.3 s each; ddp has no
+    outer sync (a dash); a report of runs without any has no such column."""
+    ddp = fake_run(tmp_path, "ddp", [(1, 100e6, 4.0), (2, 200e6, 3.0)])
+    diloco = fake_run(tmp_path, "diloco", [(2, 0, 4.5), (4, 10e6, 3.0), (5, 10e6, 2.9)])
+    steps = [json.loads(line) for line in (diloco / "steps.jsonl").read_text().splitlines()]
+    for rec, waited in zip(steps, (0.0, 0.5, 0.4)):
+        rec["exposed_comm_s"] = waited
+    (diloco / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    summary = json.loads((diloco / "summary.json").read_text())
+    (diloco / "summary.json").write_text(json.dumps({**summary, "outer_syncs": 3}))
+    md, js = report_of(tmp_path, [ddp, diloco])
+    by = {r["label"]: r for r in js["rows"]}
+    assert by["diloco"]["exposed_s_per_outer_sync"] == pytest.approx(0.3)
+    assert by["ddp"]["exposed_s_per_outer_sync"] is None
+    assert "exposed s per outer sync" in next(line for line in md.splitlines() if line.startswith("| strategy"))
+    assert "| 0.300 |" in md and "| - |" in md
+    only_ddp, _ = report_of(tmp_path / "flat", [fake_run(tmp_path / "flat", "ddp", [(1, 100e6, 4.0)])])
+    assert "exposed s per outer sync" not in only_ddp

@@ -69,7 +69,8 @@ def _plan(capsys, bench: str, *extra) -> dict:
 
 def test_every_strategy_is_priced_at_the_model_s_compute_and_a_run_far_from_it_is_named(capsys, tmp_path):
     """ddp, zero1 and quantized computed 100, 104 and 96 ms a micro-batch; diloco 160 ms (its
-    workers competing for cores). The median of the four is 102 ms; diloco is more than
+    workers competing for cores). The median of the four is 102 ms (of an even count, the geometric
+    mean of the middle two); diloco is more than
     COMPUTE_SPREAD from it, so it is named in a caveat and left out: every strategy, diloco
     included, is priced at the median of the other three, 100 ms."""
     figures = {"ddp": 0.100, "zero1": 0.104, "quantized": 0.096, "diloco": 0.160}
@@ -96,15 +97,16 @@ def test_runs_that_agree_within_the_spread_are_priced_at_their_median_with_no_ca
 
 
 def test_runs_that_all_disagree_are_priced_at_the_median_of_them_all_and_each_is_named(capsys, tmp_path):
-    """100 and 200 ms: both more than COMPUTE_SPREAD from their median, 150 ms; no run is left to
-    trust over the other, so both are named and every strategy is priced at 150 ms."""
+    """100 and 200 ms: both more than COMPUTE_SPREAD from their median (of two, their geometric
+    mean: 141 ms, 1.41x from each); no run is left to trust over the other, so both are named and
+    every strategy is priced at that median."""
     bench = _bench(tmp_path, {"ddp": _even(0.1), "diloco": _even(0.2)}, QUIET)
     out = _plan(capsys, bench, "--strategies", "ddp,diloco")
-    assert [p["compute_s"] for p in out["ranked"]] == pytest.approx([0.15] * 2, rel=1e-9)
+    assert [p["compute_s"] for p in out["ranked"]] == pytest.approx([(0.1 * 0.2) ** 0.5] * 2, rel=1e-9)
     assert out["assumptions"]["caveats"] == [
         f"compute per micro-batch differs between the bench's runs by more than {COMPUTE_SPREAD:g}x: ddp 100 ms, "
-        f"diloco 200 ms against the median 150 ms: not the model's arithmetic (CPU contention?); every strategy is "
-        f"priced at 150 ms, the median of them all"]
+        f"diloco 200 ms against the median 141 ms: not the model's arithmetic (CPU contention?); every strategy is "
+        f"priced at 141 ms, the median of them all"]
 
 
 def test_per_step_work_is_each_rank_s_step_less_its_compute_and_waits_with_the_optimizer_split_out(capsys, tmp_path):
@@ -220,7 +222,7 @@ def test_a_real_bench_prices_every_strategy_at_one_compute_and_names_any_run_off
     apart = sorted(k for k, v in by_run.items() if max(v / median, median / v) > COMPUTE_SPREAD)
     kept = sorted(v for k, v in by_run.items() if k not in apart) or sorted(by_run.values())
     assert assumed["compute_per_micro_batch_s"] == pytest.approx(
-        kept[len(kept) // 2] if len(kept) % 2 else (kept[0] + kept[1]) / 2, rel=1e-9)
+        kept[len(kept) // 2] if len(kept) % 2 else (kept[0] * kept[1]) ** 0.5, rel=1e-9)
     assert [p["compute_s"] for p in got["ranked"]] == pytest.approx([assumed["compute_per_micro_batch_s"]] * 3,
                                                                     rel=1e-9)
     spread = [c for c in assumed["caveats"] if c.startswith("compute per micro-batch differs")]

@@ -52,20 +52,25 @@ def test_zero1_exposes_everything_and_acco_hides_a_step_of_compute(capsys):
     assert got["zero1"]["step_s"] == pytest.approx(COMPUTE + rs + ag, rel=1e-12)  # 0.075700829184
     assert got["zero1"]["model_state_bytes"] == 2 * 4 * N + 8 * N // W  # flat θ, ∇θ; Adam of the own shard
     count = 6 * LAT + (2 * 3 * 16 // 4) / BW  # ACCO's all-reduce of the count and votes (2 float64)
-    acco_comm = count + rs + ag
-    assert got["acco"]["exposed_comm_s"] == pytest.approx(acco_comm - COMPUTE, rel=1e-12)
-    assert got["acco"]["step_s"] == pytest.approx(acco_comm, rel=1e-12)
-    # While the round's communication runs, each worker keeps computing micro-batches: the
-    # round lasts acco_comm, a micro-batch COMPUTE (accum 1), so 2.46 of them (at most 4).
-    assert got["acco"]["tokens_per_step"] == pytest.approx(T * acco_comm / COMPUTE, rel=1e-12)
-    assert got["acco"]["tokens_per_s"] == pytest.approx(T * acco_comm / COMPUTE / acco_comm, rel=1e-12)
+    acco_round = count + rs + ag
+    # A step is one update of zero1's batch: two rounds (estimate, real), each behind half the
+    # step's compute.
+    assert got["acco"]["comm_s"] == pytest.approx(2 * acco_round, rel=1e-12)
+    assert got["acco"]["exposed_comm_s"] == pytest.approx(2 * acco_round - COMPUTE, rel=1e-12)
+    assert got["acco"]["step_s"] == pytest.approx(2 * acco_round, rel=1e-12)
+    # While a round's communication runs, each worker keeps computing half micro-batches: the
+    # round lasts acco_round, a half micro-batch COMPUTE / 2 (accum 1), so 4.9 of them, capped
+    # at max_accum 4: 4 halves a round, 8 a step, four steps' worth of --micro-batch.
+    assert 2 * acco_round / COMPUTE > 4
+    assert got["acco"]["tokens_per_step"] == pytest.approx(4 * T, rel=1e-12)
+    assert got["acco"]["tokens_per_s"] == pytest.approx(4 * T / (2 * acco_round), rel=1e-12)
     assert got["zero1"]["tokens_per_s"] == pytest.approx(T / got["zero1"]["step_s"], rel=1e-12)
 
 
 def test_acco_extra_micro_batches_stop_at_max_accum_and_follow_slowdowns(capsys):
-    got, _ = plan(capsys, "--strategies", "acco", "--max-accum", "2", "--slowdown", "1,1,1,4")
-    # the slow worker's micro-batch takes 4 COMPUTE = 0.094 s > the round's communication, so
-    # the round lasts that long; the three others fit 4 micro-batches, capped at 2
+    got, _ = plan(capsys, "--strategies", "acco", "--max-accum", "2", "--slowdown", "1,1,1,6")
+    # the slow worker's half micro-batch takes 3 COMPUTE = 0.071 s > a round's communication, so
+    # the round lasts that long; the three others fit 6 half micro-batches, capped at 2
     assert got["acco"]["tokens_per_step"] == pytest.approx(T * (2 + 2 + 2 + 1) / 4, rel=1e-12)
     got, _ = plan(capsys, "--strategies", "acco", "--deterministic")
     assert got["acco"]["tokens_per_step"] == T  # exactly accum per round
@@ -81,6 +86,20 @@ def test_diloco_pays_one_all_reduce_per_period(capsys):
     assert out["recommendation"].startswith("use diloco H=16")
     # communication = one fp32 all-reduce (0.052 s, in two buckets for ddp) against 0.0236 s of compute
     assert "2.2x compute" in out["recommendation"]
+
+
+def test_a_one_step_delayed_outer_step_hides_its_reduction_behind_a_period(capsys):
+    # H=2: the sync (0.052 s) runs behind the next period's two inner steps (0.047 s): 4.9 ms of
+    # it is left exposed, once per period; at H=4 all of it is hidden.
+    sync = 6 * LAT + 2 * 3 / 4 * 4 * N / BW
+    got, _ = plan(capsys, "--strategies", "diloco", "--sync-every", "2", "--outer-delay", "1")
+    assert got["diloco"]["exposed_comm_s"] == pytest.approx((sync - 2 * COMPUTE) / 2, rel=1e-12)
+    assert got["diloco"]["step_s"] == pytest.approx(COMPUTE + (sync - 2 * COMPUTE) / 2, rel=1e-12)
+    got, _ = plan(capsys, "--strategies", "diloco,streaming_diloco", "--sync-every", "4", "--outer-delay", "1")
+    assert got["diloco"]["exposed_comm_s"] == 0.0 and got["diloco"]["step_s"] == pytest.approx(COMPUTE, rel=1e-12)
+    assert got["streaming_diloco"]["exposed_comm_s"] == 0.0  # each fragment's behind its period too
+    got, _ = plan(capsys, "--strategies", "diloco", "--sync-every", "4")
+    assert got["diloco"]["exposed_comm_s"] == pytest.approx(sync / 4, rel=1e-12)  # synchronous: all of it
 
 
 def test_steps_average_a_run_with_its_final_sync(capsys):
@@ -347,18 +366,21 @@ def test_params_without_tokens_per_step_warns_that_the_batch_is_the_presets(caps
 
 def test_tune_recommends_the_tuned_setting_and_its_command_plans_the_same_step(capsys):
     """With --tune the recommendation names the tuned setting (diloco's H = 64 on the slow link,
-    not the default 32 the table ranks by), the fastest of every strategy's tuned setting, and
-    its command line, planned again, predicts the same step."""
+    not the default 32 the table ranks by, and its outer step a period late, which hides a third
+    of each sync, with the plain outer SGD PCCL runs it with), the fastest of every strategy's tuned setting, and its command line, planned
+    again, predicts the same step."""
     argv = [*CLUSTER, "--params", "1e6", *SLOW, "--strategies", "diloco,ddp,quantized"]
     assert main([*argv, "--tune"]) == 0
     out = json.loads(capsys.readouterr().out)
     rec = out["recommended"]
-    assert (rec["strategy"], rec["replicas"], rec["knobs"]) == ("diloco", 4, {"sync_every": 64})
+    assert (rec["strategy"], rec["replicas"], rec["knobs"]) == ("diloco", 4, {"sync_every": 64, "outer_delay": 1,
+                                                                          "outer_momentum": 0.0})
     assert all(rec["step_s"] <= t["tuned"]["step_s"] for t in out["tuned"])
     assert out["ranked"][0]["label"] == "diloco H=32"  # the table: the options given
-    assert out["recommendation"].startswith("use diloco H=64 (tuned; the command below): ")
+    assert out["recommendation"].startswith("use diloco H=64 delayed (tuned; the command below): ")
     assert out["recommendation"].endswith("\ncommand: " + rec["command"])
-    assert rec["command"] == "lowcomm train --strategy diloco --workers 4 --sync-every 64"
+    assert rec["command"] == ("lowcomm train --strategy diloco --workers 4 --sync-every 64 --outer-delay 1 "
+                              "--outer-momentum 0")
     words = rec["command"].split()[2:]
     words[0] = "--strategies"
     assert main([*argv, *words]) == 0
@@ -380,15 +402,17 @@ def test_tune_searches_the_replica_count_with_the_knobs(capsys):
     by_r = {e["replicas"]: e for e in t["by_replicas"]}
     assert set(by_r) == {4, 2}
     sync = 6 * 0.02 + 2 * 3 / 4 * 4 * N / 1.25e6  # all_reduce(4N) on 4 ranks over 10mbit, 20 ms
-    assert by_r[4]["step_s"] == pytest.approx(COMPUTE + sync / 64, rel=1e-12)
+    # the sync a period late: 64 inner steps (1.51 s) of it hidden
+    assert by_r[4]["step_s"] == pytest.approx(COMPUTE + (sync - 64 * COMPUTE) / 64, rel=1e-12)
     assert by_r[2]["step_s"] < by_r[4]["step_s"]
-    assert (t["knobs"]["sync_every"]["tuned"], t["replicas"]) == (64, 2)
+    assert (t["knobs"]["sync_every"]["tuned"], t["knobs"]["outer_delay"]["tuned"], t["replicas"]) == (64, 1, 2)
     assert t["tuned"]["step_s"] == pytest.approx(by_r[2]["step_s"], rel=1e-12)
     rec = out["recommended"]
-    assert (rec["replicas"], rec["knobs"]) == (2, {"sync_every": 64})
-    assert rec["command"] == "lowcomm train --strategy diloco --workers 4 --replicas 2 --inside ddp --sync-every 64"
+    assert (rec["replicas"], rec["knobs"]) == (2, {"sync_every": 64, "outer_delay": 1, "outer_momentum": 0.0})
+    assert rec["command"] == ("lowcomm train --strategy diloco --workers 4 --replicas 2 --inside ddp --sync-every 64 "
+                              "--outer-delay 1 --outer-momentum 0")
     assert out["recommendation"].startswith("replica size (searched with the knobs): --replicas 2 (2 replicas of 2 "
-                                            "workers each) is fastest, diloco H=64 at ")
+                                            "workers each) is fastest, diloco H=64 delayed at ")
     assert f"{by_r[2]['tokens_per_s'] / by_r[4]['tokens_per_s']:.2f}x the tokens/s of the same setting on the flat " \
         "cluster." in out["recommendation"]
 
@@ -437,9 +461,10 @@ def test_tune_says_in_its_answer_which_settings_the_calibration_did_not_measure(
     assert main(["plan", "--calibrate", str(tmp_path), "--tune", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["recommended"]["knobs"]["sync_every"] == 8 and out["recommended"]["time_to_target_s"] is not None
-    assert ("\ncaveat: the calibration measured sync_every=8 only; sync_every=16, sync_every=32, sync_every=64 "
-            "not ranked by time to target\ncommand: lowcomm train --strategy diloco --workers 2 --sync-every 8"
-            ) in out["recommendation"]
+    assert ("\ncaveat: the calibration measured sync_every=8 outer_delay=0 only; sync_every=8 outer_delay=1, "
+            "sync_every=16 outer_delay=0, sync_every=16 outer_delay=1, sync_every=32 outer_delay=0, sync_every=32 "
+            "outer_delay=1, sync_every=64 outer_delay=0, sync_every=64 outer_delay=1 not ranked by time to target"
+            "\ncommand: lowcomm train --strategy diloco --workers 2 --sync-every 8") in out["recommendation"]
 
 
 def test_tune_of_strategies_without_knobs_still_answers_with_a_command(capsys):

@@ -73,7 +73,7 @@ def hf_runs():
 def test_transformers_gpt2_trains_through_wrap(hf_runs, strategy):
     for rank_out in hf_runs:
         losses, val = rank_out[strategy]
-        first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+        first, last = losses[0], sum(losses[-3:]) / 3  # first: mostly at θ_0 (acco's real round is at θ̃_1)
         assert first > 5.0 and last < first - 1.0, f"{strategy}: loss {first:.3f} -> {last:.3f}"
         assert val < first - 1.0
 

@@ -33,9 +33,9 @@ def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
                       "(default: none)")
     target_loss_flag(plan, "with --calibrate, the bench's worst final loss")
     plan.add_argument("--tune", action="store_true", help="also search each strategy's knobs (H, fragments, top-k, "
-                      "bits, PowerSGD rank, max-accum, bucket size) over a small grid and report its best setting "
+                      "bits, PowerSGD rank, max-accum, outer delay, bucket size) over a small grid and report its best setting "
                       "next to its default; a knob that trades loss per token for speed (H, top-k, bits, rank, "
-                      "max-accum) is kept at the most conservative setting within 5%% of the best tokens/s, unless "
+                      "max-accum, outer delay) is kept at the most conservative setting within 5%% of the best tokens/s, unless "
                       "--calibrate measured its loss per token; with --intra-link and no --replicas the replica count "
                       "is searched with the knobs. The recommendation is then the best tuned setting, with its "
                       "`lowcomm train` command (default: off)")

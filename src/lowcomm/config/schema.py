@@ -141,5 +141,11 @@ class RunConfig:
         return self.options[name]
 
     @property
+    def loader_micro_batch(self) -> int:
+        """Sequences the loader gives one micro-batch: --micro-batch, cut in parts where the
+        strategy computes a step's batch in parts (acco's two rounds)."""
+        return self.micro_batch // registry.get(self.strategy).micro_batch_parts
+
+    @property
     def tokens_per_step(self) -> int:
         return self.workers * self.accum * self.micro_batch * self.model.seq_len

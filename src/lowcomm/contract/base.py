@@ -80,6 +80,9 @@ class Strategy(Planned, ReplicaPart):
     # Across replica groups: the strategy runs on the whole tensors its position owns (False:
     # it splits the replica's work itself, as ddp's buckets).
     owns_tensors: ClassVar[bool] = True
+    # The CLI's loader cuts each --micro-batch into this many micro-batches (acco computes a
+    # step's batch in two halves, one per round), so a step takes --micro-batch x --accum sequences.
+    micro_batch_parts: ClassVar[int] = 1
 
     def __init__(self, model: nn.Module, comm: Comm, make_optimizer: MakeOptimizer, accum: int = 1,
                  schedule: Schedule | None = None, options: Options | None = None,

@@ -75,6 +75,7 @@ class OuterSync:
         self.in_flight: dict[int, Ticket] = {}        # fragment i -> its reduction in flight
         self.landed: dict[int, torch.Tensor] = {}     # fragment i -> (τ, c) of a reduction done, not merged
         self.pending: dict[int, int] = {}             # fragment i -> trainer step its merge is due
+        self.arrived: dict[int, torch.Tensor] = {}    # fragment i -> a combined Δ waiting for its outer step
         self.syncs = 0                                # merges done (diloco: outer steps)
 
     # -- the schedule -------------------------------------------------------------
@@ -98,12 +99,19 @@ class OuterSync:
         """A sync is owed: inner steps since a fragment's last one, or a merge pending."""
         return any(self.since) or bool(self.pending)
 
+    def due(self, t: int) -> list[int]:
+        """The fragments whose sync is due at trainer step t (from 1)."""
+        offsets = [(f * self.every) // self.count for f, _ in self.fragments]
+        return [i for i, offset in enumerate(offsets) if t >= (offset or self.every) and (t - offset) % self.every == 0]
+
     def issue_due(self, t: int) -> None:
         """Start the syncs due at trainer step t (from 1); each merges at t + delay."""
-        for i, (f, _) in enumerate(self.fragments):
-            offset = (f * self.every) // self.count
-            if t >= (offset or self.every) and (t - offset) % self.every == 0:
-                self._issue(i, t + self.delay, self._mean_cost())
+        for i in self.due(t):
+            self.issue(i, t + self.delay)
+
+    def issue(self, i: int, merge_at: int) -> None:
+        """Start fragment i's sync now: Δ against θ_global as it is; it merges at `merge_at`."""
+        self._issue(i, merge_at, self._mean_cost())
 
     def issue_all(self) -> None:
         """The final sync: every fragment now, merged at once (call merges_due(None))."""
@@ -132,6 +140,31 @@ class OuterSync:
                 self.landed[i] = infos if infos is not None else avg.new_zeros(0)  # a tensor: state holds it
                 out.append((i, avg))
         return out
+
+    # -- one outer step late (--outer-delay 1): a mean waits for its step -------------------
+    def drain(self, *fragments: int) -> None:
+        """Finish the reductions in flight (of `fragments`, else all), keeping each combined Δ
+        until its outer step is due (`take_previous`): waiting early changes nothing."""
+        for i, avg in self.wait(*fragments):
+            self.arrived[i] = avg
+
+    def take_previous(self, i: int) -> torch.Tensor | None:
+        """Fragment i's combined Δ of the period before (waited for if still in flight: the only
+        wait left exposed), None before its first sync."""
+        if i in self.in_flight:
+            self.drain(i)
+        return self.arrived.pop(i, None)
+
+    def reset(self, i: int, stepped: int, last: bool = False) -> None:
+        """θ_f,local ← θ_f,global: the next period starts from the global parameters (`stepped`:
+        the outer steps applied at this sync; `last`: the run's final sync, nothing left owed)."""
+        write_flat(self.globals[i].detach(), self.fragments[i][1])
+        self.syncs += stepped
+        if last:
+            self.pending.pop(i, None)
+        infos = self.landed.pop(i, None)
+        if self.clock is not None and infos is not None:
+            self.clock.learn(infos, self.comm.rank)
 
     def merges_due(self, t: int | None) -> list[int]:
         """Fragments whose merge is due at trainer step t (None: all pending)."""
@@ -183,6 +216,7 @@ class OuterSync:
         return {"globals": [g.detach().clone() for g in self.globals], "since": list(self.since),
                 "tokens": list(self.tokens),
                 "pending": dict(self.pending), "landed": {i: v.clone() for i, v in self.landed.items()},
+                "arrived": {i: v.clone() for i, v in self.arrived.items()},
                 "syncs": self.syncs, "outer_residuals": self.wire.state_dict(),
                 **(self.clock.state_dict() if self.clock is not None else {})}
 
@@ -192,6 +226,7 @@ class OuterSync:
         self.since, self.pending, self.syncs = list(sd["since"]), dict(sd["pending"]), sd["syncs"]
         self.tokens = list(sd.get("tokens", [0] * len(self.since)))  # a checkpoint from before tokens were kept
         self.landed = {i: v.clone() for i, v in sd["landed"].items()}
+        self.arrived = {i: v.clone() for i, v in sd.get("arrived", {}).items()}
         self.wire.load_state_dict(sd.get("outer_residuals", {}))
         if self.clock is not None:
             self.clock.load_state_dict(sd)

@@ -5,7 +5,7 @@ Compute is the model's, not the strategy's: one micro-batch's forward and backwa
 arithmetic whichever strategy runs around it. Each run gives its figure the same way -- each
 step's slowest rank's compute per token (its emulated slowdown divided out: a synchronous step
 waits for that rank), averaged over the run's steps -- and the calibration prices every strategy
-at the median of its runs' figures. A run more than COMPUTE_SPREAD from that median measured
+at the median of its runs' figures (ratio_median). A run more than COMPUTE_SPREAD from that median measured
 something besides the model: on a CPU host whose workers share cores, workers that never wait
 for each other (DiLoCo between syncs) compete for the cores all the time, workers that wait in a
 collective each step (ddp) leave them free. Such a run is named in a caveat, not used.
@@ -16,6 +16,7 @@ per_rank.optimizer_s), compression, the outer step -- averaged over ranks and st
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -59,10 +60,10 @@ def calibrate(bench, runs: dict) -> Calibration:
     first = recorded[0]
     # each run's figure at the first run's model size (a recipe may vary it; compute grows ~linearly with N)
     per_run = {e.label: run_seconds_per_token(e) * first.summary["params"] / e.summary["params"] for e in recorded}
-    median = statistics.median(per_run.values())
+    median = ratio_median(per_run.values())
     apart = {label: s for label, s in per_run.items() if max(s / median, median / s) > COMPUTE_SPREAD}
     kept = [s for label, s in per_run.items() if label not in apart]
-    calibration = Calibration(statistics.median(kept or per_run.values()), first.summary["params"],
+    calibration = Calibration(ratio_median(kept or per_run.values()), first.summary["params"],
                               tokens_per_micro(first), per_run, {name: run_work(run) for name, run in runs.items()})
     contended = contention(bench.meta, max(e.summary["workers"] for e in recorded))
     if contended:
@@ -78,11 +79,20 @@ def calibrate(bench, runs: dict) -> Calibration:
     return calibration
 
 
+def ratio_median(values) -> float:
+    """The median; of an even count the geometric mean of the middle two, so that a run k times
+    above it and one k times below it are alike (of two runs 1.5x apart: both, or neither, off)."""
+    v = sorted(values)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else math.sqrt(v[mid - 1] * v[mid])
+
+
 def _ms(seconds: float) -> str:
     return f"{1000 * seconds:,.0f} ms" if seconds >= 0.1 else f"{1000 * seconds:.3g} ms"
 
 
 def tokens_per_micro(run) -> int:
+    """The run's --micro-batch in tokens (what the plan's figure is quoted per)."""
     return run.config.get("micro_batch", 16) * run.config.get("model", {}).get("seq_len", 128)
 
 
@@ -90,7 +100,7 @@ def run_seconds_per_token(run) -> float:
     """One 1x worker's forward+backward per token in `run`, as a step waits for it: each step's
     slowest rank (its emulated slowdown divided out), averaged over steps. A log without every
     rank's times (an older run) gives each rank's total over its tokens, averaged over ranks."""
-    s, per_micro = run.summary, tokens_per_micro(run)
+    s, per_micro = run.summary, run.tokens_per_micro_batch()  # as computed: acco halves each micro-batch
     factors = s.get("slowdown") or [1.0] * s["workers"]
     per_step = [max(c / f / (m * per_micro) for c, f, m in zip(r["per_rank"]["compute_s"], factors,
                                                                r["per_rank"]["micro_batches"]) if m)

@@ -52,6 +52,14 @@ class RecordedRun:
                 points.append(Point(rec["step"], t, tokens, wire, rec["val_loss"]))
         return points
 
+    def tokens_per_micro_batch(self) -> float:
+        """Tokens in one micro-batch as the run computed it: its tokens over its micro-batches
+        (acco's loader cuts each --micro-batch in two), else --micro-batch x --seq-len."""
+        s = self.summary
+        if s.get("tokens") and sum(s.get("micro_batches_per_rank", ())):
+            return s["tokens"] / sum(s["micro_batches_per_rank"])
+        return self.config.get("micro_batch", 16) * self.config.get("model", {}).get("seq_len", 128)
+
 
 @dataclass
 class Failed:

@@ -10,6 +10,7 @@ A strategy with no knob competes at the options given, at its fastest replica co
 """
 from __future__ import annotations
 
+from ..strategies import get as get_strategy
 from .planner import Prediction, named, rank, recommend
 from .replica_sizes import recommend_count
 
@@ -40,15 +41,18 @@ def per_count(best: Prediction, tuned: list, by_count: dict) -> list[Prediction]
 
 
 def command(best: Prediction, tuned: list, cfg) -> str:
-    """`lowcomm train` with the recommended strategy, replica count and every tuned knob."""
+    """`lowcomm train` with the recommended strategy, replica count and every tuned knob (those
+    at the strategy's own default go without saying)."""
     words = ["lowcomm", "train", "--strategy", best.strategy, "--workers", str(cfg.workers)]
     if best.replicas not in (0, cfg.workers):
         words += ["--replicas", str(best.replicas), "--inside", cfg.inside]
     if cfg.accum > 1:
         words += ["--accum", str(cfg.accum)]
     t = next((t for t in tuned if t.strategy == best.strategy), None)
-    for knob in t.knobs.values() if t is not None else ():
-        words += [knob["flag"], f"{knob['tuned']:g}" if isinstance(knob["tuned"], float) else str(knob["tuned"])]
+    defaults = get_strategy(best.strategy).Options()
+    for field, knob in t.knobs.items() if t is not None else ():
+        if knob["tuned"] != getattr(defaults, field):
+            words += [knob["flag"], f"{knob['tuned']:g}" if isinstance(knob["tuned"], float) else str(knob["tuned"])]
     return " ".join(words)
 
 

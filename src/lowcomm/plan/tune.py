@@ -6,7 +6,7 @@ Knobs are found by their Options field, so a strategy that declares `sync_every`
 
 - system knobs (bucket_mb, fragments) change when bytes move, not what is learned: the
   fastest setting predicted is the best one.
-- quality knobs (sync_every, topk, bits, powersgd rank, max_accum) trade what is learned per
+- quality knobs (sync_every, topk, bits, powersgd rank, max_accum, outer_delay) trade what is learned per
   token for fewer or later bytes. Throughput alone cannot pick them: H = 256 always sends less
   than H = 64, 4 bits less than 8, so the fastest setting is always the most aggressive one.
   Without a loss-per-token measurement, the tuner keeps them inside a bound (H at most
@@ -39,6 +39,7 @@ class Knob:
     grid: tuple       # values tried (a strategy's own default is tried too)
     quality: bool     # whether it changes what is learned per token (see the module doc)
     safe: str = ""    # quality knobs: "low" or "high", the direction that costs no quality
+    runs_with: tuple = ()  # (value, {field: value}): the settings its source runs a value with
 
 
 KNOBS = (
@@ -48,6 +49,9 @@ KNOBS = (
     Knob("bits", (8, 4), True, "high"),          # 1 bit is 1-bit Adam's (onebit_adam), not this knob's
     Knob("rank", (1, 2, 4, 8, 16), True, "high"),
     Knob("max_accum", (1, 2, 4, 8), True, "low"),  # multiples of --accum: micro-batches while waiting
+    # an outer step a period late learns less per token; PCCL's async DiLoCo runs it without outer
+    # momentum (a stale mean through momentum overshoots: docs/strategies.md)
+    Knob("outer_delay", (0, 1), True, "low", runs_with=((1, {"outer_momentum": 0.0}),)),
     Knob("bucket_mb", (1, 5, 10, 25, 50, 100), False),
 )
 
@@ -90,6 +94,8 @@ def candidates(name: str, options, layout, accum: int, max_sync_every: int) -> l
     out = []
     for values in itertools.product(*grids):
         one = replace(options, **{k.field: v for k, v in zip(knobs, values)})
+        for k, v in zip(knobs, values):
+            one = replace(one, **dict(k.runs_with).get(v, {}))
         try:
             one.check()
             one.check_model(layout)
@@ -141,8 +147,9 @@ def tune(name: str, options, layout, accum: int, predict, reach=None, max_sync_e
         if quality and reach is not None and covered is not None:
             notes.append(f"the calibration does not cover {_settings(quality, [qkey(o)])}"
                          + (f" (it measured {covered})" if covered else ""))
-    chosen = {k.field: {"flag": flag_of(name, k.field), "default": getattr(options, k.field),
-                        "tuned": getattr(o, k.field)} for k in knobs}
+    fields_set = [k.field for k in knobs] + [f for k in knobs for _, more in k.runs_with for f in more]
+    chosen = {f: {"flag": flag_of(name, f), "default": getattr(options, f), "tuned": getattr(o, f)}
+              for f in dict.fromkeys(fields_set)}
     # the chosen knobs at every replica count, each at its fastest system setting there: what R buys
     by_count = {R: max((q for oo, RR, q in preds if RR == R and qkey(oo) == qkey(o)), key=lambda q: q.tokens_per_s)
                 for R in counts}
@@ -208,7 +215,7 @@ def table(tuned: list[Tuned], workers: int = 0) -> str:
                      f"{t.best.tokens_per_s:,.0f}", f"{t.best.tokens_per_s / t.default.tokens_per_s:.2f}x",
                      _s(t.best.time_to_target_s) if t.best.time_to_target_s is not None else "-"])
     cols = ["strategy", "default", "tokens/s", "tuned", "step", "tokens/s", "x default", "time to target"]
-    lines = [f"tuned (--tune): each strategy's knobs over a grid; quality knobs (H, top-k, bits, rank, max-accum) "
+    lines = [f"tuned (--tune): each strategy's knobs over a grid; quality knobs (H, top-k, bits, rank, max-accum, outer delay) "
              f"at the most conservative setting within {SLACK:.0%} of the best tokens/s, H at most "
              f"--max-sync-every, unless the calibration's loss per token ranks them by time to target. "
              f"Throughput alone cannot pick H: a larger H is always faster.", columns(cols, rows)]
@@ -237,12 +244,15 @@ def tune_all(args, names, options, cluster, bench, target, predict_one, counts_o
         if hasattr(e, "summary"):
             by_strategy.setdefault(e.summary["strategy"], []).append(e)
 
+    def ran_at(e, name, k):
+        """A bench run's value of option k (a run whose config predates the option ran its default)."""
+        return e.config.get(name, {}).get(k, getattr(get_strategy(name).Options(), k))
+
     def measured_at(name, opts):
         """The bench run of `name` at the quality settings of `opts` (every quality knob equal)."""
         keys = [k.field for k in knobs_of(name) if k.quality]
         for e in by_strategy.get(name, ()):
-            own = e.config.get(name, {})
-            if all(own.get(k) == getattr(opts, k) for k in keys):
+            if all(ran_at(e, name, k) == getattr(opts, k) for k in keys):
                 return e
         return None
 
@@ -253,7 +263,7 @@ def tune_all(args, names, options, cluster, bench, target, predict_one, counts_o
     out = []
     for i, name in enumerate(names, 1):
         keys = [k.field for k in knobs_of(name) if k.quality]
-        covered = "; ".join(" ".join(f"{k}={e.config.get(name, {}).get(k)}" for k in keys)
+        covered = "; ".join(" ".join(f"{k}={ran_at(e, name, k)}" for k in keys)
                             for e in by_strategy.get(name, ())) if bench is not None else None
         t = tune(name, options[name], cluster.layout, cluster.accum, predict_one,
                  reach_at if bench is not None and target is not None else None, bound, covered, counts_of(name))

@@ -16,15 +16,20 @@ so there is no stale-gradient bias, and communication hides behind compute.
 Start-up, as in the reference code: one micro-batch gradient at θ_0 fills G,
 B <- G, and the first round is an estimate round treating θ_0 as θ̃_0.
 
-A trainer step is one round (≥ `accum` micro-batches per rank, so --steps
-means the same tokens as for zero1); an optimizer step takes two rounds.
+A trainer step is one optimizer update: an estimate round then a real round, each
+computing half of the step's batch -- the paper splits each worker's mini-batch into
+these two stages, so an update sums as many sequences as a zero1 (or ddp) step of the
+same flags and --steps counts the same updates and tokens. The CLI's loader cuts each
+--micro-batch in two (`micro_batch_parts`); a round computes at least `accum` of those
+halves. A user's own loop (wrap) feeds its micro-batches to the rounds as they come.
 Compute keeps accumulating while the round's communication is in flight, up
-to `max_accum` micro-batches, so faster workers contribute more; N is the
+to `max_accum` micro-batches a round, so faster workers contribute more; N is the
 all-reduced total. `deterministic=True` computes exactly `accum` per round.
-The schedule counts micro-batches, as the reference does: the step index
-passed to the schedule is (global micro-batches applied in real rounds so
-far) // (W * accum), i.e. how many zero1 steps' worth of data the real
-updates have consumed; an estimate round and the real round after it share one lr.
+The schedule counts updates, as the reference code's LambdaLR does (it steps once per
+update): both rounds of step t use schedule(t). Adaptive rounds compute more than --accum
+while they wait, so an update may sum more than zero1's batch; indexed by tokens instead,
+the schedule would end early on a slow link (at half the run when rounds compute twice
+--accum) and the rest would train at the final lr.
 Adaptive rounds mean equal backward() counts can end on different round counts: a
 rank that has closed serves its peers' further rounds with no new micro-batch until
 a round finds no rank computing (overlap.py), then the model gets the real θ.
@@ -50,16 +55,9 @@ class AccoOptions(ShardedOptions):
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
         self.rounds_bound(cfg.accum)
-
-    def run_note(self, cfg) -> str | None:
-        # At ddp's flags an update takes twice ddp's batch and a run half its updates (the
-        # estimate and the real round each compute --accum micro-batches); on a small model that
-        # is the difference between leaving the unigram plateau or not (docs/strategies.md).
-        b, steps, warmup = cfg.micro_batch, cfg.steps, cfg.optim.warmup_steps
-        same = (f"--micro-batch {b // 2} --steps {2 * steps} --warmup {2 * warmup} gives each update ddp's "
-                f"batch at the same tokens" if b % 2 == 0 else f"its like-for-like peer is ddp --accum {2 * cfg.accum}")
-        return (f"acco's update sums two rounds of --accum {cfg.accum} micro-batch(es): at ddp's flags it makes "
-                f"half ddp's updates, each of twice its batch; {same} (docs/strategies.md)")
+        if cfg.micro_batch % ACCO.micro_batch_parts:
+            raise UsageError(f"--micro-batch {cfg.micro_batch} is odd: acco computes each micro-batch in two "
+                             f"halves, one in its estimate round and one in its real round (give an even size)")
 
     def rounds_bound(self, accum: int) -> int:
         """Most micro-batches per round: max_accum (0: 4·accum); below accum is refused,
@@ -74,6 +72,7 @@ class AccoOptions(ShardedOptions):
 class ACCO(OverlappedStrategy):
     Options = AccoOptions
     reproducible_options = {"deterministic": True}
+    micro_batch_parts = 2          # a step's batch in two halves: the estimate round's, the real round's
     inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
 
     def __init__(self, *args, **kwargs):
@@ -84,15 +83,18 @@ class ACCO(OverlappedStrategy):
         self.estimate_next = True      # the first round is an estimate round
         self.holds_estimate = False    # does the model hold θ̃ rather than θ?
         self.local_count = 0           # micro-batches summed in G
-        self.applied = 0               # global micro-batches in applied real updates
+        self.round_micro = 0           # micro-batches computed in the round now in flight
         self.real_rounds = 0
         self.lr = float("nan")
 
     @classmethod
     def micro_batches_per_step(cls, cost, comm_s, options):
-        """A round lasts as long as the slowest worker's `accum` micro-batches or the previous
-        round's communication, whichever is longer; every worker keeps computing meanwhile,
-        up to max_accum (deterministic: exactly accum). The planner counts the extra tokens."""
+        """A round lasts as long as the slowest worker's `accum` half micro-batches or the
+        previous round's communication, whichever is longer; every worker keeps computing
+        meanwhile, up to max_accum (deterministic: exactly accum). In full micro-batches a step
+        (two rounds of halves) computes what one round computes in halves, so the ratio of a
+        round's time to a step's compute is the same as it was per round. The planner counts
+        the extra tokens."""
         accum = cost.accum
         if options.deterministic or not cost.worker_compute_s:
             return float(accum)
@@ -110,25 +112,31 @@ class ACCO(OverlappedStrategy):
             + 12 * n // world
 
     @classmethod
+    def comm_plan(cls, layout, world, options):
+        return two_rounds(super().comm_plan(layout, world, options))
+
+    @classmethod
     def level_plans(cls, layout, replicas, size, options):
-        # The start-up micro-batch's gradients are reduced inside the replica once more (the
-        # count goes with the first round).
+        # Inside the replica, both rounds reduce the owners' gradients, share their parameters
+        # and count; the start-up micro-batch's gradients are reduced once more (the count goes
+        # with the first round). Across, each position's plan is comm_plan's: two rounds.
         plans = super().level_plans(layout, replicas, size, options)
         startup = [replace(op, every=ONCE, offset=1, what=f"{op.what}, at start-up")
                    for op in plans.intra if op.collective == "reduce_scatter"]
-        return LevelPlans(plans.intra + startup, plans.cross)
+        return LevelPlans(two_rounds(plans.intra) + startup, plans.cross)
 
     def begin_step(self, ctx):
         if self.starting:  # G must hold ∇θ_0 before the first round can start
             self.flat.zero_grad()
         else:
-            self.start_round()
+            self.start_round()  # a step begins with its estimate round
 
     def start_round(self):
         estimate = self.estimate_next
         if estimate:  # the estimate and the real round that follows share one lr
-            self.lr = self.set_lr(self.applied // (self.data_parallel_ranks * self.accum))
+            self.lr = self.set_lr(self.real_rounds)
         self.launch(estimate)
+        self.round_micro = 0
         if not estimate:
             self.flat.zero_grad()
             self.local_count = 0
@@ -140,26 +148,38 @@ class ACCO(OverlappedStrategy):
             self.local_count = 1
             self.load_round(self.local_count)
             self.start_round()
-            ctx.micro = 0  # the start-up micro-batch belongs to no round
             return False
         self.local_count += 1
+        self.round_micro += 1
         # Keep computing while the round is in flight: at least accum, at most max_accum.
-        if ctx.micro < self.accum or (not self.deterministic and ctx.micro < self.max_accum
-                                      and self.rounds.in_flight()):
+        if self.round_micro < self.accum or (not self.deterministic and self.round_micro < self.max_accum
+                                             and self.rounds.in_flight()):
             return False
+        was_estimate = self.estimate_next
         self.end_round(ctx)
-        return True
+        if not was_estimate:
+            return True  # the real round landed: θ_{t+1} is in the model, the step is done
+        self.share_inside()  # across replica groups: θ̃ everywhere before the real round computes at it
+        self.start_round()
+        return False
 
     def serve_step(self):
-        """Closed: the next round as the loop would take it, with no new micro-batch (an estimate
-        round still sends the gradients G holds; G is zeroed when a real round starts)."""
+        """Closed: the next step's rounds as the loop would take them, with no new micro-batch
+        (an estimate round still sends the gradients G holds; G is zeroed when a real round
+        starts); False once a round found no rank computing."""
         if self.starting:  # closed before the start-up micro-batch: the start-up with none
             self.starting = False
             self.flat.zero_grad()
             self.load_round(0)
-        if not self.rounds.engine.pending:
-            self.start_round()
-        return self.end_round(None)
+        while True:
+            if not self.rounds.engine.pending:
+                self.start_round()
+            was_estimate = self.estimate_next
+            if not self.end_round(None):
+                return False
+            if not was_estimate:
+                return True
+            self.share_inside()
 
     def settle(self):
         """After the last round the model gets the real θ (an estimate round's θ̃ is not kept)."""
@@ -170,14 +190,13 @@ class ACCO(OverlappedStrategy):
 
     def end_round(self, ctx):
         """Land the round in flight; False when no rank computed in it (the run is over)."""
-        total = self.rounds.wait()
+        self.rounds.wait()
         if self.rounds.ended:
             return False
         if self.rounds.skipped and ctx is not None:  # G may still hold the bad gradient: the next real round zeroes it
             ctx.skip()
         estimate = self.estimate_next
         if not estimate:
-            self.applied += total
             self.real_rounds += 1
         self.rounds.swap_in()  # θ̃_{t+1} after an estimate round, θ_{t+1} after a real one
         self.load_round(self.local_count)
@@ -205,12 +224,12 @@ class ACCO(OverlappedStrategy):
     def extra_state(self):
         return {**super().extra_state(), "starting": self.starting,
                 "estimate_next": self.estimate_next, "holds_estimate": self.holds_estimate,
-                "local_count": self.local_count, "applied": self.applied,
+                "local_count": self.local_count, "round_micro": self.round_micro,
                 "real_rounds": self.real_rounds, "lr": self.lr}
 
     def load_extra_state(self, sd):
         super().load_extra_state(sd)
-        for key in ("starting", "estimate_next", "holds_estimate", "local_count", "applied",
+        for key in ("starting", "estimate_next", "holds_estimate", "local_count", "round_micro",
                     "real_rounds", "lr"):
             setattr(self, key, sd[key])
 
@@ -225,6 +244,11 @@ class ACCO(OverlappedStrategy):
                 + self.rounds.snapshot_bytes)
 
     def report(self) -> dict:
-        return {"rounds": self.steps_done, "real_rounds": self.real_rounds,
+        return {"rounds": 2 * self.real_rounds, "real_rounds": self.real_rounds,
                 "optimizer_steps": self.real_rounds, "deterministic": self.deterministic,
                 "max_accum": self.max_accum, "extra_memory_bytes_vs_zero1": self.extra_memory_bytes()}
+
+
+def two_rounds(round_plan):
+    """A step's traffic: the round's, once for the estimate round and once for the real one."""
+    return [replace(op, what=f"{op.what}, {which} round") for which in ("estimate", "real") for op in round_plan]

@@ -49,6 +49,8 @@ class DiLoCoOptions(Options):
     outer_weights: str = option("equal", "outer gradients averaged with equal weights, or weighted by the tokens "
                                 "each worker trained since the last sync (Decoupled DiLoCo; --elastic uses tokens)",
                                 choices=WEIGHTS)
+    outer_delay: int = option(0, "outer steps a sync's mean is applied late: 0 waits for it; 1 reduces period t's "
+                              "during period t+1 and applies it at t+1's end (PCCL's async DiLoCo)", min=0, max=1)
 
     def check(self) -> None:
         self.wire().check()
@@ -59,6 +61,15 @@ class DiLoCoOptions(Options):
     def check_run(self, cfg) -> None:
         if self.sync_by == "time" and (cfg.replicas or cfg.workers) < cfg.workers:
             raise UsageError(f"--sync-by time does not run across replica groups (--replicas {cfg.replicas}) yet")
+        if self.outer_delay and getattr(cfg, "elastic", False):
+            raise UsageError("--outer-delay 1 does not run with --elastic yet: a mean in flight at a membership "
+                             "change is not re-issued by the survivors (use --outer-delay 0)")
+
+    def run_note(self, cfg) -> str | None:
+        if self.outer_delay and self.outer_momentum > 0:
+            return (f"--outer-delay 1 with outer momentum {self.outer_momentum:g}: a mean a period stale through "
+                    f"momentum overshoots; PCCL's async DiLoCo runs it with --outer-momentum 0 (docs/strategies.md)")
+        return None
 
     def wire(self) -> WireFormat:
         return WireFormat(self.outer_precision, self.outer_compress, self.outer_ef_decay, self.outer_weights)
@@ -66,6 +77,10 @@ class DiLoCoOptions(Options):
     def streaming(self) -> tuple[int, int, float]:
         """(fragments F, merge delay τ, merge weight α): one, none, θ_global (Streaming DiLoCo's vary)."""
         return 1, 0, 0.0
+
+    def hidden_steps(self) -> int:
+        """Inner steps whose compute a sync's reduction runs behind before it is waited for."""
+        return self.sync_every if self.outer_delay else self.streaming()[1]
 
 
 @register("diloco")
@@ -80,7 +95,7 @@ class DiLoCo(Strategy):
 
     @classmethod
     def plan_label(cls, options):
-        return f"{cls.name} H={options.sync_every}"
+        return f"{cls.name} H={options.sync_every}" + (" delayed" if options.outer_delay else "")
 
     @classmethod
     def comm_plan(cls, layout, world, options):
@@ -90,6 +105,14 @@ class DiLoCo(Strategy):
     @classmethod
     def plan_occurrences(cls, op, steps, options):
         return outer_sync.plan_occurrences(op, steps)
+
+    @classmethod
+    def exposed_comm_s(cls, plan, cost, options):
+        # A sync's reduction runs behind the inner steps until it is waited for: τ of them
+        # (streaming), a whole period with --outer-delay 1, none otherwise.
+        hidden = options.hidden_steps() * cost.compute_s
+        return sum(max(0.0, cost.price(op.collective, op.nbytes) - hidden) * cls.plan_rate(op, options, cost.steps)
+                   for op in plan)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -125,9 +148,24 @@ class DiLoCo(Strategy):
         self.sync.end_slot(t, ctx.t0)
         if t == self.total_steps:
             return self.finish(1, ctx)
+        if self.options.outer_delay:
+            return self._sync_late(ctx, t)
         self._land(ctx, t, self.alpha)  # syncs issued `delay` steps ago
         self.sync.issue_due(t)
         self._land(ctx, t, self.alpha)  # delay 0: at once
+
+    def _sync_late(self, ctx, t: int) -> None:
+        """--outer-delay 1, as PCCL's async DiLoCo runs it (and Kale et al.'s delayed outer
+        gradients): at a fragment's sync this period's Δ is issued against the θ_global the
+        period started from, the mean issued a period ago (reduced behind this period's inner
+        steps) takes its outer step, and the next period starts from the new θ_global. The
+        first two periods start from θ_0; every mean is applied one outer step late."""
+        for i in self.sync.due(t):
+            previous = self.sync.take_previous(i)
+            self.sync.issue(i, t + self.sync.every)
+            if previous is not None:
+                self._outer_step(ctx, i, previous)
+            self.sync.reset(i, stepped=int(previous is not None))
 
     def _land(self, ctx, t: int | None, alpha: float) -> None:  # merges due at step t (None: all)
         for i in self.sync.merges_due(t):
@@ -135,16 +173,22 @@ class DiLoCo(Strategy):
             self.sync.merge(i, alpha)
 
     def _collect(self, ctx=None, *fragments: int) -> None:
-        """Wait for the reductions in flight (of `fragments`, else all); outer step on each."""
+        """Wait for the reductions in flight (of `fragments`, else all); outer step on each
+        (--outer-delay 1: each mean is kept for its step, one period after it was issued)."""
+        if self.options.outer_delay:
+            return self.sync.drain(*fragments)
         for i, delta in self.sync.wait(*fragments):
-            if not self.quorate():  # too few trained: θ_global stays, every rank resets to it
-                continue
-            if all_finite(delta):  # the same Δ on every rank: all keep θ_global alike
-                self.sync.globals[i].grad = delta
-                self.outer.step()
-                self.sync.globals[i].grad = None
-            elif ctx is not None:
-                ctx.skip()
+            self._outer_step(ctx, i, delta)
+
+    def _outer_step(self, ctx, i: int, delta) -> None:
+        if not self.quorate():  # too few trained: θ_global stays, every rank resets to it
+            return
+        if all_finite(delta):  # the same Δ on every rank: all keep θ_global alike
+            self.sync.globals[i].grad = delta
+            self.outer.step()
+            self.sync.globals[i].grad = None
+        elif ctx is not None:
+            ctx.skip()
 
     def quorate(self) -> bool:
         """Did enough workers train since the last sync (tokens > 0)? Always with equal weights."""
@@ -160,7 +204,16 @@ class DiLoCo(Strategy):
 
     def finish(self, rounds: int, ctx=None) -> None:
         """The final sync (at the last step, or at close while one is owed): all end on θ_global."""
-        if rounds:
+        if rounds and self.options.outer_delay:  # the last period's Δ against its base, then both means
+            previous = {i: self.sync.take_previous(i) for i in range(len(self.sync.fragments))}
+            self.sync.issue_all()
+            for i, delta in previous.items():
+                if delta is not None:
+                    self._outer_step(ctx, i, delta)
+            for i, delta in self.sync.wait():
+                self._outer_step(ctx, i, delta)
+                self.sync.reset(i, stepped=1 + (previous[i] is not None), last=True)
+        elif rounds:
             self._land(ctx, None, self.alpha)
             self.sync.issue_all()
             self._land(ctx, None, 0.0)

@@ -62,19 +62,19 @@ class StreamingOptions(DiLoCoOptions):
     def streaming(self) -> tuple[int, int, float]:
         return self.fragments, self.fragment_delay, self.merge_alpha
 
+    def run_note(self, cfg) -> str | None:
+        if not self.outer_delay:
+            return None
+        said = ("--outer-delay 1: each fragment's mean takes its outer step at the fragment's next sync, a period "
+                "later, and the next period starts from θ_global: --fragment-delay and --merge-alpha do not apply")
+        momentum = super().run_note(cfg)
+        return said if momentum is None else f"{said}; {momentum}"
+
 
 @register("streaming_diloco")
 class StreamingDiLoCo(DiLoCo):
     Options = StreamingOptions
     inside_replica = ("ddp", "fsdp")  # across replica groups: on the tensors each position owns (fsdp: its shards)
-
-    @classmethod
-    def exposed_comm_s(cls, plan, cost, options):
-        # A fragment's reduction runs behind the next τ inner steps' compute; only what
-        # is left when its merge is due is waited for.
-        tau = options.fragment_delay * cost.compute_s
-        return sum(max(0.0, cost.price(op.collective, op.nbytes) - tau) * cls.plan_rate(op, options, cost.steps)
-                   for op in plan)
 
     def report(self) -> dict:
         o = self.options

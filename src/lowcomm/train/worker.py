@@ -171,8 +171,8 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
 
     tokens, source = load_bytes(cfg.data.source, quiet=rank != 0)
     train_tokens, val_tokens = split(tokens, cfg.data.val_fraction)
-    loader = ShardedBatches(train_tokens, layout.replica(rank), layout.replicas, cfg.model.seq_len, cfg.micro_batch,
-                            cfg.seed, layout.position(rank), layout.size)
+    loader = ShardedBatches(train_tokens, layout.replica(rank), layout.replicas, cfg.model.seq_len,
+                            cfg.loader_micro_batch, cfg.seed, layout.position(rank), layout.size)
     val = val_batches(val_tokens, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches)
 
     pacer = make_pacer(rank, world, cfg.slowdown[rank] if cfg.slowdown else 1.0, cfg.stragglers, cfg.seed)

@@ -23,6 +23,19 @@ COLUMNS = [
 ]
 
 
+# Runs with outer syncs (the local-SGD family): what each sync left exposed, on average.
+OUTER_COLUMN = ("exposed_s_per_outer_sync", "exposed s per outer sync", "{:.3f}")
+
+
+def exposed_per_outer_sync(entry) -> float | None:
+    """The run's exposed communication (each step's slowest wait, summed) over its outer syncs;
+    None for a strategy without outer syncs."""
+    syncs = entry.summary.get("outer_syncs")
+    if not syncs:
+        return None
+    return sum(rec["exposed_comm_s"] for rec in entry.steps) / syncs
+
+
 def default_target(entries: list) -> float | None:
     """The worst (highest) final validation loss of the runs that finished: every run reaches it."""
     finals = [e.summary["final_val_loss"] for e in entries if isinstance(e, RecordedRun)
@@ -50,11 +63,13 @@ def row(entry, target: float | None, apart: list[str] | None = None, levels: boo
         "exposed_comm_pct": 100 * s["exposed_comm_fraction"],
         "optimizer_state_mb_per_rank": s["optimizer_state_bytes_per_rank"] / 1e6,
         "peak_mem_mib": s["peak_mem_bytes"] / 2**20,
+        "exposed_s_per_outer_sync": exposed_per_outer_sync(entry),
     }
 
 
 def markdown(rows: list[dict], target: float | None) -> str:
-    columns = COLUMNS + (LEVEL_COLUMNS if any("cross_bytes_per_token" in r for r in rows) else [])
+    columns = COLUMNS + (LEVEL_COLUMNS if any("cross_bytes_per_token" in r for r in rows) else []) + \
+        ([OUTER_COLUMN] if any(r.get("exposed_s_per_outer_sync") is not None for r in rows) else [])
     head = ["strategy"] + [h for _, h, _ in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -62,7 +77,8 @@ def markdown(rows: list[dict], target: float | None) -> str:
             error = r["error"].replace("|", "\\|").replace("\n", " ")
             lines.append(f"| {r['label']} | failed: {error} |" + " |" * (len(columns) - 1))
             continue
-        cells = [fmt.format(r[k]) if r[k] is not None else "not reached" for k, _, fmt in columns]
+        cells = [fmt.format(r[k]) if r[k] is not None else ("-" if k == OUTER_COLUMN[0] else "not reached")
+                 for k, _, fmt in columns]
         lines.append("| " + " | ".join([r["label"] + ("" if r["comparable"] else " †")] + cells) + " |")
     note = (f"Target loss {target:.4f}" if target is not None else "No run finished, so no target loss") + \
         (": time and bytes when the validation loss first reached it (interpolated between validation "
