@@ -57,6 +57,17 @@ def measured_step_s(run_dir: Path, tokens_per_step: int) -> float:
     return sum(r["wall_s"] for r in steps) / sum(r["tokens"] for r in steps) * tokens_per_step
 
 
+def short_run_knobs(names: list[str], sync_every: int) -> list[str]:
+    """Flags for short runs: a few syncs per run, and DPU's delayed updates and PowerSGD's
+    compression starting early enough to be measured; each flag only where a strategy of
+    `names` declares it."""
+    from lowcomm.strategies import option_table
+    table = option_table()
+    wanted = {"--sync-every": sync_every, "--dpu-warmup": 2, "--powersgd-start": 2}
+    return [word for flag, value in wanted.items() if set(names) & set(getattr(table.get(flag), "strategies", ()))
+            for word in (flag, str(value))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="validate_plan.py --cases strategies", description=__doc__.split("\n")[0])
     ap.add_argument("--strategies", help="default: every registered strategy")
@@ -80,13 +91,7 @@ def main(argv: list[str] | None = None) -> int:
               "--model", args.model, "--micro-batch", str(args.micro_batch),
               "--eval-every", str(max(1, args.steps // 4)), "--eval-batches", "4", "--quiet", "--overwrite"]
     names = strategies.split(",")
-    # short runs: a few syncs per run, and DPU's delayed updates and PowerSGD's compression starting
-    # early enough to be measured; each flag only where a chosen strategy declares it
-    from lowcomm.strategies import option_table
-    table = option_table()
-    wanted = {"--sync-every": args.sync_every, "--dpu-warmup": 2, "--powersgd-start": 2}
-    knobs = [word for flag, value in wanted.items() if set(names) & set(getattr(table.get(flag), "strategies", ()))
-             for word in (flag, str(value))]
+    knobs = short_run_knobs(names, args.sync_every)
     common += knobs
     print(f"calibration (no link cost), then {len(SCENARIOS)} scenarios; runs under {root}", flush=True)
     common += ["--timeout", str(args.timeout)]

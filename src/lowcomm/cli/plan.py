@@ -27,9 +27,10 @@ def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--tokens-per-step", metavar="N", help="tokens per step, all workers, e.g. 4M "
                       "(default: workers * accum * micro-batch * seq-len)")
     plan.add_argument("--strategies", metavar="A,B,...", help="strategies to plan (default: every registered one)")
-    plan.add_argument("--calibrate", metavar="DIR", help="take each strategy's compute speed and loss per "
-                      "token from a `lowcomm bench` dir (or one `lowcomm train` run dir); rank by predicted time "
-                      "to the target loss (default: none)")
+    plan.add_argument("--calibrate", metavar="DIR", help="take the model's compute per micro-batch (one figure "
+                      "for every strategy), each strategy's per-step work and its loss per token from a `lowcomm "
+                      "bench` dir (or one `lowcomm train` run dir); rank by predicted time to the target loss "
+                      "(default: none)")
     target_loss_flag(plan, "with --calibrate, the bench's worst final loss")
     plan.add_argument("--tune", action="store_true", help="also search each strategy's knobs (H, fragments, top-k, "
                       "bits, PowerSGD rank, max-accum, outer delay, bucket size) over a small grid and report its best setting "
@@ -66,7 +67,7 @@ def run(args) -> int:
     from ..plan import text as plan_text, tune as plan_tune
     from ..bench.report.table import default_target
 
-    bench, runs, from_bench = _calibration(args)
+    bench, runs, from_bench, calibration = _calibration(args)
     cfg = _plan_config(args, calibrated=bench is not None)
     names, options = _plan_options(args, cfg, from_bench)
     cluster, dims, per_token = _plan_cluster(args, cfg, calibrated=bench is not None)
@@ -80,15 +81,16 @@ def run(args) -> int:
         planned, left_out[R] = replica_sizes.runs_at(names, cluster.layout, cfg.workers, R, cfg.inside,
                                                      strict=len(counts) == 1, named=args.strategies is not None)
         if planned:
-            by_count[R] = planner.rank(_predict(args, cfg, at, planned, options, runs, per_token, target))
+            by_count[R] = planner.rank(_predict(args, cfg, at, planned, options, runs, calibration, per_token,
+                                                target))
     best = [ranked[0] for ranked in by_count.values()]
     chosen = planner.rank(best)[0].replicas
     ranked, cluster = by_count[chosen], replace(cluster, replicas=chosen)
     why = planner.recommend(ranked, cluster)
     if replica_sizes.choosing(cfg):
         why = replica_sizes.recommend_count(best, cfg.workers) + "\n" + why
-    assumed = plan_assume.assumptions(args, cfg, cluster, dims, per_token, runs)
-    tuned = _tune(args, cfg, cluster, by_count, chosen, options, bench, runs, per_token, target)
+    assumed = plan_assume.assumptions(args, cfg, cluster, dims, per_token, runs, calibration)
+    tuned = _tune(args, cfg, cluster, by_count, chosen, options, bench, (runs, calibration), per_token, target)
     pick = None
     if tuned is not None:  # one answer: the tuned setting, not the given options, is the one to use
         pick, why = plan_pick.answer(tuned, by_count, cluster, cfg, replica_sizes.choosing(cfg))
@@ -123,7 +125,9 @@ def run(args) -> int:
 
 def _calibration(args):
     """(the --calibrate bench or run, None without; its runs by strategy; whether the plan takes
-    the cluster, model and batch from it: it does unless --config is given, and flags override them)."""
+    the cluster, model and batch from it: it does unless --config is given, and flags override them;
+    its Calibration: the model's compute and each strategy's per-step work, or None)."""
+    from ..metrics.calibration import calibrate
     from ..metrics.runs import load_calibration
 
     bench = load_calibration(args.calibrate) if args.calibrate else None
@@ -133,16 +137,17 @@ def _calibration(args):
     from_bench = bench is not None and not args.config
     if from_bench:
         args.config = str(next(iter(runs.values())).path / "config.toml")
-    return bench, runs, from_bench
+    return bench, runs, from_bench, calibrate(bench, runs) if bench is not None else None
 
 
-def _tune(args, cfg, cluster, by_count, chosen, options, bench, runs, per_token, target):
+def _tune(args, cfg, cluster, by_count, chosen, options, bench, measured, per_token, target):
     """`--tune`: each strategy's best setting (plan_tune.tune_all), its knobs searched together
     with every replica count it was planned at (`by_count`; `chosen` first); None without --tune."""
     from ..plan import tune as plan_tune
 
     def predict_one(name, opts, replicas):
-        return _predict(args, cfg, replace(cluster, replicas=replicas), [name], {name: opts}, runs, per_token, None)[0]
+        return _predict(args, cfg, replace(cluster, replicas=replicas), [name], {name: opts}, *measured, per_token,
+                        None)[0]
 
     def counts_of(name):
         return tuple(sorted((R for R, ranked in by_count.items() if any(p.strategy == name for p in ranked)),
@@ -232,22 +237,22 @@ def _plan_cluster(args, cfg, calibrated: bool):
     return cluster, dims, per_token
 
 
-def _predict(args, cfg, cluster, names, options, runs, per_token, target) -> list:
-    """Each strategy's prediction; a calibrating bench's runs give their measured speed (scaled
-    to the planned model; the median for a strategy it did not run), overhead and time to target."""
+def _predict(args, cfg, cluster, names, options, runs, calibration, per_token, target) -> list:
+    """Each strategy's prediction; a calibration gives the model's compute (one figure for every
+    strategy, scaled to the planned model), each strategy's per-step work (0 for one it did not
+    run) and, from its runs, the time to target."""
     from ..plan import planner
     from ..metrics.runs import reach
 
     params = cluster.params
-    measured = {n: r.seconds_per_token() * params / r.summary["params"] for n, r in runs.items()}
-    fallback = sorted(measured.values())[len(measured) // 2] if measured else None
+    if per_token is None:
+        per_token = calibration.seconds_per_token(params)
     preds = []
     for name in names:
         run = runs.get(name)
-        scale = params / run.summary["params"] if run is not None else 1.0
+        work = calibration.work[name].total_s * params / run.summary["params"] if run is not None else 0.0
         p = planner.predict(name, cluster, options[name], steps=cfg.steps if given(args, "--steps") else None,
-                            seconds_per_token=per_token if per_token is not None else measured.get(name, fallback),
-                            overhead_s=run.overhead_s() * scale if run is not None else 0.0)
+                            seconds_per_token=per_token, overhead_s=work)
         if run is not None and target is not None:
             p.tokens_to_target = reach(run.curve, target, "tokens")
             if p.tokens_to_target is not None:

@@ -103,6 +103,10 @@ class FlightRecorder:
         self._local = threading.local()
         self.step = 0  # the trainer step in progress (the run driver sets it)
         self.paused = False  # the optimizer hooks record nothing (diagnose/flight_cost.py's off steps)
+        # seconds of optimizer.step() on the main thread, summed: the per-step work a step log
+        # splits out (the run driver takes each step's share); one on another thread runs
+        # beside the main thread's work, so it costs the step nothing
+        self.optimizer_s = 0.0
 
     @classmethod
     def for_rank(cls, rank: int) -> "FlightRecorder | None":
@@ -147,12 +151,16 @@ class FlightRecorder:
         import time
 
         def pre(*_):
-            self._local.opt_eid = None if self.paused else self.open(CODE["optimizer"], time.perf_counter())
+            t0 = time.perf_counter()
+            self._local.opt_eid = None if self.paused else (self.open(CODE["optimizer"], t0), t0)
 
         def post(*_):
-            eid = getattr(self._local, "opt_eid", None)
-            if eid is not None:
-                self.close(eid, time.perf_counter())
+            opened = getattr(self._local, "opt_eid", None)
+            if opened is not None:
+                t1 = time.perf_counter()
+                self.close(opened[0], t1)
+                if threading.get_ident() == self._main:
+                    self.optimizer_s += t1 - opened[1]
         optimizer.register_step_pre_hook(pre)
         optimizer.register_step_post_hook(post)
 

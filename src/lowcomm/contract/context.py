@@ -29,6 +29,7 @@ class StepContext:
     t0: float                      # perf_counter() when the step began
     comm_before: CommStats         # Comm's counters then (the step's bytes and times are the difference)
     levels_before: dict[str, CommStats] = field(default_factory=dict)  # the same, per level (Comm.level)
+    optimizer_before: float = 0.0  # the flight recorder's optimizer seconds then
     pull: bool = False             # driven by step() (pulls batches), not by a user's backward() calls
     lr: float = float("nan")       # strategy: the lr this step applies (reported)
     micro: int = 0                 # micro-batches of this step so far (a strategy may restart the count)
@@ -83,6 +84,7 @@ class StepResult:
     lr: float
     skipped: bool = False  # the step was not applied: a loss or gradient was not finite
     link_model_s: float = 0.0  # what the emulated link model prices this step's ops at (0: none)
+    optimizer_s: float = 0.0   # optimizer.step() on the main thread (the flight recorder's spans; 0: none)
     # This step's traffic per level (Comm.level: "cross", and "intra" with replica groups);
     # the fields above are their sum.
     levels: dict[str, CommStats] = field(default_factory=dict)

@@ -21,7 +21,7 @@ from ..errors import DiskFull, Interrupted, RunError, UsageError
 from ..comm.flight import ENV_DIR as FLIGHT_ENV_DIR
 from ..diagnose.stalls import StallWatch
 from ..config.nodes import default_replicas, under_torchrun
-from .resources import check_fits
+from .resources import check_fits, device_type
 from ..checkpoint.storage import remove_partial, write_text_atomic
 from ..elastic.support import check as check_elastic
 from ..strategies import available
@@ -47,7 +47,7 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resu
     backend = pick_backend(cfg)
     if (backend == "nccl" or cfg.device == "cuda") and not torch.cuda.is_available():
         raise UsageError(f"backend '{backend}' on device '{cfg.device}' needs CUDA, and no GPU is visible")
-    check_fits(cfg, "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and backend == "nccl") else "cpu")
+    check_fits(cfg, device_type(cfg))
     check_model(cfg)
     if cfg.tensorboard or cfg.wandb:  # optional packages: missing, the run is refused before it starts
         from ..metrics.scalars import require

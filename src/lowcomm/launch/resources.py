@@ -91,10 +91,21 @@ def check_fits(cfg, device_type: str) -> None:
         if avail is not None and need > avail:
             raise UsageError(f"the run needs at least {_gib(need)} of memory ({what}) but {_gib(avail)} "
                              f"is available; use a smaller model, --micro-batch or --seq-len, or fewer --workers")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = cpu_cores()
     if device_type != "cuda" and workers * cfg.threads > cores:
         _warn_once(f"warning: {workers} worker(s) x {cfg.threads} thread(s) on {cores} CPU core(s): "
                    f"oversubscribed, each worker will run about {workers * cfg.threads / cores:.1f}x slower")
+
+
+def device_type(cfg) -> str:
+    """Where the run's workers compute: "cuda" (nccl, or asked for) or "cpu"."""
+    from ..train.worker import pick_backend
+    return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and pick_backend(cfg) == "nccl") else "cpu"
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's share)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 _WARNED: set[str] = set()  # a bench checks each of its runs: one line says it for all of them

@@ -6,7 +6,11 @@ every rank's StepResult gathered each step). Field meanings:
   tokens, micro_batches, wire_bytes    summed over ranks
   wire_bytes_per_rank                  bytes one rank sent (max over ranks)
   compute_s, comm_s, exposed_comm_s, wall_s   max over ranks (the step waits for the slowest)
-  per_rank        each rank's compute_s, exposed_comm_s and micro_batches
+  optimizer_s     optimizer.step() time on the main thread, max over ranks (0 without the
+                  flight recorder)
+  per_rank        each rank's compute_s, exposed_comm_s, wall_s, optimizer_s and micro_batches:
+                  a rank's wall_s less its compute, exposed comm is its own per-step work
+                  (optimizer step, compression, outer step), where `lowcomm plan --calibrate` reads it
   val_loss        present on steps where validation ran
   skipped_ranks   present on steps not applied on some rank: the ranks that found a loss or
                   gradient not finite and skipped the step (all of them, for strategies that
@@ -36,7 +40,7 @@ from ..contract.context import StepResult
 from .levels import LEVELS
 
 FIELDS = ("loss", "micro_batches", "tokens", "wire_bytes", "compute_s", "comm_s",
-          "exposed_comm_s", "wall_s", "lr", "skipped", "link_model_s")
+          "exposed_comm_s", "wall_s", "lr", "skipped", "link_model_s", "optimizer_s")
 # Each level's bytes and exposed seconds follow FIELDS in every rank's vector, flat run or not,
 # so that all ranks gather vectors of one length; only a run with replicas writes them out.
 LEVEL_FIELDS = tuple(f"{f}_{level}" for level in LEVELS for f in ("wire_bytes", "exposed_comm_s"))
@@ -77,10 +81,13 @@ def step_record(step: int, per_rank: torch.Tensor, levels: bool = False) -> dict
         "comm_s": float(col["comm_s"].max()),
         "exposed_comm_s": float(col["exposed_comm_s"].max()),
         "wall_s": float(col["wall_s"].max()),
+        "optimizer_s": float(col["optimizer_s"].max()),
         "lr": float(col["lr"][present][0]),
         "per_rank": {
             "compute_s": [round(float(v), 6) for v in col["compute_s"]],
             "exposed_comm_s": [round(float(v), 6) for v in col["exposed_comm_s"]],
+            "wall_s": [round(float(v), 6) for v in col["wall_s"]],
+            "optimizer_s": [round(float(v), 6) for v in col["optimizer_s"]],
             "micro_batches": [int(v) for v in col["micro_batches"]],
         },
     }

@@ -52,24 +52,6 @@ class RecordedRun:
                 points.append(Point(rec["step"], t, tokens, wire, rec["val_loss"]))
         return points
 
-    def seconds_per_token(self) -> float:
-        """One 1x worker's forward+backward per token, as a step waits for it: each step's slowest
-        rank (its emulated slowdown divided out), averaged over steps. On a machine whose ranks
-        jitter, a synchronous step lasts as long as its slowest rank's compute, not the mean
-        rank's (4 ranks on 2 loaded cores: up to 2x apart). A log without every rank's times
-        (an older run) gives each rank's total over its tokens, averaged over ranks."""
-        s = self.summary
-        tokens_per_micro = self.tokens_per_micro_batch()
-        factors = s.get("slowdown") or [1.0] * s["workers"]
-        per_step = [max(c / f / (m * tokens_per_micro) for c, f, m in zip(r["per_rank"]["compute_s"], factors,
-                                                                          r["per_rank"]["micro_batches"]) if m)
-                    for r in self.steps if "per_rank" in r and any(r["per_rank"]["micro_batches"])]
-        if per_step and len(per_step) == len(self.steps):
-            return sum(per_step) / len(per_step)
-        per_rank = [c / f / (m * tokens_per_micro)
-                    for c, f, m in zip(s["compute_s_per_rank"], factors, s["micro_batches_per_rank"]) if m]
-        return sum(per_rank) / len(per_rank)
-
     def tokens_per_micro_batch(self) -> float:
         """Tokens in one micro-batch as the run computed it: its tokens over its micro-batches
         (acco's loader cuts each --micro-batch in two), else --micro-batch x --seq-len."""
@@ -77,22 +59,6 @@ class RecordedRun:
         if s.get("tokens") and sum(s.get("micro_batches_per_rank", ())):
             return s["tokens"] / sum(s["micro_batches_per_rank"])
         return self.config.get("micro_batch", 16) * self.config.get("model", {}).get("seq_len", 128)
-
-    def overhead_s(self) -> float:
-        """Per-step time outside forward/backward and network waits (optimizer steps,
-        compression), as the step log measured it: the step's wall time less the compute and
-        the network wait of the rank that computed longest (the one the step waited for; a
-        faster rank's wait includes the slow one's compute, so the largest wait would count that
-        time twice)."""
-        extra = []
-        for r in self.steps:
-            ranks = r.get("per_rank")
-            if ranks:
-                slowest = max(range(len(ranks["compute_s"])), key=lambda i: ranks["compute_s"][i])
-                extra.append(r["wall_s"] - ranks["compute_s"][slowest] - ranks["exposed_comm_s"][slowest])
-            else:
-                extra.append(r["wall_s"] - r["compute_s"] - r["exposed_comm_s"])
-        return max(0.0, sum(extra) / len(extra)) if extra else 0.0
 
 
 @dataclass

@@ -19,9 +19,10 @@ from __future__ import annotations
 SCALE_TOLERANCE = 2.0
 
 
-def assumptions(args, cfg, cluster, dims: dict, per_token: float | None, runs: dict) -> dict:
-    """The plan's inputs with their sources, and its warnings (one line each)."""
+def assumptions(args, cfg, cluster, dims: dict, per_token: float | None, runs: dict, calibration=None) -> dict:
+    """The plan's inputs with their sources, its warnings and the calibration's caveats (one line each)."""
     from ..config.flags import given
+    from .planner import format_seconds
 
     params, warnings = cluster.params, []
     if args.tokens_per_step is not None:
@@ -38,14 +39,19 @@ def assumptions(args, cfg, cluster, dims: dict, per_token: float | None, runs: d
                             f"it with); step time, bytes/token and the ranking depend on it")
     bench_params = _bench_params(runs)
     if per_token is not None:
-        from .planner import format_seconds
         compute_from = (f"--worker-tflops {args.worker_tflops}: 6 N FLOPs per token, "
                         f"{format_seconds(per_token * cluster.tokens_per_step / cluster.workers)} per step's compute")
     else:
-        compute_from = (f"measured by the bench on its {bench_params / 1e6:,.4g}M-param model and device, scaled "
-                        f"by N ({params / bench_params:.3g}x)")
+        c = calibration
+        compute_from = (f"the model's forward/backward, {format_seconds(c.per_micro_s)} per micro-batch of "
+                        f"{c.tokens_per_micro:,} tokens (the median of the bench's {len(c.per_run)} run(s), every "
+                        f"strategy alike) on its {bench_params / 1e6:,.4g}M-param model and device, scaled by N "
+                        f"({params / bench_params:.3g}x)")
     if runs:
-        overhead_from = (f"measured by the bench per strategy (optimizer step, compression), scaled by N "
+        work = ", ".join(f"{name} {format_seconds(w.total_s)} (optimizer {format_seconds(w.optimizer_s)})"
+                         for name, w in calibration.work.items())
+        overhead_from = (f"each strategy's own work a step (optimizer step, compression, outer step: each rank's "
+                         f"step less its compute and network waits), measured by the bench: {work}; scaled by N "
                          f"({params / bench_params:.3g}x)")
         loss_from = "measured by the bench (each strategy's loss curve at the settings it ran)"
     else:
@@ -57,18 +63,25 @@ def assumptions(args, cfg, cluster, dims: dict, per_token: float | None, runs: d
                         f"device to {params / 1e6:,.4g}M params: a device's speed does not transfer from a "
                         f"calibration, only loss per token does"
                         + ("; give --worker-tflops for the planned workers" if per_token is None else ""))
+    measured = {} if calibration is None else {
+        "compute_per_micro_batch_s": calibration.per_micro_s, "tokens_per_micro_batch": calibration.tokens_per_micro,
+        "compute_per_micro_batch_s_by_run": {k: v * calibration.tokens_per_micro
+                                             for k, v in calibration.per_run.items()},
+        "per_step_work_s": {k: {"optimizer_s": w.optimizer_s, "other_s": w.other_s}
+                            for k, w in calibration.work.items()}}
     return {"tokens_per_step": cluster.tokens_per_step, "tokens_per_step_from": tokens_from,
             "compute_from": compute_from, "overhead_from": overhead_from, "loss_per_token_from": loss_from,
-            "warnings": warnings}
+            **measured, "warnings": warnings, "caveats": list(calibration.caveats) if calibration else []}
 
 
 def describe(assumed: dict) -> str:
-    """The assumptions as the table prints them: one line each, warnings last."""
+    """The assumptions as the table prints them: one line each, warnings and caveats last."""
     lines = [f"assumed: tokens per step {assumed['tokens_per_step']:,} from {assumed['tokens_per_step_from']}",
              f"assumed: compute speed per worker {assumed['compute_from']}",
              f"assumed: per-step overhead {assumed['overhead_from']}",
              f"assumed: loss per token {assumed['loss_per_token_from']}"]
-    return "\n".join(lines + [f"warning: {w}" for w in assumed["warnings"]])
+    return "\n".join(lines + [f"warning: {w}" for w in assumed["warnings"]]
+                     + [f"caveat: {c}" for c in assumed["caveats"]])
 
 
 def _bench_params(runs: dict) -> int:

@@ -205,7 +205,7 @@ class RunDriver:
                 self.comm.flight.step = self.strategy.steps_done + 1
             before = by_level(self.levels)
             self.ctx = StepContext(self.strategy.steps_done, time.perf_counter(), total(before.values()),
-                                   levels_before=before, pull=pull)
+                                   levels_before=before, pull=pull, optimizer_before=self._optimizer_s())
             self.strategy.begin_step(self.ctx)
         return self.ctx
 
@@ -237,8 +237,12 @@ class RunDriver:
             loss=ctx.idle_loss if ctx.idle else ctx.mean_loss, micro_batches=ctx.micro_batches,
             tokens=ctx.tokens, wire_bytes=spent.wire_bytes, compute_s=ctx.compute_s, comm_s=spent.busy_s,
             exposed_comm_s=spent.exposed_s, wall_s=time.perf_counter() - ctx.t0, lr=ctx.lr, skipped=ctx.skipped,
-            link_model_s=spent.modeled_s, levels=levels)
+            link_model_s=spent.modeled_s, optimizer_s=self._optimizer_s() - ctx.optimizer_before, levels=levels)
         return self.result
+
+    def _optimizer_s(self) -> float:
+        """The flight recorder's optimizer seconds so far (0 without one)."""
+        return self.comm.flight.optimizer_s if self.comm.flight is not None else 0.0
 
     def _mark_compute_start(self) -> None:
         """A micro-batch's compute starts now (its forward is next)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 
+from .. import machine
 from ..compare import _run_all, bench_dir
 from ..preflight import preflight
 from ..report.recipe import write_recipe_report
@@ -31,7 +32,8 @@ def run_recipe(recipe: Recipe, out: str, target_loss: float | None, overwrite: b
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "recipe.toml").write_text(recipe.text)
     meta = {"lowcomm_bench": 1, "recipe": describe(recipe), "strategies": sorted({v.strategy for v in recipe.variants}),
-            "tokens": recipe.tokens, "target_loss": target_loss, "workers": planned[0].cfg.workers, "runs": []}
+            "tokens": recipe.tokens, "target_loss": target_loss, "workers": planned[0].cfg.workers,
+            "machine": machine.at_start([p.cfg for p in planned]), "runs": []}
     tuned = []
     try:
         _run_all(planned, meta, out_dir, quiet)
