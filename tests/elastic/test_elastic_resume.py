@@ -41,8 +41,8 @@ def whole_state_hash(checkpoint: Path, strategy: str) -> str:
     """The hash of the state every member must hold, read from a checkpoint's files here: zero1's
     moments and master copy joined from the ranks' shards in rank order (cut to the model's size)."""
     from lowcomm.checkpoint import read, read_state
-    from lowcomm.elastic.support import replicated
     from lowcomm.elastic.transfer import state_hash
+    from lowcomm.strategies.registry import get
 
     found = read(checkpoint)
     states = [read_state(found, r)["strategy"] for r in range(found.world)]
@@ -56,7 +56,7 @@ def whole_state_hash(checkpoint: Path, strategy: str) -> str:
         if state["extra"]["master"] is not None:
             state["extra"]["master"] = torch.cat([st["extra"]["master"] for st in states])[:numel]
         state["extra"].pop("grads", None)
-    return state_hash(replicated(strategy, state))
+    return state_hash(get(strategy).replicated_state(state))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])

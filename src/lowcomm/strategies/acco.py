@@ -125,6 +125,13 @@ class ACCO(OverlappedStrategy):
                    for op in plans.intra if op.collective == "reduce_scatter"]
         return LevelPlans(two_rounds(plans.intra) + startup, plans.cross)
 
+    # --elastic (contract/elastic.py) -----------------------------------------------------------
+    @classmethod
+    def elastic_refusal(cls, options, across_replicas):
+        return ("between steps its buffer B holds this worker's gradients for the next round, which a joiner "
+                "has none of: joining mid-round is not built yet")
+    # ----------------------------------------------------------------------------------------------
+
     def begin_step(self, ctx):
         if self.starting:  # G must hold ∇θ_0 before the first round can start
             self.flat.zero_grad()

@@ -54,6 +54,13 @@ class DPU(OverlappedStrategy):
         # ZeRO-1's plus the round buffer B
         return super().model_state_bytes(num_params, world, options) + cls.flat_bytes(num_params, world, options)
 
+    # --elastic (contract/elastic.py) -----------------------------------------------------------
+    @classmethod
+    def elastic_refusal(cls, options, across_replicas):
+        return ("between steps its buffer B holds this worker's last gradient, which the next step's round "
+                "applies and a joiner has none of: joining mid-round is not built yet")
+    # ----------------------------------------------------------------------------------------------
+
     def begin_step(self, ctx):
         ctx.lr = self.set_lr(self.updates)
         self.synchronous = self.steps_done < self.warmup_steps
