@@ -30,6 +30,10 @@ def gathered(local: dict, s) -> dict:
     """A member's state_dict() with the shards of every member put together (collective)."""
     if len(s.shard_opt.pieces) != 1:
         raise RunError("--elastic runs a sharded strategy with one optimizer parameter group")
+    if not local["optimizers"][0]["state"]:
+        # No step taken: each master shard is its part of θ, known here. No collective, so a fresh
+        # member (a joiner before it receives the state) takes its snapshot alone.
+        return assembled(local, s.flat.numel, s.flat.shard_size, lambda entry: s.flat.params.detach().float())
 
     def gather(entry) -> torch.Tensor:
         shard = entry(local)

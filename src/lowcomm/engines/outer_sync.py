@@ -244,8 +244,12 @@ class OuterSync:
             self.clock.load_state_dict(sd)
 
     def release(self) -> None:
-        """Never leave a collective unwaited."""
+        """Never leave a collective unwaited. After a failed collective (a member lost, --elastic
+        rolls back) a sync in flight on that group fails too, and nothing of it is kept."""
         for ticket in self.in_flight.values():
             for h in ticket.handles:
-                h.wait()
+                try:
+                    h.wait()
+                except RuntimeError:  # gloo's DistBackendError: the group is broken, drop the sync
+                    continue
         self.in_flight.clear()
