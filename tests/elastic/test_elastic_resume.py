@@ -1,7 +1,8 @@
 """Checkpoints and --resume of an elastic run: checkpoints are written at commit points by the
 members of the time; `lowcomm train --resume` continues the run bit for bit with as many workers
 as wrote the checkpoint, and with the workers it is started with otherwise (here 3 after 2,
-stopped again with --stop-at)."""
+stopped again with --stop-at), for ddp, zero1 (its shards put together and cut anew) and
+sparseloco (a worker's own residual: the third worker's starts at zero)."""
 from __future__ import annotations
 
 import json
@@ -59,11 +60,14 @@ def whole_state_hash(checkpoint: Path, strategy: str) -> str:
     return state_hash(get(strategy).replicated_state(state))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
-def test_an_elastic_run_resumes_bit_for_bit_and_with_the_workers_it_finds(strategy, tmp_path, capfd, monkeypatch):
+@pytest.mark.parametrize("flags", [["ddp"], ["zero1"], ["sparseloco", "--sync-every", "4"]],
+                         ids=["ddp", "zero1", "sparseloco"])
+def test_an_elastic_run_resumes_bit_for_bit_and_with_the_workers_it_finds(flags, tmp_path, capfd, monkeypatch):
+    # sparseloco: each worker's error-feedback residual is its own; the third worker starts it at zero
+    strategy = flags[0]
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     whole = tmp_path / "whole"
-    lowcomm(capfd, "train", *TINY, "--workers", "2", "--strategy", strategy, "--steps", str(STEPS), "--checkpoint-every", "4",
+    lowcomm(capfd, "train", *TINY, "--workers", "2", "--strategy", *flags, "--steps", str(STEPS), "--checkpoint-every", "4",
             "--keep", "3", "--out", str(whole))
     assert sorted(p.name for p in whole.glob("ckpt-*")) == ["ckpt-000004", "ckpt-000008", "ckpt-000012"]
     assert json.loads((whole / "ckpt-000008" / "manifest.json").read_text())["world"] == 2
