@@ -24,6 +24,8 @@ should_commit (where a step is kept):
     fresh_local(path, value)                    a fresh worker's value of a local part (default: zeros)
     join_from_peer()                            after a joiner loaded a peer's state (diloco: θ <- θ_global)
     elastic_refusal(options, across_replicas)   why these options cannot run elastically (None: they can)
+    elastic_options(options)                    the options an elastic run runs (local SGD: token-weighted merges)
+    require_contributors(n) / contribution()    --min-workers as an outer step's quorum; who contributed to it
 """
 from __future__ import annotations
 
@@ -90,6 +92,17 @@ class ElasticPart:
 
     @classmethod
     def elastic_refusal(cls, options, across_replicas: bool) -> str | None:
+        return None
+
+    @classmethod
+    def elastic_options(cls, options):
+        return options
+
+    def require_contributors(self, n: int) -> None:
+        """An update that merges what each member trained needs `n` members that trained."""
+
+    def contribution(self) -> dict | None:
+        """The last merge's contributors and tokens (steps.jsonl's `outer`), None without one."""
         return None
 
     @classmethod

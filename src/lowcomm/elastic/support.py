@@ -6,7 +6,6 @@ the runtime here names no strategy. One that cannot (yet) says why (`elastic_ref
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 from ..errors import UsageError
@@ -108,20 +107,16 @@ def member_timeout(cfg) -> float:
 
 
 def strategy_options(cfg):
-    """The strategy's options as an elastic run uses them: the local-SGD family's outer merge
-    weighted by the tokens each member trained since the last sync (token_weights.py)."""
-    options = cfg.strategy_options()
-    return dataclasses.replace(options, outer_weights="tokens") if hasattr(options, "outer_weights") else options
+    """The strategy's options as an elastic run uses them (the local-SGD family's outer merge
+    weighted by the tokens each member trained since the last sync: token_weights.py)."""
+    return strategy_class(cfg).elastic_options(cfg.strategy_options())
 
 
 def configure(run, cfg) -> None:
-    """--min-workers is the quorum of an outer step too: members that trained (a strategy with
-    `min_contributors`, the local-SGD family)."""
-    if hasattr(run.strategy, "min_contributors"):
-        run.strategy.min_contributors = min_workers(cfg)
+    """--min-workers is the quorum of an update that merges what the members trained."""
+    run.strategy.require_contributors(min_workers(cfg))
 
 
 def outer_record(run) -> dict | None:
-    """steps.jsonl's `outer` at an outer sync: the workers that contributed, their tokens."""
-    contribution = getattr(run.strategy, "contribution", None)
-    return contribution() if contribution is not None else None
+    """steps.jsonl's `outer` at a commit: the workers that contributed to its merge, their tokens."""
+    return run.strategy.contribution()

@@ -23,6 +23,7 @@ joiner counts for what it trained.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -153,6 +154,14 @@ class DiLoCo(Strategy):
             return ("it needs --sync-by steps: its commit points are the outer syncs, which must fall on the "
                     "same step on every worker")
         return None
+
+    @classmethod
+    def elastic_options(cls, options):
+        # members come and go: each counts for the tokens it trained since the last sync
+        return dataclasses.replace(options, outer_weights="tokens")
+
+    def require_contributors(self, n):
+        self.min_contributors = n
 
     @classmethod
     def fresh_local(cls, path, value):
