@@ -45,9 +45,10 @@ def check(cfg, is_commit) -> None:
         every = range(value, cfg.steps, value) if flag == "--checkpoint-every" and value else [value] if value else []
         bad = next((step for step in islice(every, CHECKED) if not is_commit(step)), None)
         if bad is not None:
-            raise UsageError(f"{flag} {value} with --elastic puts a checkpoint at step {bad}, which is not one of "
-                             f"strategy '{cfg.strategy}''s commit points (for the local-SGD family, where a sync "
-                             f"has merged: e.g. multiples of --sync-every), where its workers' state agrees")
+            first = [step for step in range(1, min(cfg.steps, 10_000)) if is_commit(step)][:4]
+            raise UsageError(f"{flag} {value} with --elastic puts a checkpoint at step {bad}, which is not a commit "
+                             f"point of strategy '{cfg.strategy}' (where its workers' state agrees: steps "
+                             f"{', '.join(map(str, first))}, ...)")
 
 
 def write(worker, wall_s: float) -> None:
