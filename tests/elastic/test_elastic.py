@@ -126,7 +126,7 @@ def test_a_worker_whose_training_thread_is_stuck_stops_heartbeating_and_is_left_
         server.shutdown()
 
 
-@pytest.mark.parametrize("strategy", ["dpu", "acco"])
+@pytest.mark.parametrize("strategy", ["acco"])
 def test_strategies_that_cannot_run_elastically_are_refused_in_one_line(strategy, capsys, tmp_path):
     assert main(["train", "--strategy", strategy, *TINY, "--steps", "2", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()

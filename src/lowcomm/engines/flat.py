@@ -256,6 +256,7 @@ class ShardedStrategy(Strategy):
     # buffer is this worker's own, zero at every step's start.
     local_state = ("extra.grads",)
     sharded_state = True
+    flat_buffers: tuple[str, ...] = ()  # extra_state() keys of flat, unsharded buffers (re-padded by member_state)
 
     @classmethod
     def elastic_refusal(cls, options, across_replicas):

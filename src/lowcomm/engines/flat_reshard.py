@@ -75,8 +75,17 @@ def cut(whole: dict, s) -> dict:
     (osd,) = whole["optimizers"]
     moments = {k: own(v) if _sharded(v, flat.numel) else v for k, v in osd["state"].get(0, {}).items()}
     master = whole["extra"]["master"]
+    buffers = {k: _repadded(whole["extra"][k], flat.params) for k in s.flat_buffers if k in whole["extra"]}
     return _with(whole, osd, moments, {"master": None if master is None else own(master),
-                                       "grads": torch.zeros_like(flat.grads)})
+                                       "grads": torch.zeros_like(flat.grads), **buffers})
+
+
+def _repadded(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A flat buffer of another world's padding in this one's (the padding is zero)."""
+    out = torch.zeros_like(like, dtype=buffer.dtype)
+    n = min(buffer.numel(), out.numel())
+    out[:n] = buffer[:n]
+    return out
 
 
 def _with(state: dict, osd: dict, moments: dict, sharded: dict) -> dict:
