@@ -44,8 +44,7 @@ SEQ, MICRO = 16, 2
 
 
 def test_the_strategies_that_run_elastically():
-    # acco still refuses (its round buffer holds a worker's gradients for the next round)
-    assert set(available()) - set(ELASTIC) == {"acco"}
+    assert set(available()) == set(ELASTIC)
 
 
 def options(name: str) -> dict:
