@@ -53,8 +53,8 @@ def loader_for(cfg: C.RunConfig, train, view: View, step: int) -> ShardedBatches
     records both); the steps a failure discarded are trained again by the new membership on its
     own data (re-assigned, not skipped)."""
     rank, world, position, positions = view.shard()  # a replica of K processes: its shard, split K ways
-    return ShardedBatches(train, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.seed * 1_000_003 + step,
-                          position, positions)
+    return ShardedBatches(train, rank, world, cfg.model.seq_len, cfg.loader_micro_batch,
+                          cfg.seed * 1_000_003 + step, position, positions)
 
 
 def val_for(cfg: C.RunConfig, val_tokens, view: View) -> list:
