@@ -1,7 +1,7 @@
 """--elastic as a user meets it: a worker SIGKILLed mid-run, with no restart left, is dropped by
 the survivors once its heartbeats stop (about 2 s), not after --member-timeout, and they finish the run; no step is logged (applied) twice; every
 live worker ends with the same parameters (by hash); a worker whose training thread is stuck is
-left out. Strategies that cannot run elastically are refused in one line. (Every fault kind, for
+left out. What a strategy declares it cannot run elastically is refused in one line. (Every fault kind, for
 each elastic strategy, in one run each: test_elastic_faults.py.)
 """
 from __future__ import annotations
@@ -55,6 +55,29 @@ def test_diloco_survivors_drop_a_killed_worker_by_its_heartbeats_and_finish(tmp_
 
 
 @pytest.mark.elastic
+def test_streaming_diloco_survivors_go_back_to_the_last_fragment_merge_and_take_the_restarted_worker_in(
+        tmp_path, monkeypatch, capfd):
+    # Fragments of H=4 merge a step after their syncs: commits at steps 3, 5, 7, ... Worker 1 dies
+    # inside a collective of step 6, with fragment 1's sync of that step in flight: the survivors
+    # drop it, go back to step 5's commit, and the restarted worker joins them there with their
+    # replicated state (θ_global of each fragment, the outer momentum) and a fresh local one.
+    out = tmp_path / "run"
+    err = train(out, monkeypatch, capfd, "--strategy", "streaming_diloco", "--sync-every", "4", "--fragments", "2",
+                "--fragment-delay", "1", "--steps", "12", "--max-restarts", "1", kill_in="1:6",
+                kill_log=str(tmp_path / "killed"))
+    assert "worker 1 failed: killed by signal SIGKILL; the others go on; restarting it (1 of 1)" in err
+    records, _ = check_finished(out, 12)
+    quorums = jsonl(out / "membership.jsonl")
+    # (the survivors form a quorum of their own first only when the restarted worker is late)
+    assert [q["step"] for q in quorums] in ([0, 5], [0, 5, 5]), quorums
+    back = quorums[-1]
+    assert back["slots"] == [0, 1, 2] and back["healed"] == [1] and back["committed"][1] == -1, back
+    for q in quorums:  # a joiner's replicated state equals its peers', and the state it resumed from
+        assert len(set(q["state_sha256"] + q["resumed_sha256"])) == 1, q
+    assert all(r["outer"]["contributors"] == len(r["members"]) for r in records if "outer" in r)
+
+
+@pytest.mark.elastic
 def test_a_step_the_members_committed_is_logged_when_the_lead_dies_before_writing_it(tmp_path, monkeypatch, capfd):
     # zero1's commit is not atomic: after the gather the members still gather the snapshot. Here the
     # lead (rank 0, steps.jsonl's writer) dies once all of them hold step 4, before writing it: the
@@ -103,11 +126,14 @@ def test_a_worker_whose_training_thread_is_stuck_stops_heartbeating_and_is_left_
         server.shutdown()
 
 
-@pytest.mark.parametrize("strategy", ["dpu", "acco", "streaming_diloco", "quantized"])
-def test_strategies_that_cannot_run_elastically_are_refused_in_one_line(strategy, capsys, tmp_path):
-    assert main(["train", "--strategy", strategy, *TINY, "--steps", "2", "--out", str(tmp_path / "r")]) == 2
+@pytest.mark.parametrize("flags, line", [
+    (["--strategy", "diloco", "--sync-by", "time"], "--elastic does not run strategy 'diloco': it needs --sync-by steps"),
+    (["--strategy", "zero1", "--workers", "4", "--replicas", "2"],
+     "--elastic with --replicas does not run strategy 'zero1': its commit points gather the shards")])
+def test_what_a_strategy_declares_it_cannot_run_elastically_is_refused_in_one_line(flags, line, capsys, tmp_path):
+    assert main(["train", *TINY, *flags, "--steps", "2", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: --elastic does not run strategy '{strategy}': ") and "\n" not in err, err
+    assert err.startswith(f"error: {line}") and "\n" not in err, err
     assert not (tmp_path / "r").exists()
 
 

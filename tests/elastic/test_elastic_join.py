@@ -71,15 +71,16 @@ def test_a_worker_joined_from_another_terminal_trains_with_the_live_state(tmp_pa
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("LOWCOMM_TEST_HOLD_FOR_JOINER", str(HOLD))
     out = tmp_path / "run"
-    # diloco (a join with ddp and zero1: test_elastic_faults.py). The run also uses a lighthouse
-    # given with --lighthouse, which outlives it.
-    joiner = train_with_a_joiner(out, "--strategy", "diloco", "--sync-every", "4", "--lighthouse", lighthouse)
+    # sparseloco: diloco whose workers each keep an error-feedback residual, which the joiner starts
+    # at zero (a join with ddp, zero1 and diloco: test_elastic_faults.py). The run also uses a
+    # lighthouse given with --lighthouse, which outlives it.
+    joiner = train_with_a_joiner(out, "--strategy", "sparseloco", "--sync-every", "4", "--lighthouse", lighthouse)
     assert "joining the run" in joiner.stdout and "as worker 2" in joiner.stdout
     records, summary = check_finished(out, STEPS)
     assert summary["elastic"]["members"] == [0, 1, 2]  # ends with 3 members, equal hashes (check_finished)
     join = next(q for q in jsonl(out / "membership.jsonl") if 2 in q["healed"])
     assert join["slots"] == [0, 1, 2] and join["committed"][2] == -1 and join["step"] == HOLD
-    # The joiner's state (parameters, optimizer and strategy state) equals its peers' when it starts training.
+    # The joiner's replicated state (θ_global, the outer state) equals its peers' when it starts training.
     assert len(set(join["state_sha256"])) == 1, join
     # Its steps are the run's: from the join on, every record names it, and it trained each of them.
     assert [r["members"] for r in records] == [[0, 1]] * HOLD + [[0, 1, 2]] * (STEPS - HOLD)

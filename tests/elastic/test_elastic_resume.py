@@ -1,7 +1,8 @@
 """Checkpoints and --resume of an elastic run: checkpoints are written at commit points by the
 members of the time; `lowcomm train --resume` continues the run bit for bit with as many workers
 as wrote the checkpoint, and with the workers it is started with otherwise (here 3 after 2,
-stopped again with --stop-at)."""
+stopped again with --stop-at), for ddp, zero1 (its shards put together and cut anew) and
+sparseloco (a worker's own residual: the third worker's starts at zero)."""
 from __future__ import annotations
 
 import json
@@ -41,8 +42,8 @@ def whole_state_hash(checkpoint: Path, strategy: str) -> str:
     """The hash of the state every member must hold, read from a checkpoint's files here: zero1's
     moments and master copy joined from the ranks' shards in rank order (cut to the model's size)."""
     from lowcomm.checkpoint import read, read_state
-    from lowcomm.elastic.support import replicated
     from lowcomm.elastic.transfer import state_hash
+    from lowcomm.strategies.registry import get
 
     found = read(checkpoint)
     states = [read_state(found, r)["strategy"] for r in range(found.world)]
@@ -56,14 +57,17 @@ def whole_state_hash(checkpoint: Path, strategy: str) -> str:
         if state["extra"]["master"] is not None:
             state["extra"]["master"] = torch.cat([st["extra"]["master"] for st in states])[:numel]
         state["extra"].pop("grads", None)
-    return state_hash(replicated(strategy, state))
+    return state_hash(get(strategy).replicated_state(state))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
-def test_an_elastic_run_resumes_bit_for_bit_and_with_the_workers_it_finds(strategy, tmp_path, capfd, monkeypatch):
+@pytest.mark.parametrize("flags", [["ddp"], ["zero1"], ["sparseloco", "--sync-every", "4"]],
+                         ids=["ddp", "zero1", "sparseloco"])
+def test_an_elastic_run_resumes_bit_for_bit_and_with_the_workers_it_finds(flags, tmp_path, capfd, monkeypatch):
+    # sparseloco: each worker's error-feedback residual is its own; the third worker starts it at zero
+    strategy = flags[0]
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     whole = tmp_path / "whole"
-    lowcomm(capfd, "train", *TINY, "--workers", "2", "--strategy", strategy, "--steps", str(STEPS), "--checkpoint-every", "4",
+    lowcomm(capfd, "train", *TINY, "--workers", "2", "--strategy", *flags, "--steps", str(STEPS), "--checkpoint-every", "4",
             "--keep", "3", "--out", str(whole))
     assert sorted(p.name for p in whole.glob("ckpt-*")) == ["ckpt-000004", "ckpt-000008", "ckpt-000012"]
     assert json.loads((whole / "ckpt-000008" / "manifest.json").read_text())["world"] == 2

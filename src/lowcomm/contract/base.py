@@ -27,6 +27,8 @@ implements only the hooks its algorithm needs:
     resolve(options)       classmethod, optional: (name, options, note) of the strategy an older
                            spelling runs (quantized --bits 1 is onebit_adam); absent: itself
     release()              stop the threads the strategy holds (default: nothing)
+    local_state, commits_at, commit_state ...   how its state survives a change of membership
+                           (--elastic): contract/elastic.py
 
 The constructor is called with the model, a Comm, make_optimizer(params), accum, the
 schedule (step -> lr), validated options, the run's length (None if unknown) and `inside`.
@@ -55,6 +57,7 @@ import torch.nn as nn
 from ..comm import Comm
 from ..errors import UsageError
 from ..models.layout import ModelLayout, layout_of, trainable
+from .elastic import ElasticPart
 from .context import Schedule, StepContext, apply_schedule, tensor_bytes
 from .options import Options
 from .plan import Planned, PlannedOp
@@ -63,7 +66,7 @@ from .replica import ReplicaPart
 MakeOptimizer = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
-class Strategy(Planned, ReplicaPart):
+class Strategy(Planned, ReplicaPart, ElasticPart):
     """Data-parallel training, one micro-batch at a time (see the module docstring)."""
 
     name: ClassVar[str] = ""

@@ -1,29 +1,20 @@
-"""Which strategies run with --elastic, and why the others are refused (one line each).
+"""What an elastic run can take, in one line each, and what it reads of its strategy.
 
-A strategy runs elastically when, at its commit points, the whole state that must agree across
-workers can be rolled back to the last commit and sent to a joiner: ddp (every step; all of its
-state is replicated), zero1 (every step, its sharded optimizer state gathered whole: reshard.py)
-and diloco (every outer sync, when every worker is reset to θ_global).
+A strategy runs elastically by declaring how its state survives a change of membership, in its
+own file (contract/elastic.py: its local state, its commit points, how a sharded state is re-cut);
+the runtime here names no strategy. One that cannot (yet) says why (`elastic_refusal`).
 """
 from __future__ import annotations
 
-import dataclasses
+from typing import Callable
 
 from ..errors import UsageError
+from ..strategies.registry import get
 
-SUPPORTED = ("ddp", "zero1", "diloco")
-WHY_NOT = {
-    "acco": "its rounds run beside the next step's compute and its optimizer state is sharded, so no step "
-            "boundary is a point every worker can roll back to",
-    "dpu": "each step applies the previous step's gradient, in flight across the boundary, and its optimizer "
-           "state is sharded",
-    "streaming_diloco": "its fragments sync at different steps, so no step has every worker on the same state",
-    "sparseloco": "each worker keeps its own error-feedback residual, which a joiner cannot take from a peer",
-    "demo": "each worker keeps its own momentum residual, which a joiner cannot take from a peer",
-    "quantized": "each worker keeps its own error-feedback residuals, which a joiner cannot take from a peer",
-    "onebit_adam": "each worker keeps its own error-feedback residuals, which a joiner cannot take from a peer",
-    "powersgd": "its compressor keeps per-worker error feedback inside torch's DDP hook state",
-}
+
+def strategy_class(cfg):
+    """The class of the run's strategy: what it declares about elasticity."""
+    return get(cfg.strategy)
 
 
 def check(cfg) -> None:
@@ -37,10 +28,11 @@ def check(cfg) -> None:
     from ..config.nodes import under_torchrun
     if under_torchrun():  # each torchrun job is one replica (replicas.py)
         check_torchrun(cfg)
-    if cfg.strategy not in SUPPORTED:
-        why = WHY_NOT.get(cfg.strategy, "it does not declare how its state survives a change of the group")
-        raise UsageError(f"--elastic does not run strategy '{cfg.strategy}': {why} "
-                         f"(elastic strategies: {', '.join(SUPPORTED)})")
+    across = under_torchrun() or bool(cfg.replicas and cfg.replicas != cfg.workers)
+    why = strategy_class(cfg).elastic_refusal(cfg.strategy_options(), across)
+    if why:
+        where = "" if not across else " under torchrun" if under_torchrun() else " with --replicas"
+        raise UsageError(f"--elastic{where} does not run strategy '{cfg.strategy}': {why}")
     if cfg.min_workers < 0 or cfg.min_workers > cfg.workers and not under_torchrun():  # torchrun: replicas
         raise UsageError(f"--min-workers must be between 1 and --workers ({cfg.workers}), got {cfg.min_workers}")
     if not 0 <= cfg.member_timeout <= cfg.timeout:
@@ -48,13 +40,8 @@ def check(cfg) -> None:
                          f"got {cfg.member_timeout:g}")
     if cfg.replicas and cfg.replicas != cfg.workers and not under_torchrun():  # a slot: a replica of W/R processes
         check_replicas(cfg, "with --replicas")
-    if cfg.strategy == "diloco":
-        o = cfg.strategy_options()
-        if o.sync_by != "steps":
-            raise UsageError("--elastic needs diloco's --sync-by steps: its commit points are the outer syncs, "
-                             "which must fall on the same step on every worker")
     from .checkpoints import check as check_checkpoints
-    check_checkpoints(cfg, commit_every(cfg))
+    check_checkpoints(cfg, commit_points(cfg))
     for flag, value in (("--checkpoint-on-signal", cfg.checkpoint_on_signal), ("--trace", cfg.trace), ("--slowdown", cfg.slowdown), ("--stragglers", cfg.stragglers)):
         if value:
             raise UsageError(f"{flag} does not run with --elastic yet")
@@ -83,23 +70,26 @@ def check_replicas(cfg, where: str) -> None:
     if cfg.inside != "ddp":
         raise UsageError(f"--elastic {where} runs --inside ddp, not '{cfg.inside}': its commit points keep "
                          f"each process's whole part of the state, which an fsdp replica shards")
-    if cfg.strategy == "zero1":
-        raise UsageError(f"--elastic {where} runs ddp and diloco across replicas; zero1's commit points gather "
-                         f"its shards over one worker a replica (run it with one worker a replica)")
     for flag, value in (("--checkpoint-every", cfg.checkpoint_every), ("--stop-at", cfg.stop_at),
                         ("--resume", cfg.resume_from)):
         if value:
             raise UsageError(f"{flag} does not run with --elastic {where} yet")
 
 
-def commit_every(cfg) -> int:
-    """Steps between commit points: ddp every step, diloco every outer sync (H)."""
-    return cfg.strategy_options().sync_every if cfg.strategy == "diloco" else 1
+def commit_points(cfg) -> Callable[[int], bool]:
+    """Is trainer step `step` (from 1) a commit point: one the strategy declares, or the last."""
+    commits, options = strategy_class(cfg).commits_at, cfg.strategy_options()
+    return lambda step: step == cfg.steps or commits(options, step)
+
+
+def redoes_last_step(cfg) -> bool:
+    """Does a failed commit redo only its last step (rounds.py), as the strategy declares?"""
+    return strategy_class(cfg).redoes_last_step(cfg.strategy_options())
 
 
 def min_workers(cfg) -> int:
     """The live slots (workers; replicas with --replicas or under torchrun) below which an elastic
-    run fails, which its first quorum waits for and an outer step needs (diloco). When not given:
+    run fails, which its first quorum waits for and an outer step needs (the local-SGD family). When not given:
     every worker, every replica of `--replicas R`, under torchrun 1 (each job is one replica)."""
     from ..config.nodes import under_torchrun
     return cfg.min_workers or cfg.replicas or (1 if under_torchrun() else cfg.workers)
@@ -116,47 +106,17 @@ def member_timeout(cfg) -> float:
     return cfg.member_timeout or min(MEMBER_TIMEOUT_S, cfg.timeout)
 
 
-def replicated(strategy: str, state: dict) -> dict:
-    """The tensors of a commit point's state (reshard.snapshot) that every member holds alike:
-    all of ddp's and of zero1's whole state; diloco's parameters (= θ_global after a sync),
-    θ_global and the outer optimizer (each worker's inner optimizer is its own)."""
-    out = {f"model.{k}": v for k, v in state["model"].items()}
-    optimizers = state["optimizers"][1:] if strategy == "diloco" else state["optimizers"]
-    for i, osd in enumerate(optimizers):
-        for p, st in osd["state"].items():
-            for k, v in st.items():
-                if hasattr(v, "dtype"):
-                    out[f"opt{i}.{p}.{k}"] = v
-    if strategy != "ddp":
-        for k, v in _tensors(state["extra"]).items():
-            out[f"extra.{k}"] = v
-    return out
-
-
-def _tensors(obj, prefix: str = "") -> dict:
-    if hasattr(obj, "dtype"):
-        return {prefix: obj}
-    if isinstance(obj, dict):
-        return {k2: v2 for k, v in obj.items() for k2, v2 in _tensors(v, f"{prefix}.{k}").items()}
-    if isinstance(obj, (list, tuple)):
-        return {k2: v2 for i, v in enumerate(obj) for k2, v2 in _tensors(v, f"{prefix}.{i}").items()}
-    return {}
-
-
 def strategy_options(cfg):
-    """The strategy's options as an elastic run uses them: the local-SGD family's outer merge
-    weighted by the tokens each member trained since the last sync (token_weights.py)."""
-    options = cfg.strategy_options()
-    return dataclasses.replace(options, outer_weights="tokens") if hasattr(options, "outer_weights") else options
+    """The strategy's options as an elastic run uses them (the local-SGD family's outer merge
+    weighted by the tokens each member trained since the last sync: token_weights.py)."""
+    return strategy_class(cfg).elastic_options(cfg.strategy_options())
 
 
 def configure(run, cfg) -> None:
-    """--min-workers is the quorum of an outer step too: members that trained (diloco)."""
-    if hasattr(run.strategy, "min_contributors"):
-        run.strategy.min_contributors = min_workers(cfg)
+    """--min-workers is the quorum of an update that merges what the members trained."""
+    run.strategy.require_contributors(min_workers(cfg))
 
 
 def outer_record(run) -> dict | None:
-    """steps.jsonl's `outer` at an outer sync: the workers that contributed, their tokens."""
-    contribution = getattr(run.strategy, "contribution", None)
-    return contribution() if contribution is not None else None
+    """steps.jsonl's `outer` at a commit: the workers that contributed to its merge, their tokens."""
+    return run.strategy.contribution()

@@ -16,6 +16,7 @@ shard's optimizer has one param group per piece with that group's hyperparameter
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from ..contract.base import Strategy
 from ..contract.context import StepContext, schedule_like
 from ..contract.options import Options, option
 from ..contract.plan import flat_numel
+from . import flat_reshard
 
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the model's own dtype
 
@@ -248,6 +250,28 @@ class ShardedStrategy(Strategy):
         # buffer and silently drop gradients: say so at the backward that shows it.
         self.flat.check_views()
         return super().after_backward(ctx)
+
+    # --elastic (contract/elastic.py): θ, the optimizer state and the master copy are replicated once
+    # gathered whole at a commit (flat_reshard.py) and re-cut for each membership; the flat gradient
+    # buffer is this worker's own, zero at every step's start.
+    local_state = ("extra.grads",)
+    sharded_state = True
+    flat_buffers: tuple[str, ...] = ()  # extra_state() keys of flat, unsharded buffers (re-padded by member_state)
+
+    @classmethod
+    def elastic_refusal(cls, options, across_replicas):
+        if across_replicas:
+            return "its commit points gather the shards over one worker a replica (run it with one worker a replica)"
+        return None
+
+    def commit_state(self, sd: dict) -> dict:
+        return flat_reshard.gathered(sd, self)
+
+    def member_state(self, whole: dict) -> dict:
+        return flat_reshard.cut(copy.deepcopy(whole), self)
+
+    def whole_from_shards(self, states: list[dict]) -> dict:
+        return flat_reshard.from_shards(states, self.flat.numel)
 
     def extra_state(self) -> dict:
         master = self.shard_opt.master.detach().clone() if not self.shard_opt.aliased else None

@@ -57,6 +57,12 @@ def plan_occurrences(op: PlannedOp, steps: int) -> int:
     return op.occurrences(steps - 1) + 1
 
 
+def merges_at(step: int, every: int, fragments: int, delay: int) -> bool:
+    """Does some fragment's sync merge at trainer step `step` (from 1): ⌊f·H/F⌋ + τ (mod H)?"""
+    offsets = ((f * every) // fragments for f in range(fragments))
+    return any(step >= (offset or every) + delay and (step - offset - delay) % every == 0 for offset in offsets)
+
+
 class OuterSync:
     """Fragment-wise outer syncs of `params` cut into `groups` (tensor indices per fragment,
     empty ones never sync): Δ on the wire every `every` trainer steps, merged `delay` later."""
@@ -193,6 +199,12 @@ class OuterSync:
         finally:
             write_flat(local, params)
 
+    @torch.no_grad()
+    def restart_from_globals(self) -> None:
+        """Every fragment's local θ <- θ_global: where a worker starts (a joiner too)."""
+        for (_, ps), g in zip(self.fragments, self.globals):
+            write_flat(g.detach(), ps)
+
     def use_comm(self, comm: Comm) -> None:
         """The next syncs run on `comm` (nothing may be in flight: `wait` first)."""
         assert not self.in_flight, "the group changed while an outer sync is in flight"
@@ -232,8 +244,12 @@ class OuterSync:
             self.clock.load_state_dict(sd)
 
     def release(self) -> None:
-        """Never leave a collective unwaited."""
+        """Never leave a collective unwaited. After a failed collective (a member lost, --elastic
+        rolls back) a sync in flight on that group fails too, and nothing of it is kept."""
         for ticket in self.in_flight.values():
             for h in ticket.handles:
-                h.wait()
+                try:
+                    h.wait()
+                except RuntimeError:  # gloo's DistBackendError: the group is broken, drop the sync
+                    continue
         self.in_flight.clear()

@@ -125,6 +125,23 @@ class ACCO(OverlappedStrategy):
                    for op in plans.intra if op.collective == "reduce_scatter"]
         return LevelPlans(two_rounds(plans.intra) + startup, plans.cross)
 
+    # --elastic (contract/elastic.py) -----------------------------------------------------------
+    # θ (or θ̃, all-gathered), the optimizer state, the master copy and the round bookkeeping are
+    # replicated (the sharded parts gathered whole and re-cut, as zero1's). The gradients G summed
+    # since the last round, and B with them, are this worker's own: a joiner holds none, so its first
+    # round votes no micro-batch (as a closed rank does; the round divides by the others' count) and
+    # it contributes from its next. Commit point: every step (no round is in flight between steps).
+    local_state = ("extra.grads", "extra.buffer", "extra.buffer_count", "extra.local_count")
+    flat_buffers = ("buffer",)  # one world's flat layout: re-padded for another membership
+
+    def join_from_peer(self):
+        self.joined = True
+
+    def launch(self, estimate, votes=None):
+        joined, self.joined = getattr(self, "joined", False), False
+        super().launch(estimate, (0, 0) if joined and votes is None else votes)
+    # ----------------------------------------------------------------------------------------------
+
     def begin_step(self, ctx):
         if self.starting:  # G must hold ∇θ_0 before the first round can start
             self.flat.zero_grad()

@@ -23,6 +23,11 @@ shapes in the same param group (one lr) are transformed as one stack
 `self.deltas` holds each parameter's rows of it (views, in DCTTopK's coefficient layout):
 that is what the checkpoint's "dct_momenta" saves and loads, bit-exact. `momentum()`
 decodes δ. The wire stays per tensor, in parameter order.
+
+Under --elastic (contract/elastic.py) θ is replicated (every worker applies the same sign(Q)) and
+δ̂ is each worker's own: never communicated in the algorithm, it is what this worker has not yet
+sent. A joiner starts it at zero, as every worker did at step 0 (and as the authors' optimizer
+creates it, zeros at its first step); survivors keep theirs. Commit point: every step.
 """
 from __future__ import annotations
 
@@ -65,6 +70,7 @@ class DeMoOptions(Options):
 class DeMo(Strategy):
     Options = DeMoOptions
     inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
+    local_state = ("extra.dct_momenta",)  # --elastic: δ̂, this worker's own; a joiner's is zero (docstring)
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)

@@ -12,9 +12,18 @@ its last step (or when closed), so the saved model is θ_global; evaluation sees
 The syncs are the outer-sync engine's (outer_sync.py, shared with Streaming DiLoCo and
 SparseLoCo); beyond the paper, Δ may travel in bf16, int8/int4 or a compressor SPEC with
 error feedback (outer_wire.py), phases may fit each worker's speed (sync_by_time.py).
+
+Under --elastic (contract/elastic.py) the commit points are the outer syncs, where every member
+holds θ_global and the outer momentum alike: that is the state a joiner receives, as a torchft
+DiLoCo fragment registers exactly its global parameters and outer optimizer. The rest is each
+worker's own, and a joiner starts it as a fresh worker at step 0 did: its local θ at θ_global,
+an empty inner optimizer (AdamW at zero moments, step 0), no error-feedback residual for
+--outer-compress (zero) and nothing trained since the sync. The merge is token-weighted, so a
+joiner counts for what it trained.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -125,6 +134,41 @@ class DiLoCo(Strategy):
                                      nesterov=o.outer_nesterov and o.outer_momentum > 0)
         self.inner_steps, self.last_loss = 0, float("nan")
         self.min_contributors = 1  # --outer-weights tokens: an outer step needs this many workers that trained
+
+    # --elastic (the module docstring): the worker's own parts; θ_global, the outer momentum and the
+    # syncs' schedule are replicated.
+    local_state = ("model", "optimizers.0.state", "extra.since", "extra.tokens", "extra.outer_residuals")
+
+    @classmethod
+    def commits_at(cls, options, step):
+        return outer_sync.merges_at(step, options.sync_every, *options.streaming()[:2])
+
+    @classmethod
+    def redoes_last_step(cls, options):
+        # before a commit's step no sync is in flight (with τ = 0); H = 1 commits every step anyway
+        return options.streaming()[1] == 0 and options.sync_every > 1
+
+    @classmethod
+    def elastic_refusal(cls, options, across_replicas):
+        if options.sync_by != "steps":
+            return ("it needs --sync-by steps: its commit points are the outer syncs, which must fall on the "
+                    "same step on every worker")
+        return None
+
+    @classmethod
+    def elastic_options(cls, options):
+        # members come and go: each counts for the tokens it trained since the last sync
+        return dataclasses.replace(options, outer_weights="tokens")
+
+    def require_contributors(self, n):
+        self.min_contributors = n
+
+    @classmethod
+    def fresh_local(cls, path, value):
+        return value if path == "model" else super().fresh_local(path, value)  # θ_global: join_from_peer
+
+    def join_from_peer(self):
+        self.sync.restart_from_globals()
 
     def begin_step(self, ctx):
         ctx.lr = self.set_lr(ctx.step, [self.inner])

@@ -7,6 +7,12 @@ communication thread while g(θ_t) is computed, so communication hides behind
 compute, at the price of a one-step-stale gradient. The first `warmup_steps`
 steps are synchronous ZeRO-1 steps; the first delayed step only computes the
 gradient that the next one applies (it sends nothing).
+
+Under --elastic (contract/elastic.py) θ, the optimizer state and the master copy are replicated
+(gathered whole and re-cut, as zero1's); the round buffer B, which holds this worker's g(θ_{t-1})
+between steps, is its own. A joiner holds none: its first delayed round carries nothing of it
+(it takes part as a closed rank does, voting no micro-batch, and the round divides by the
+others' count), as DPU's own first delayed step sends nothing. Commit point: every step.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ class DPU(OverlappedStrategy):
         super().__init__(*args, **kwargs)
         self.warmup_steps = self.options.warmup_steps
         self.updates = 0
+        self.fresh = False  # a joiner that holds no gradient in B yet (--elastic)
 
     @classmethod
     def plan_occurrences(cls, op, steps, options):
@@ -54,12 +61,20 @@ class DPU(OverlappedStrategy):
         # ZeRO-1's plus the round buffer B
         return super().model_state_bytes(num_params, world, options) + cls.flat_bytes(num_params, world, options)
 
+    # --elastic (the module docstring): B and what it counts are this worker's own
+    local_state = ("extra.grads", "extra.buffer", "extra.buffer_count")
+    flat_buffers = ("buffer",)  # one world's flat layout: re-padded for another membership
+
+    def join_from_peer(self):
+        self.fresh = True  # its next delayed round votes no micro-batch
+
     def begin_step(self, ctx):
         ctx.lr = self.set_lr(self.updates)
         self.synchronous = self.steps_done < self.warmup_steps
         self.delayed = self.steps_done > self.warmup_steps  # g(θ_{t-1}) waits in B (the first delayed step: none)
+        fresh, self.fresh = self.fresh, False
         if self.delayed:
-            self.launch(estimate=False)
+            self.launch(estimate=False, votes=(0, 0) if fresh else None)
         self.flat.zero_grad()
 
     def update(self, ctx):

@@ -19,6 +19,12 @@ T0 is --freeze-variance-after; by default a fifth of the run (on the corpus reci
 60 warm-up steps ended 1.3 % above ddp, 30 ended 3.5 % above). Bytes per step: 2(W-1)/W · 4P in
 the warm-up, then 2(W-1)/W · (P/8 + 4P/block) (P padded to W whole blocks).
 `lowcomm train --strategy quantized --bits 1` is the older spelling of this strategy.
+
+Under --elastic (contract/elastic.py) θ, Adam's m (shared: every rank steps on the same mean) and
+the frozen v are replicated; the worker and server error-feedback residuals are each rank's own,
+and a joiner starts them at zero, as DeepSpeed's OnebitAdam resets them whenever it loads a
+checkpoint (distinct on every GPU; resetting them did not affect BERT's convergence, DeepSpeed's
+code notes). Commit point: every step.
 """
 from __future__ import annotations
 
@@ -87,6 +93,7 @@ class OneBitAdam(Strategy):
     reproducible_options = {"freeze_variance_after": 2}
     inside_replica = ("ddp",)  # across replica groups: each position's blocks (comm.compressed.SplitByPosition)
     owns_tensors = False
+    local_state = ("extra.residuals",)  # --elastic: the error feedback, this rank's own; a joiner's is zero
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)

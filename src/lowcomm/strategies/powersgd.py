@@ -22,6 +22,11 @@ wrapper: the hook runs once the step's gradients are in, on one bucket (across r
 the tensors this rank's position owns, after the replica's mean of them, Strategy.reduce_inside;
 its first Qs are drawn per parameter, so the K groups together compute what R single workers
 would).
+
+Under --elastic (contract/elastic.py) θ, the optimizer state and torch's hook state but the error
+feedback are replicated (P and Q are all-reduced, so the warm-started Q is every rank's); the
+error feedback is each rank's own, and a joiner starts it at zero: torch's hook creates a zero
+error tensor for a bucket it holds none for, as at the step PowerSGD starts. Commit point: every step.
 """
 from dataclasses import dataclass
 
@@ -70,6 +75,7 @@ class PowerSGD(DDP):
     checkpoint_replicated = False  # the hook's error feedback differs per rank
     inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns, without DDP
     owns_tensors = True
+    local_state = ("extra.powersgd.error_dict",)  # --elastic: the error feedback; a joiner's is zero
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         Strategy.__init__(self, model, comm, make_optimizer, *args, **kwargs)

@@ -16,6 +16,12 @@ its second moment: 1-bit Adam (strategy onebit_adam) freezes it after an exact w
 compresses the momentum instead. `--bits 1` once meant 1-bit Adam, and with
 --freeze-variance-after -1 (the default) or N > 0 it still does (`resolve` hands the run to
 onebit_adam, with a note); `--freeze-variance-after 0` sends 1-bit gradients.
+
+Under --elastic (contract/elastic.py) θ and the optimizer state are replicated (every rank steps
+on the same mean) and the two error-feedback residuals are each rank's own: a joiner starts them
+at zero, as DeepSpeed's 1-bit Adam resets the compression errors whenever it loads a checkpoint
+(they are distinct on every GPU, and resetting them was verified not to hurt convergence).
+Commit point: every step.
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ class Quantized(Strategy):
     Options = QuantizedOptions
     inside_replica = ("ddp",)  # across replica groups: each position's blocks (comm.compressed.SplitByPosition)
     owns_tensors = False
+    local_state = ("extra.residuals",)  # --elastic: the error feedback, this rank's own; a joiner's is zero
 
     @classmethod
     def resolve(cls, options: QuantizedOptions):

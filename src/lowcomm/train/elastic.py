@@ -1,14 +1,16 @@
 """An elastic worker: train between commit points; on a lost peer roll back and re-form.
 
-A commit point is where every member holds the same state: after every step for ddp, after
-every outer sync (every H steps) for diloco. There the members gather the steps' records (the
-gather is the commit: a member that got them knows every member finished those steps), rank 0
-writes them to steps.jsonl, and each member keeps a copy of its state (the snapshot).
+A commit point is where every member holds the same replicated state, as the strategy declares
+(contract/elastic.py): after every step, or after each outer sync of the local-SGD family. There
+the members gather the steps' records (the gather is the commit: a member that got them knows
+every member finished those steps), rank 0 writes them to steps.jsonl, and each member keeps a
+copy of its state (the snapshot: replicated and local parts, a sharded state gathered whole).
 
 When a collective fails (a peer died: gloo reports the closed connection at once), the member
 drops the run built on the broken group, goes back to its snapshot -- the steps since are
 discarded, never half-applied -- and asks the lighthouse for a quorum with its committed step.
-In the new quorum the members behind the newest take its state from a peer (transfer.py), so a
+In the new quorum the members behind the newest take its state from a peer (transfer.py), its
+local parts started as a fresh worker's (zeros: a residual is never copied from a peer), so a
 step that some member committed is kept and none is applied twice; the members then train on
 from that step, each on the data its new rank and the new world size give (see `loader_for`).
 A joiner (a restarted worker, or one more from `lowcomm join`) asks for a quorum as soon as it
@@ -36,17 +38,12 @@ from ..metrics.runlog import StepLog, result_vector, step_record
 from ..metrics.summary import Totals
 from ..models import lm_loss
 from .worker import LoopResult, Trainer, build_model, evaluate, pick_device
-from ..elastic import checkpoints, reshard, support, transfer
+from ..elastic import checkpoints, support, transfer
 from . import replica_run
-from .rounds import RoundState
-from ..elastic.support import commit_every
+from .rounds import RoundState, snapshot_of
 from ..elastic.membership import Membership, View, leave
 
 MAX_REFORMS_WITHOUT_PROGRESS = 20  # re-forming again and again without a commit: give up, one line
-
-
-def is_commit(cfg: C.RunConfig, step: int) -> bool:
-    return step % commit_every(cfg) == 0 or step == cfg.steps
 
 
 def loader_for(cfg: C.RunConfig, train, view: View, step: int) -> ShardedBatches:
@@ -56,8 +53,8 @@ def loader_for(cfg: C.RunConfig, train, view: View, step: int) -> ShardedBatches
     records both); the steps a failure discarded are trained again by the new membership on its
     own data (re-assigned, not skipped)."""
     rank, world, position, positions = view.shard()  # a replica of K processes: its shard, split K ways
-    return ShardedBatches(train, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.seed * 1_000_003 + step,
-                          position, positions)
+    return ShardedBatches(train, rank, world, cfg.model.seq_len, cfg.loader_micro_batch,
+                          cfg.seed * 1_000_003 + step, position, positions)
 
 
 def val_for(cfg: C.RunConfig, val_tokens, view: View) -> list:
@@ -87,9 +84,10 @@ class ElasticWorker:
         self.t_start = time.perf_counter()  # less the earlier parts' wall time in a resumed run
         self.log: StepLog | None = None  # rank 0's steps.jsonl
         self.lead_log: str | None = None  # the quorum lead's steps.jsonl (_log_file)
-        self.contributors: dict[int, int] = {}  # rank 0: outer sync step -> workers that contributed (diloco)
+        self.contributors: dict[int, int] = {}  # rank 0: outer sync step -> workers that contributed
         self.pending: list[torch.Tensor] = []  # this member's records of the steps since the last commit
-        self.round = RoundState() if commit_every(cfg) > 1 else None  # diloco: a failed sync redoes one step
+        self.is_commit = support.commit_points(cfg)
+        self.round = RoundState() if support.redoes_last_step(cfg) else None  # a failed sync redoes one step (rounds.py)
 
     # -- membership ---------------------------------------------------------------------
     def form(self, joining: bool) -> View:
@@ -103,7 +101,7 @@ class ElasticWorker:
         self.joins_seen = self._joins_answered()
         if self.snapshot is not None:
             self._load(self.snapshot)
-        else:  # the run's start: every member takes its snapshot (collective for zero1)
+        else:  # the run's start: every member takes its snapshot (collective when sharded)
             if self.cfg.resume_from and not joining:  # the first quorum of a resumed run
                 self.t_start -= checkpoints.load(self, view)
             self.snapshot = self._take_snapshot()
@@ -131,14 +129,19 @@ class ElasticWorker:
         """The state at a commit point, with `log`: the steps.jsonl records that commit made and
         the file they are due in (the quorum lead's). They travel with the state (transfer.heal),
         so the lead of the next quorum writes any the lead of this one did not: a commit is not
-        atomic. After the gather the members still evaluate and (zero1) gather the snapshot, both
+        atomic. After the gather the members still evaluate and (a sharded state) gather the snapshot, both
         collectives; a member can finish them while the lead fails in them or dies, and the step
         the others committed would have no record."""
-        return {"step": self.step, "strategy": reshard.snapshot(self.cfg.strategy, self.t.run),
-                "log": log or {"file": None, "records": []}}
+        return {"step": self.step, "strategy": snapshot_of(self.t.run), "log": log or {"file": None, "records": []}}
 
-    def _load(self, snapshot: dict) -> None:
-        reshard.load(self.cfg.strategy, self.t.run, snapshot["strategy"])
+    def _load(self, snapshot: dict, joining: bool = False) -> None:
+        """This member's state from a snapshot: its own, or (`joining`) a peer's, whose local
+        parts it starts as a fresh worker would (contract/elastic.py)."""
+        run = self.t.run
+        state = run.strategy.as_joiner(snapshot["strategy"]) if joining else snapshot["strategy"]
+        run.load_state_dict(run.strategy.member_state(state))
+        if joining:
+            run.strategy.join_from_peer()
         self.step = self.t.step = snapshot["step"]
         self.restart_data()
 
@@ -147,12 +150,12 @@ class ElasticWorker:
         self.t.loader = loader_for(self.cfg, self.train_tokens, self.view, self.step)
 
     def _resume(self, snapshot: dict) -> None:
-        """Take a peer's newer committed state (transfer.heal)."""
+        """Take a peer's newer committed state (transfer.heal), as a joiner."""
         self.snapshot = snapshot
-        self._load(snapshot)
+        self._load(snapshot, joining=True)
 
     def _hash(self, snapshot: dict) -> str:
-        return transfer.state_hash(support.replicated(self.cfg.strategy, snapshot["strategy"]))
+        return transfer.state_hash(self.t.run.strategy.replicated_state(snapshot["strategy"]))
 
     def _log_file(self) -> str | None:
         """This member's steps.jsonl, named across hosts. Under torchrun each job has its own --out,
@@ -160,7 +163,7 @@ class ElasticWorker:
         return None if self.out_dir is None else f"{socket.gethostname()}:{(self.out_dir / 'steps.jsonl').resolve()}"
 
     def _record(self, view: View, healed: list[int], resumed: str, in_round: int | None) -> None:
-        """membership.jsonl (rank 0): the quorum, from which committed step (and, for diloco, the
+        """membership.jsonl (rank 0): the quorum, from which committed step (and, redoing a round's last step, the
         round step it went back to: rounds.py), who received the state, and each member's hash of
         the committed state all must hold alike (equal after a join), taken after the state was
         loaded into this membership, with the hash of the committed state each resumed from
@@ -194,11 +197,11 @@ class ElasticWorker:
         cfg, t = self.cfg, self.t
         while self.step < checkpoints.end_step(cfg):
             self.m.progress()
-            if self.round is not None and is_commit(cfg, self.step + 1):
+            if self.round is not None and self.is_commit(self.step + 1):
                 self.round.keep(self)
             self.pending.append(result_vector(t.run.step(t.next_batch, lm_loss)))
             self.step = t.step = self.step + 1
-            if not is_commit(cfg, self.step):
+            if not self.is_commit(self.step):
                 continue
             joins = max(self._commit(self.pending), hold_for_joiner_if_asked(self.step, self.m, self.joins_seen))
             self.pending = []
@@ -221,7 +224,7 @@ class ElasticWorker:
         for r in records:
             r["members"], r["committed_at"] = list(self.view.slots), now
         outer = support.outer_record(t.run)
-        if outer is not None:  # diloco: who contributed to this commit's outer sync, and how much
+        if outer is not None:  # an outer sync: who contributed to it, and how much
             records[-1]["outer"] = outer
             self.contributors[self.step] = outer["contributors"]
         if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
@@ -263,7 +266,7 @@ class ElasticWorker:
         # fails at once instead of after --timeout, and joins the quorum too.
         leave()
         self.step = self.snapshot["step"] if self.snapshot is not None else 0
-        self.pending = []  # diloco's round state (rounds.py) may bring back those of the round
+        self.pending = []  # a round state (rounds.py) may bring back those of the round
 
     def stop(self) -> None:
         """--stop-at: the checkpoint is written; this part of the run ends without summary.json."""

@@ -1,6 +1,7 @@
-"""diloco under --elastic: a failed outer sync costs that sync, not the round before it.
+"""The local-SGD family under --elastic: a failed outer sync costs that sync, not the round before
+it (for strategies that declare `redoes_last_step`, contract/elastic.py).
 
-A diloco member trains H inner steps alone between outer syncs, so a peer's death or freeze is
+A local-SGD member trains H inner steps alone between outer syncs, so a peer's death or freeze is
 found only when the members reach the sync. Going back to the last commit would throw away every
 survivor's H inner steps. So before the step that ends a round, each member keeps its round state
 (its local parameters and inner optimizer after H-1 inner steps, the outer state, the records of
@@ -20,7 +21,12 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..metrics.runlog import absent_vector
-from ..elastic import reshard
+
+
+def snapshot_of(run) -> dict:
+    """The run's state as a member of any later membership can load it (collective where the
+    strategy's state is sharded: contract/elastic.py's commit_state)."""
+    return run.strategy.commit_state(run.state_dict())
 
 
 class RoundState:
@@ -33,7 +39,7 @@ class RoundState:
         """Before the step that ends a round (w: the ElasticWorker)."""
         if self.kept is None or self.kept["step"] != w.step:
             self.kept = {"step": w.step, "base": w.snapshot["step"], "pending": list(w.pending),
-                         "state": {"step": w.step, "strategy": reshard.snapshot(w.cfg.strategy, w.t.run)}}
+                         "state": {"step": w.step, "strategy": snapshot_of(w.t.run)}}
 
     def forget(self) -> None:
         """The round committed: its state is of no more use."""

@@ -1,0 +1,199 @@
+"""The elastic contract every strategy that runs with --elastic keeps (contract/elastic.py),
+checked over the registry: a strategy is covered the moment it stops refusing --elastic.
+
+- its declaration is complete: at every commit point of a W=2 run, every member's replicated
+  state (what `local_state` leaves) hashes alike -- a residual left undeclared differs per
+  worker and fails here;
+- a joiner that loads a peer's commit state holds a fresh worker's local state (every local
+  tensor zero; a local θ at the parameters a fresh worker starts from, the ones evaluated) and
+  the replicated state of its peer, bit for bit; and the two go on to their next commit point
+  with equal replicated states again;
+- a no-fault `lowcomm train --elastic` run equals the plain run bit for bit (every step's loss,
+  the final validation loss and parameters).
+All strategies share one W=2 spawn for the first two; the CLI pair is two short runs each.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lowcomm
+from lowcomm.cli.main import main
+from lowcomm.contract.elastic import replaced
+from lowcomm.contract.options import cli_flag
+from lowcomm.elastic.transfer import state_hash
+from lowcomm.run.driver import make_run
+from lowcomm.strategies import available, get
+
+from dist_utils import run_dist
+
+# Options under which commits come within a few steps: the local-SGD family syncs every 2 (streaming
+# diloco: 2 fragments of a period of 4, each merged a step after its sync: commits at 3, 5, 7, ...);
+# the compressors past their warm-ups, so their residuals are live at the commits checked.
+SHORT = {"diloco": {"sync_every": 2}, "sparseloco": {"sync_every": 2},
+         "streaming_diloco": {"sync_every": 4, "fragments": 2, "fragment_delay": 1},
+         "powersgd": {"start": 2}, "onebit_adam": {"freeze_variance_after": 2}, "dpu": {"warmup_steps": 2}}
+ELASTIC = [n for n in available()
+           if get(n).elastic_refusal(get(n).Options(**SHORT.get(n, {})).validate(n), False) is None]
+SEQ, MICRO = 16, 2
+
+
+def test_the_strategies_that_run_elastically():
+    assert set(available()) == set(ELASTIC)
+
+
+def options(name: str) -> dict:
+    values = {**get(name).reproducible_options, **SHORT.get(name, {})}
+    if "outer_weights" in {f for f in get(name).Options.__dataclass_fields__}:
+        values["outer_weights"] = "tokens"  # as --elastic runs the local-SGD family
+    return values
+
+
+def build(name: str, seed: int):
+    torch.manual_seed(seed)
+    model = lowcomm.GPT(vocab_size=256, seq_len=SEQ, n_layer=2, n_head=2, d_model=16)
+    return make_run(name, model, lowcomm.Comm(), lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                    accum=2, schedule=lambda step: 1e-2, **options(name))
+
+
+def to_commit(run, rank: int, after: int) -> int:
+    """Train until the first commit point past step `after`; returns that step."""
+    o = run.options
+    while True:
+        step = run.steps_done
+        micro = iter(range(1000))
+        run.step(lambda: batch(step, rank, next(micro)), lowcomm.lm_loss)
+        if run.steps_done > after and run.strategy.commits_at(o, run.steps_done):
+            return run.steps_done
+
+
+def batch(step: int, rank: int, micro: int):
+    g = torch.Generator().manual_seed(100_000 * step + 100 * rank + micro)
+    seq = torch.randint(0, 256, (MICRO, SEQ + 1), generator=g)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def commit_hash(run) -> tuple[dict, str]:
+    state = run.strategy.commit_state(run.state_dict())
+    return state, state_hash(run.strategy.replicated_state(state))
+
+
+def local_parts(strategy, state: dict) -> dict[str, object]:
+    """The value at each of the strategy's local paths in `state` (absent ones left out)."""
+    found = {}
+    for path in strategy.local_state:
+        replaced(state, path, lambda value, path=path: found.setdefault(path, value))
+    return found
+
+
+def _join_life(rank, world, names):
+    out = {}
+    for name in names:
+        run = build(name, seed=1234)
+        first = to_commit(run, rank, after=2)
+        peer, mine = commit_hash(run)
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        box = [peer if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        run.release()
+        # Both build a new run, as a re-formed membership does; rank 1 joins from rank 0's state.
+        run = build(name, seed=99 + rank)  # other parameters: what it holds must come from the state
+        s = run.strategy
+        state = s.as_joiner(box[0]) if rank == 1 else box[0]
+        run.load_state_dict(s.member_state(state))
+        if rank == 1:
+            s.join_from_peer()
+        loaded = copy.deepcopy(run.state_dict())  # optimizers' state_dict() holds the live tensors
+        with run.evaluating() as model:
+            start = {k: v.clone() for k, v in model.state_dict().items()}  # θ a fresh worker starts from
+        local = {path: (value, start) if path == "model" else value for path, value in local_parts(s, loaded).items()}
+        _, joined = commit_hash(run)
+        after = [None] * world
+        dist.all_gather_object(after, joined)
+        second = to_commit(run, rank, after=first)
+        _, later = commit_hash(run)
+        again = [None] * world
+        dist.all_gather_object(again, later)
+        run.close()
+        out[name] = {"at_commit": every, "joined": after, "again": again, "local": local, "steps": (first, second)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def joined():
+    return run_dist(_join_life, 2, ELASTIC, timeout=600)
+
+
+def zero_everywhere(value) -> bool:
+    if torch.is_tensor(value):
+        return not value.any()
+    if isinstance(value, dict):
+        return all(zero_everywhere(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(zero_everywhere(v) for v in value)
+    return value in (0, None) or isinstance(value, (bool, str))
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("name", ELASTIC)
+def test_every_member_holds_the_replicated_state_alike_at_a_commit(name, joined):
+    for rank in range(2):
+        r = joined[rank][name]
+        assert len(set(r["at_commit"])) == 1, f"{name}: replicated state differs at step {r['steps'][0]}"
+        assert len(set(r["again"])) == 1, f"{name}: replicated state differs at step {r['steps'][1]} after a join"
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("name", ELASTIC)
+def test_a_joiner_holds_a_fresh_workers_local_state_and_its_peers_replicated_state(name, joined):
+    peer, joiner = joined[0][name], joined[1][name]
+    assert joiner["joined"][1] == peer["at_commit"][0], f"{name}: the joiner's replicated state is not its peer's"
+    for path, value in joiner["local"].items():
+        if path == "model":  # a local θ: the parameters a fresh worker starts from (θ_global)
+            model, start = value
+            assert all(torch.equal(model[k], start[k]) for k in start), f"{name}: the joiner's local θ"
+        else:
+            assert zero_everywhere(value), f"{name}: the joiner's {path} is not a fresh worker's (zero)"
+
+
+# -- a no-fault elastic run equals the plain run bit for bit, through the CLI ----------------------
+
+STEPS = 6
+RUN = ["--workers", "2", "--n-layer", "2", "--n-head", "2", "--d-model", "16", "--seq-len", "16", "--data",
+       "pydoc", "--eval-every", "0", "--steps", str(STEPS), "--quiet"]
+
+
+def cli_flags(name: str) -> list[str]:
+    out = ["--strategy", name]
+    for key, value in options(name).items():
+        flag = cli_flag(get(name).Options.__dataclass_fields__[key])
+        out += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
+    return out
+
+
+def final_params_hash(out: Path) -> str:
+    from lowcomm.checkpoint import read, read_state
+    model = read_state(read(out / f"ckpt-{STEPS:06d}"), 0)["strategy"]["model"]
+    return state_hash({f"model.{k}": v for k, v in model.items()})
+
+
+@pytest.mark.elastic
+@pytest.mark.procs
+@pytest.mark.parametrize("name", ELASTIC)
+def test_a_no_fault_elastic_run_equals_the_plain_run(name, tmp_path, monkeypatch):
+    pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    plain, elastic = tmp_path / "plain", tmp_path / "elastic"
+    assert main(["train", *RUN, *cli_flags(name), "--checkpoint-every", str(STEPS), "--out", str(plain)]) == 0
+    assert main(["train", *RUN, *cli_flags(name), "--elastic", "--out", str(elastic)]) == 0
+    rows = [[json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()] for out in (plain, elastic)]
+    assert [r["loss"] for r in rows[0]] == [r["loss"] for r in rows[1]], name
+    summaries = [json.loads((out / "summary.json").read_text()) for out in (plain, elastic)]
+    assert summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
+    assert set(summaries[1]["elastic"]["final_params_sha256"]) == {final_params_hash(plain)}
