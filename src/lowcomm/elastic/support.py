@@ -41,8 +41,10 @@ def check(cfg) -> None:
         why = WHY_NOT.get(cfg.strategy, "it does not declare how its state survives a change of the group")
         raise UsageError(f"--elastic does not run strategy '{cfg.strategy}': {why} "
                          f"(elastic strategies: {', '.join(SUPPORTED)})")
-    if cfg.min_workers < 0 or cfg.min_workers > cfg.workers and not under_torchrun():  # torchrun: replicas
-        raise UsageError(f"--min-workers must be between 1 and --workers ({cfg.workers}), got {cfg.min_workers}")
+    slots = cfg.replicas or cfg.workers  # what --min-workers counts: workers, or replicas with --replicas
+    if cfg.min_workers < 0 or cfg.min_workers > slots and not under_torchrun():  # torchrun: replicas
+        bound = f"--replicas ({slots}): it counts replicas" if cfg.replicas else f"--workers ({cfg.workers})"
+        raise UsageError(f"--min-workers must be between 1 and {bound}, got {cfg.min_workers}")
     if not 0 <= cfg.member_timeout <= cfg.timeout:
         raise UsageError(f"--member-timeout must be positive and at most --timeout ({cfg.timeout:g} s), "
                          f"got {cfg.member_timeout:g}")
@@ -61,8 +63,10 @@ def check(cfg) -> None:
     from .lighthouse import require_torchft
     require_torchft()
     if cfg.lighthouse:  # refused before anything is written, not after the workers started
-        from .address import check_reachable, parse_lighthouse
-        check_reachable(parse_lighthouse(cfg.lighthouse), f"--lighthouse {cfg.lighthouse}")
+        from .address import check_lighthouse, parse_lighthouse
+        check_lighthouse(parse_lighthouse(cfg.lighthouse), f"--lighthouse {cfg.lighthouse}",
+                         None if under_torchrun() else slots)
+    fix_options(cfg)
 
 
 def check_torchrun(cfg) -> None:
@@ -141,6 +145,29 @@ def _tensors(obj, prefix: str = "") -> dict:
     if isinstance(obj, (list, tuple)):
         return {k2: v2 for i, v in enumerate(obj) for k2, v2 in _tensors(v, f"{prefix}.{i}").items()}
     return {}
+
+
+# Strategy options an elastic run sets, and why: config.toml records them as the run uses them.
+FIXED_OPTIONS = {"outer_weights": ("tokens", "an elastic outer merge weights each member by the tokens it "
+                                   "trained since the last sync (one that entered a round late trained fewer)")}
+
+
+def refuse_other_options(given: dict) -> None:
+    """UsageError, one line, for an option an elastic run fixes `given` (by a flag) another value,
+    instead of running with the fixed value while the user asked for another."""
+    for name, (value, why) in FIXED_OPTIONS.items():
+        asked = given.get(name)
+        if asked is not None and str(asked) != value:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} {asked} does not run with --elastic: {why}; drop {flag} (it runs {value})")
+
+
+def fix_options(cfg) -> None:
+    """Set the options an elastic run fixes, before config.toml records the run's options."""
+    options = cfg.strategy_options()
+    for name, (value, _) in FIXED_OPTIONS.items():
+        if hasattr(options, name):
+            setattr(options, name, value)
 
 
 def strategy_options(cfg):

@@ -351,7 +351,8 @@ def lost_peer(e: BaseException) -> bool:
 def elastic_entry(_i: int, slot: int, cfg: C.RunConfig, store_port: int, lighthouse_address: str,
                   out_dir: str | None, quiet: bool, joining: bool) -> None:
     """Entry of an elastic worker the launcher started (or restarted, `joining`)."""
-    m = Membership(lighthouse_address, "127.0.0.1", store_port, slot, support.member_timeout(cfg))
+    m = Membership(lighthouse_address, "127.0.0.1", store_port, slot, support.member_timeout(cfg),
+                   speaks=slot == 0)  # one line for a quorum long in coming, not one a worker
     try:
         run_elastic(cfg, slot, m, Path(out_dir) if out_dir else None, quiet, joining)
     finally:
