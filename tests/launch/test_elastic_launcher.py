@@ -144,3 +144,16 @@ def test_a_run_failing_below_min_workers_with_its_lighthouse_lost_says_so_first(
     assert line.startswith("the lighthouse at http://127.0.0.1:1 is lost: 1 live worker(s), fewer than "
                            "--min-workers 2"), line
     assert "worker 1 failed: exited with code 1; it does not answer now: " in line
+
+
+def test_a_torchrun_job_that_did_not_lead_the_run_says_where_its_records_are(tmp_path):
+    import socket
+    from lowcomm.launch.launcher import results_line
+    mine, lead = tmp_path / "tb2", tmp_path / "tb1"
+    here = socket.gethostname()
+    assert results_line(mine, None) == f"lowcomm: results in {mine}"  # a plain or a launcher's run
+    assert results_line(mine, f"{here}:{mine.resolve() / 'steps.jsonl'}") == f"lowcomm: results in {mine}"
+    assert results_line(mine, f"{here}:{lead / 'steps.jsonl'}") == (
+        f"lowcomm: the run's records are in {lead} on {here} (the --out of the job that led it at its end); "
+        f"this job's {mine} holds its config.toml")
+    assert f"are in {mine.resolve()} on other-host " in results_line(mine, f"other-host:{mine.resolve() / 'steps.jsonl'}")

@@ -204,7 +204,9 @@ class ElasticWorker:
             self.pending = []
             if self.round is not None:
                 self.round.forget()
-            if joins > self.joins_seen:
+            # A joiner waiting at the last commit point is not taken in: there is nothing left to
+            # train (it would finish the run as a member that trained nothing, counted in the summary).
+            if joins > self.joins_seen and self.step < checkpoints.end_step(cfg):
                 return False
         return True
 
@@ -300,8 +302,8 @@ def grow(totals: Totals, slots: int) -> None:
 
 
 def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Path | None, quiet: bool,
-                joining: bool) -> None:
-    """One elastic worker's life, from its first quorum to the end of the run."""
+                joining: bool) -> ElasticWorker:
+    """One elastic worker's life, from its first quorum to the end of the run (the worker, ended)."""
     torch.set_num_threads(cfg.threads)
     w = ElasticWorker(cfg, slot, membership, out_dir, quiet)
     if not joining:
@@ -338,6 +340,7 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
         w.stop()
     else:
         w.finish()
+    return w
 
 
 def lost_peer(e: BaseException) -> bool:
