@@ -114,8 +114,8 @@ def apply_flags(cfg, args: argparse.Namespace):
             C.set_option(cfg, opt.field, _not_empty(raw, name), name)
             given[opt.field] = raw
     if cfg.elastic:
-        from ..elastic.support import refuse_other_options
-        refuse_other_options(given)
+        from ..elastic.support import refuse_overridden
+        refuse_overridden(cfg, given)
     return cfg
 
 

@@ -66,7 +66,7 @@ def check(cfg) -> None:
         from .address import check_lighthouse, parse_lighthouse
         check_lighthouse(parse_lighthouse(cfg.lighthouse), f"--lighthouse {cfg.lighthouse}",
                          None if under_torchrun() else slots)
-    fix_options(cfg)
+    record_overrides(cfg)
 
 
 def check_torchrun(cfg) -> None:
@@ -147,27 +147,25 @@ def _tensors(obj, prefix: str = "") -> dict:
     return {}
 
 
-# Strategy options an elastic run sets, and why: config.toml records them as the run uses them.
-FIXED_OPTIONS = {"outer_weights": ("tokens", "an elastic outer merge weights each member by the tokens it "
-                                   "trained since the last sync (one that entered a round late trained fewer)")}
-
-
-def refuse_other_options(given: dict) -> None:
-    """UsageError, one line, for an option an elastic run fixes `given` (by a flag) another value,
-    instead of running with the fixed value while the user asked for another."""
-    for name, (value, why) in FIXED_OPTIONS.items():
-        asked = given.get(name)
-        if asked is not None and str(asked) != value:
+def refuse_overridden(cfg, given: dict) -> None:
+    """UsageError, one line, for a strategy option given by a flag (`given`: field -> its text)
+    that an elastic run would override (strategy_options), instead of running with another value
+    than the one asked for."""
+    from ..strategies import registry
+    if cfg.strategy not in registry.available():
+        return  # named in validate's own line
+    asked, ran = cfg.strategy_options(), strategy_options(cfg)
+    for name, raw in given.items():
+        value = getattr(ran, name, None)
+        if value != getattr(asked, name, None) and str(raw) != str(value):
             flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag} {asked} does not run with --elastic: {why}; drop {flag} (it runs {value})")
+            raise UsageError(f"{flag} {raw} does not run with --elastic: an elastic {cfg.strategy} run uses {flag} "
+                             f"{value} (its members come and go; each counts for what it trained); drop {flag}")
 
 
-def fix_options(cfg) -> None:
-    """Set the options an elastic run fixes, before config.toml records the run's options."""
-    options = cfg.strategy_options()
-    for name, (value, _) in FIXED_OPTIONS.items():
-        if hasattr(options, name):
-            setattr(options, name, value)
+def record_overrides(cfg) -> None:
+    """The strategy's options as the elastic run runs them, so that config.toml records those."""
+    cfg.options[cfg.strategy] = strategy_options(cfg)
 
 
 def strategy_options(cfg):
