@@ -190,6 +190,7 @@ def test_stop_at_resume_refusals_and_restart(lives, tmp_path, monkeypatch, capsy
         f"warning: checkpoint {out / 'ckpt-000003'} refused: file __1_0.distcp has "
         f"{full // 2} bytes, its manifest says {full} (truncated?); "
         f"trying the previous one"), err
+    assert f"lowcomm: resuming from {out / 'ckpt-000002'} (step 2 of {STEPS})" in err, err  # the one it took
     assert any("worker rank 1 failed: killed by signal SIGKILL; restart 1 of 1 from ckpt-000003 (step 3)" in line
                for line in err), err
     restarts = [json.loads(line) for line in (out / "restarts.jsonl").read_text().splitlines()]

@@ -76,6 +76,7 @@ def test_a_worker_joined_from_another_terminal_trains_with_the_live_state(tmp_pa
     # lighthouse given with --lighthouse, which outlives it.
     joiner = train_with_a_joiner(out, "--strategy", "sparseloco", "--sync-every", "4", "--lighthouse", lighthouse)
     assert "joining the run" in joiner.stdout and "as worker 2" in joiner.stdout
+    assert f"lowcomm: worker 2 trained steps {HOLD + 1} to {STEPS} of the run in {out} (it has finished)" in joiner.stdout
     records, summary = check_finished(out, STEPS)
     assert summary["elastic"]["members"] == [0, 1, 2]  # ends with 3 members, equal hashes (check_finished)
     join = next(q for q in jsonl(out / "membership.jsonl") if 2 in q["healed"])

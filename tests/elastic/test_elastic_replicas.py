@@ -103,6 +103,11 @@ def test_two_torchrun_jobs_finish_as_replicas_on_equal_parameters_each_step_once
     assert [r["step"] for r in run["steps"]] == list(range(1, STEPS + 1))
     summary = [json.loads((o / "summary.json").read_text()) for o in run["outs"] if (o / "summary.json").exists()]
     assert len(summary) == 1  # written by the job holding rank 0 at the end
+    lead = next(i for i, o in enumerate(run["outs"]) if (o / "summary.json").exists())
+    other = run["outs"][1 - lead]
+    assert f"lowcomm: results in {run['outs'][lead]}" in run["err"][lead]
+    assert (f"lowcomm: the run's records are in {run['outs'][lead].resolve()} on {socket.gethostname()} (the --out "
+            f"of the job that led it at its end); this job's {other} holds its config.toml") in run["err"][1 - lead]
     hashes = summary[0]["elastic"]["final_params_sha256"]
     assert len(hashes) == 4 and len(set(hashes)) == 1, hashes
 

@@ -72,7 +72,8 @@ def prepare_resume(cfg: C.RunConfig, create: bool) -> Path | None:
         print(f"warning: {found.path} was written by {found.world} workers, resuming on {cfg.workers}: {what}, "
               f"each worker's data order starts anew", file=sys.stderr, flush=True)
     cfg.resume_from = str(found.path)
-    if create:
+    if create:  # the checkpoint taken, said once (the lead: a torchrun job's rank 0)
+        print(f"lowcomm: resuming from {found.path} (step {found.step} of {cfg.steps})", file=sys.stderr, flush=True)
         write_text_atomic(out / "config.toml", C.to_toml(cfg))
     return out
 

@@ -107,10 +107,15 @@ def apply_flags(cfg, args: argparse.Namespace):
         C.set_link(cfg, _not_empty(args.link, "--link"))
     if getattr(args, "intra_link", None) is not None:
         C.set_link(cfg, _not_empty(args.intra_link, "--intra-link"), "--intra-link", "intra_link")
+    given = {}
     for name, opt in option_table().items():
         raw = getattr(args, option_dest(opt.field), None)
         if raw is not None:
             C.set_option(cfg, opt.field, _not_empty(raw, name), name)
+            given[opt.field] = raw
+    if cfg.elastic:
+        from ..elastic.support import refuse_overridden
+        refuse_overridden(cfg, given)
     return cfg
 
 

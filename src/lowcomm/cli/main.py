@@ -99,14 +99,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.command != "train":
             return run_subcommand(args)
-        from ..launch.launcher import launch, prepare, under_torchrun
+        from ..launch.launcher import launch, prepare, results_line, under_torchrun
 
         cfg = config_from_args(args)
         lead = not under_torchrun() or os.environ.get("RANK", "0") == "0"
         out = prepare(cfg, create=lead, overwrite=args.overwrite, resume=_resuming(args))
-        launch(cfg, out, quiet=args.quiet)
+        records = launch(cfg, out, quiet=args.quiet)
         if lead:
-            print(f"lowcomm: results in {out}", flush=True)
+            print(results_line(out, records), flush=True)
         return 0
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)

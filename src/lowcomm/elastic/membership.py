@@ -9,6 +9,7 @@ the default group (Comm, DDP, the control groups) works unchanged on each member
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 import uuid
@@ -26,6 +27,8 @@ STARTED = "lowcomm/elastic/started"    # each first worker adds 1: the first quo
 QUORUM_RPC_S = 5.0                     # one quorum request; repeated until the lighthouse answers
 LIGHTHOUSE_AWAY_S = 60.0               # a lighthouse unreachable this long (not restarted): the worker fails
 REANNOUNCE_S = 2.0                     # a waiting joiner announces itself again (it may have missed a quorum)
+QUORUM_QUIET_S = 60.0                  # a quorum this long in coming: the worker says what the lighthouse waits for
+JOINS_POLL_S = 0.2                     # how often a member reads the joiners' count (joins())
 
 
 @dataclass(frozen=True)
@@ -52,22 +55,61 @@ class View:
 
 
 class Membership:
-    def __init__(self, address: str, store_host: str, store_port: int, slot: int, timeout_s: float):
-        self.slot, self.timeout_s = slot, timeout_s
+    speaks = True  # says so when a quorum is long in coming (the launcher's workers: slot 0 alone)
+
+    def __init__(self, address: str, store_host: str, store_port: int, slot: int, timeout_s: float,
+                 speaks: bool = True):
+        self.slot, self.timeout_s, self.speaks = slot, timeout_s, speaks
         self.id = f"{slot:05d}:{uuid.uuid4().hex[:8]}"  # a restarted worker is a new member
         self.store_address = f"{store_host}:{store_port}"
         self.store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=300))
         self._start_beats(address)
+        self._joins = 0
+        # The joiners' count is read beside training, on a client of its own: a commit reads the
+        # latest count and never waits on the launcher's store (a stopped launcher stalled every
+        # commit until the store's timeout). A re-form still needs the store (form_group).
+        self._joins_store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=300))
+        threading.Thread(target=self._read_joins, name="lowcomm-joins", daemon=True).start()
 
     def _start_beats(self, address: str) -> None:
         """Clients of the lighthouse, a first heartbeat, and the heartbeat thread."""
-        self._client = lighthouse.client(address)
-        self._beats = lighthouse.client(address)  # one client a thread
+        self.address = address
         self._stop = threading.Event()
-        self._beats.heartbeat(self.id)  # healthy before the first quorum is asked for (see wait_for_first)
+        # Healthy before the first quorum is asked for (see wait_for_first). A lighthouse that is
+        # stalled or restarting (a restarted worker meets one after a host's hiccup) is waited
+        # for as a quorum request waits for it, not a death that uses up a restart.
+        self._client, self._beats = self._retry_while_away(self._first_beat, "its first heartbeat")
         self._beat_failed, self._beats_back_at = False, 0.0  # see settling()
         self._progress_at, self._asking = time.monotonic(), False  # see progress()
         threading.Thread(target=self._heartbeat, name="lowcomm-heartbeat", daemon=True).start()
+
+    def _first_beat(self):
+        client, beats = lighthouse.client(self.address), lighthouse.client(self.address)  # one client a thread
+        beats.heartbeat(self.id, timeout=timedelta(seconds=QUORUM_RPC_S))
+        return client, beats
+
+    def _retry_while_away(self, call, what: str):
+        """call() until the lighthouse answers it; RunError, one line naming the lighthouse, when it
+        has not for LIGHTHOUSE_AWAY_S (torchft's gRPC text only at its end)."""
+        since = time.monotonic()
+        while True:
+            try:
+                return call()
+            except Exception as e:
+                if not (lighthouse_away(e) or waiting_for_peers(e)):
+                    raise
+                if time.monotonic() - since > LIGHTHOUSE_AWAY_S:
+                    raise RunError(f"the lighthouse at {self.address} did not answer {what} for "
+                                   f"{LIGHTHOUSE_AWAY_S:.0f} s (torchft: {' '.join(str(e).split())[:120]})") from None
+            self.progress()
+            time.sleep(lighthouse.HEARTBEAT_S)
+
+    def _read_joins(self) -> None:
+        while not self._stop.wait(JOINS_POLL_S):
+            try:
+                self._joins = max(self._joins, int(self._joins_store.add(JOINS, 0)))
+            except Exception:  # the launcher's store is gone: the run is ending, or a re-form will say so
+                return
 
     def progress(self) -> None:
         """The training thread is alive (called each step and while it waits for a quorum).
@@ -108,8 +150,9 @@ class Membership:
             time.sleep(0.02)
 
     def joins(self) -> int:
-        """How many times a joiner announced itself (compared at commit points)."""
-        return int(self.store.add(JOINS, 0))
+        """How many times a joiner announced itself (compared at commit points), as last read:
+        at the last quorum (agree), or since by the reading thread."""
+        return self._joins
 
     def agree(self, step: int, joining: bool = False) -> View:
         """Ask for a quorum (this worker's committed step with it), then form its group."""
@@ -134,6 +177,9 @@ class Membership:
                     tuple(int(i.split(":")[0]) for i in ids), tuple(int(m.step) for m in members))
         leave()
         form_group(view, self.store, self.timeout_s)
+        # Every announcement of a joiner this quorum took landed before it formed its group (above):
+        # read now, every member counts them, so no later commit takes them for a new joiner.
+        self._joins = max(self._joins, int(self.store.add(JOINS, 0)))
         return view
 
     def _announce(self, done: threading.Event) -> None:
@@ -144,6 +190,7 @@ class Membership:
 
     def _quorum(self, step: int):
         away_since, why = None, "its heartbeats failed"
+        waiting = Waiting(self)
         while True:
             if not self.settling():
                 try:
@@ -151,6 +198,7 @@ class Membership:
                 except Exception as e:
                     if waiting_for_peers(e):  # no quorum yet (too few workers): ask again
                         away_since = None
+                        waiting.check()
                         continue
                     if not lighthouse_away(e):
                         raise
@@ -171,6 +219,29 @@ class Membership:
     def close(self) -> None:
         self._stop.set()
         leave()
+
+
+class Waiting:
+    """A quorum long in coming (an external lighthouse whose --min_replicas exceeds the workers
+    waits for ever): after QUORUM_QUIET_S the worker says so once, with the lighthouse's own line
+    on what its next quorum lacks (its participants, its min_replicas, those heartbeating)."""
+
+    def __init__(self, member: "Membership"):
+        self.member, self.since, self.said = member, time.monotonic(), not member.speaks
+
+    def check(self) -> None:
+        waited = time.monotonic() - self.since
+        if self.said or waited < QUORUM_QUIET_S:
+            return
+        self.said = True
+        from .address import lighthouse_status
+        try:
+            status = lighthouse_status(self.member.address) or "no line on its next quorum"
+        except OSError as e:
+            status = str(e)
+        who = f"worker {self.member.slot}" if self.member.slot >= 0 else "this replica"
+        print(f"lowcomm: {who} has waited {waited:.0f} s for a quorum; the lighthouse at "
+              f"{self.member.address} says: {status}", file=sys.stderr, flush=True)
 
 
 def form_group(view: View, store: dist.Store, timeout_s: float) -> None:

@@ -33,8 +33,10 @@ def check(cfg) -> None:
     if why:
         where = "" if not across else " under torchrun" if under_torchrun() else " with --replicas"
         raise UsageError(f"--elastic{where} does not run strategy '{cfg.strategy}': {why}")
-    if cfg.min_workers < 0 or cfg.min_workers > cfg.workers and not under_torchrun():  # torchrun: replicas
-        raise UsageError(f"--min-workers must be between 1 and --workers ({cfg.workers}), got {cfg.min_workers}")
+    slots = cfg.replicas or cfg.workers  # what --min-workers counts: workers, or replicas with --replicas
+    if cfg.min_workers < 0 or cfg.min_workers > slots and not under_torchrun():  # torchrun: replicas
+        bound = f"--replicas ({slots}): it counts replicas" if cfg.replicas else f"--workers ({cfg.workers})"
+        raise UsageError(f"--min-workers must be between 1 and {bound}, got {cfg.min_workers}")
     if not 0 <= cfg.member_timeout <= cfg.timeout:
         raise UsageError(f"--member-timeout must be positive and at most --timeout ({cfg.timeout:g} s), "
                          f"got {cfg.member_timeout:g}")
@@ -48,8 +50,10 @@ def check(cfg) -> None:
     from .lighthouse import require_torchft
     require_torchft()
     if cfg.lighthouse:  # refused before anything is written, not after the workers started
-        from .address import check_reachable, parse_lighthouse
-        check_reachable(parse_lighthouse(cfg.lighthouse), f"--lighthouse {cfg.lighthouse}")
+        from .address import check_lighthouse, parse_lighthouse
+        check_lighthouse(parse_lighthouse(cfg.lighthouse), f"--lighthouse {cfg.lighthouse}",
+                         None if under_torchrun() else slots)
+    record_overrides(cfg)
 
 
 def check_torchrun(cfg) -> None:
@@ -104,6 +108,27 @@ def member_timeout(cfg) -> float:
     others reach a collective it does not. Short, unlike --timeout, since dropping a member that
     was only slow costs one re-form and a state transfer, not the run."""
     return cfg.member_timeout or min(MEMBER_TIMEOUT_S, cfg.timeout)
+
+
+def refuse_overridden(cfg, given: dict) -> None:
+    """UsageError, one line, for a strategy option given by a flag (`given`: field -> its text)
+    that an elastic run would override (strategy_options), instead of running with another value
+    than the one asked for."""
+    from ..strategies import registry
+    if cfg.strategy not in registry.available():
+        return  # named in validate's own line
+    asked, ran = cfg.strategy_options(), strategy_options(cfg)
+    for name, raw in given.items():
+        value = getattr(ran, name, None)
+        if value != getattr(asked, name, None) and str(raw) != str(value):
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} {raw} does not run with --elastic: an elastic {cfg.strategy} run uses {flag} "
+                             f"{value} (its members come and go; each counts for what it trained); drop {flag}")
+
+
+def record_overrides(cfg) -> None:
+    """The strategy's options as the elastic run runs them, so that config.toml records those."""
+    cfg.options[cfg.strategy] = strategy_options(cfg)
 
 
 def strategy_options(cfg):

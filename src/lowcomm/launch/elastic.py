@@ -21,10 +21,11 @@ import torch.distributed as dist
 from ..errors import Interrupted, RunError
 from . import supervise
 from ..elastic import lighthouse, support
-from ..elastic.address import UsedLighthouse
+from ..elastic.address import UsedLighthouse, lighthouse_status
 from .join import publish, unpublish
 
 FINISH_GRACE_S = 10.0  # after the first worker finishes, the rest may take this long
+LIGHTHOUSE_PROBE_S = 2.0  # the run is failing: a lighthouse that does not answer its status page in this is lost
 
 
 def launch_elastic(cfg, out: Path | None, quiet: bool) -> None:
@@ -84,12 +85,13 @@ class Slots:
         while self.live:
             if received:
                 raise Interrupted(received[0], f"interrupted by {signal.Signals(received[0]).name}: every worker stopped")
-            sentinels = {p.sentinel: slot for slot, ctx in self.live.items() for p in ctx.processes
-                         if p.exitcode is None}
-            ready = multiprocessing.connection.wait(list(sentinels), timeout=supervise.POLL_S)
-            # Each slot once: the processes of a replica slot often end together, and the first
-            # look settles the slot (finished, or stopped and restarted under a new context).
-            for slot in dict.fromkeys(sentinels[sentinel] for sentinel in ready):
+            sentinels = [p.sentinel for ctx in self.live.values() for p in ctx.processes if p.exitcode is None]
+            multiprocessing.connection.wait(sentinels, timeout=supervise.POLL_S)
+            # Every slot with an ended process, not just those whose sentinel woke the wait: reading
+            # `exitcode` reaps a process, so one that died after the wait returned (two deaths at
+            # once) is reaped by the next turn's list and left out of its wait; found here by its
+            # exit status, it is handled all the same. Each slot once: the first look settles it.
+            for slot in self.ended_slots():
                 if received:  # a Ctrl-C reaches the workers too: not a death to restart them from
                     break
                 self._ended(slot)
@@ -98,10 +100,26 @@ class Slots:
             if done_at is not None and time.monotonic() - done_at > FINISH_GRACE_S:
                 return  # the run is over; a worker still waiting to join is stopped (run's finally)
             if not self.finished and len(self.live) < support.min_workers(self.cfg):
-                raise RunError(f"{len(self.live)} live worker(s), fewer than --min-workers "
-                               f"{support.min_workers(self.cfg)}, and no restart left: {self.last_failure}")
+                raise RunError(self._too_few())
         if not self.finished:
             raise RunError(self.last_failure or "every worker ended without finishing the run")
+
+    def _too_few(self) -> str:
+        """Why the run fails below --min-workers: a lighthouse lost for good first (every worker's
+        failure follows from it), else the last worker's failure."""
+        left = (f"{len(self.live)} live worker(s), fewer than --min-workers {support.min_workers(self.cfg)}, "
+                f"and no restart left")
+        try:
+            lighthouse_status(self.address, timeout_s=LIGHTHOUSE_PROBE_S)
+            lost = "the lighthouse" in self.last_failure
+        except OSError as e:
+            lost, self.last_failure = True, f"{self.last_failure}; it does not answer now: {e}"
+        return f"the lighthouse at {self.address} is lost: {left}: {self.last_failure}" if lost else \
+            f"{left}: {self.last_failure}"
+
+    def ended_slots(self) -> list[int]:
+        """The live slots with a process that has ended (reaped now or by an earlier look)."""
+        return [slot for slot, ctx in self.live.items() if any(p.exitcode is not None for p in ctx.processes)]
 
     def _ended(self, slot: int) -> None:
         """A process of `slot` ended: the slot finished when all of its processes did; one that

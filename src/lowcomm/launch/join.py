@@ -17,6 +17,7 @@ data must be found under the same name (`--data` as the run was started with).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -36,6 +37,7 @@ PUBLISHED = "elastic.json"
 NEXT_SLOT = "lowcomm/elastic/next_slot"  # joiners taken so far; slot = W + this - 1
 WATCH_S = 0.5  # how often a waiting joiner looks whether the run is still on
 REACH_S = 5.0  # a run's store that does not answer within this is not reachable
+STORE_ANSWER_S = 15.0  # c10d's client retries a bad answer within REACH_S: past this, it is no store
 
 
 def publish(out: Path | None, lighthouse: str, store_port: int) -> None:
@@ -70,6 +72,7 @@ def add_join_arguments(parser: argparse.ArgumentParser) -> None:
 
 def find_run(run: Path) -> tuple[C.RunConfig, dict]:
     """The run's config and published addresses, or one UsageError line saying why not."""
+    rundir.check_readable(run)  # a directory it may not read is not taken for one that is no run
     if not rundir.is_run(run):
         raise UsageError(f"'{run}' is not a lowcomm run directory (no config.toml naming a strategy)")
     cfg = C.load_toml(run / "config.toml")
@@ -90,26 +93,73 @@ def find_run(run: Path) -> tuple[C.RunConfig, dict]:
 
 
 def connect(run: Path, where: dict):
-    """The run's TCP store, or one line saying it does not answer (the launcher was killed)."""
-    import torch.distributed as dist
+    """The run's TCP store, or one line saying it does not answer (the launcher was killed), or
+    that what answers there is not a store (a stale elastic.json, the port taken by another service)."""
     host, port = where["store"]
     try:  # a refused connection first, at once (c10d's client retries it until its timeout)
         socket.create_connection((host, port), timeout=REACH_S).close()
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=REACH_S))
-    except Exception:  # refused, timed out, unknown host: c10d raises several types
+    except OSError:  # refused, timed out, unknown host
         raise UsageError(f"the run in '{run}' is not reachable: its store at {host}:{port} does not "
                          f"answer within {REACH_S:.0f} s (has its launcher ended?)") from None
+    with stderr_silenced():  # c10d logs each failed try with a C++ stack: the line below says it
+        store = within(lambda: _store(host, port), STORE_ANSWER_S)
+    if isinstance(store, Exception) or store is None:
+        why = (f"it said nothing in {STORE_ANSWER_S:.0f} s" if store is None else
+               f"c10d: {' '.join(str(store).split())[:100]}")
+        raise UsageError(f"the run in '{run}' is not reachable: what answers at {host}:{port} (the store named in "
+                         f"{run / PUBLISHED}) is not its launcher's store ({why}); has its launcher ended?") from None
+    return store
+
+
+def _store(host: str, port: int):
+    import torch.distributed as dist
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=REACH_S))
+    store.add(NEXT_SLOT, 0)  # a round trip of the store's own protocol
+    return store
+
+
+@contextlib.contextmanager
+def stderr_silenced():
+    """This process's stderr (fd 2, where c10d's C++ logs go) to /dev/null for a while."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def within(call, seconds: float):
+    """call()'s value, or the exception it raised, or None when it has not returned within `seconds`
+    (c10d's client can wait for ever on a service that accepts and says nothing: it runs on a
+    thread that is then left behind, a daemon)."""
+    got: list = []
+
+    def run() -> None:
+        try:
+            got.append(call())
+        except Exception as e:  # c10d raises several types
+            got.append(e)
+    thread = threading.Thread(target=run, name="lowcomm-join-store", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return got[0] if got else None
 
 
 class Joiner(Membership):
     """A member that knows when a quorum first took it (`joined`)."""
 
     def __init__(self, *args, **kwargs):
-        self.joined = threading.Event()
+        self.joined, self.joined_at = threading.Event(), 0  # joined_at: the committed step it joined at
         super().__init__(*args, **kwargs)
 
     def agree(self, step: int, joining: bool = False):
         view = super().agree(step, joining)
+        if not self.joined.is_set():
+            self.joined_at = max(view.steps)
         self.joined.set()
         return view
 
@@ -126,13 +176,13 @@ def watch(run: Path, joined: threading.Event) -> None:
 
 def join(args: argparse.Namespace) -> int:
     """Train as one more worker of the run in args.rundir until the run ends."""
-    from ..elastic.address import check_reachable
+    from ..elastic.address import check_lighthouse
     from ..train.elastic import run_elastic
 
     run = Path(args.rundir)
     cfg, where = find_run(run)
     store = connect(run, where)
-    check_reachable(where["lighthouse"], f"the run in '{run}' is not reachable: its lighthouse")
+    check_lighthouse(where["lighthouse"], f"the run in '{run}' is not reachable: its lighthouse")
     slot = cfg.workers + int(store.add(NEXT_SLOT, 1)) - 1
     del store
     if not args.quiet:
@@ -143,9 +193,10 @@ def join(args: argparse.Namespace) -> int:
     m = Joiner(where["lighthouse"], where["store"][0], where["store"][1], slot, member_timeout(cfg))
     threading.Thread(target=watch, args=(run, m.joined), name="lowcomm-join-watch", daemon=True).start()
     try:
-        run_elastic(cfg, slot, m, run, args.quiet, joining=True)
+        w = run_elastic(cfg, slot, m, run, args.quiet, joining=True)
     finally:
         m.close()
     if not args.quiet:
-        print(f"lowcomm: worker {slot} finished the run in {run}", flush=True)
+        print(f"lowcomm: worker {slot} trained steps {m.joined_at + 1} to {w.step} of the run in {run}"
+              f"{' (it has finished)' if w.step >= cfg.steps else ''}", flush=True)
     return 0

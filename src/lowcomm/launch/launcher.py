@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -78,12 +79,12 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resu
     return out
 
 
-def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> None:
-    """Run training on cfg.workers local processes, or as one rank of torchrun's world."""
+def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> str | None:
+    """Run training on cfg.workers local processes, or as one rank of torchrun's world. Returns
+    where the records are when that may not be `out` ('HOST:PATH' of steps.jsonl, see results_line)."""
     if under_torchrun() and cfg.elastic:  # this job is one replica of an elastic run
         from ..train.replica_run import run_job
-        run_job(cfg, out, quiet)
-        return
+        return run_job(cfg, out, quiet)
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -124,6 +125,19 @@ def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> None:
             os.environ.pop("LOWCOMM_ATTEMPT", None)
             os.environ.pop(FLIGHT_ENV_DIR, None)
             shutil.rmtree(rings, ignore_errors=True)
+
+
+def results_line(out: Path, records: str | None) -> str:
+    """The run's last line: where its results are. Under torchrun each job of an elastic run has
+    its own --out, and the records (steps.jsonl, summary.json) are in the --out of the job that
+    led the last quorum (`records`, 'HOST:PATH' of its steps.jsonl): this job's may hold only its config."""
+    if records:
+        host, _, path = records.partition(":")
+        folder = Path(path).parent
+        if folder != Path(out).resolve() or host != socket.gethostname():
+            return (f"lowcomm: the run's records are in {folder} on {host} (the --out of the job that led it "
+                    f"at its end); this job's {out} holds its config.toml")
+    return f"lowcomm: results in {out}"
 
 
 STUCK_S = 10.0  # an interrupted run whose collective had waited this long was hung, not just busy

@@ -10,6 +10,7 @@ never wiped.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -28,6 +29,19 @@ STALE = ("steps.jsonl", "summary.json", "trace.json", "error.log", "restarts.jso
 
 def default_name(strategy: str, workers: int) -> str:
     return f"runs/{strategy}-w{workers}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def check_readable(path: Path) -> None:
+    """UsageError when `path`, or its config.toml, may not be read (permission denied), which
+    is_run would report as no run."""
+    for target in (path, path / "config.toml"):
+        try:
+            if target.is_dir():
+                os.listdir(target)
+            elif target.exists():
+                target.open("rb").close()
+        except PermissionError as e:
+            raise UsageError(f"cannot read '{target}': {e.strerror or 'permission denied'}") from None
 
 
 def is_run(path: Path) -> bool:

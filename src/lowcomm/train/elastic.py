@@ -207,7 +207,9 @@ class ElasticWorker:
             self.pending = []
             if self.round is not None:
                 self.round.forget()
-            if joins > self.joins_seen:
+            # A joiner waiting at the last commit point is not taken in: there is nothing left to
+            # train (it would finish the run as a member that trained nothing, counted in the summary).
+            if joins > self.joins_seen and self.step < checkpoints.end_step(cfg):
                 return False
         return True
 
@@ -303,8 +305,8 @@ def grow(totals: Totals, slots: int) -> None:
 
 
 def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Path | None, quiet: bool,
-                joining: bool) -> None:
-    """One elastic worker's life, from its first quorum to the end of the run."""
+                joining: bool) -> ElasticWorker:
+    """One elastic worker's life, from its first quorum to the end of the run (the worker, ended)."""
     torch.set_num_threads(cfg.threads)
     w = ElasticWorker(cfg, slot, membership, out_dir, quiet)
     if not joining:
@@ -341,6 +343,7 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
         w.stop()
     else:
         w.finish()
+    return w
 
 
 def lost_peer(e: BaseException) -> bool:
@@ -354,7 +357,8 @@ def lost_peer(e: BaseException) -> bool:
 def elastic_entry(_i: int, slot: int, cfg: C.RunConfig, store_port: int, lighthouse_address: str,
                   out_dir: str | None, quiet: bool, joining: bool) -> None:
     """Entry of an elastic worker the launcher started (or restarted, `joining`)."""
-    m = Membership(lighthouse_address, "127.0.0.1", store_port, slot, support.member_timeout(cfg))
+    m = Membership(lighthouse_address, "127.0.0.1", store_port, slot, support.member_timeout(cfg),
+                   speaks=slot == 0)  # one line for a quorum long in coming, not one a worker
     try:
         run_elastic(cfg, slot, m, Path(out_dir) if out_dir else None, quiet, joining)
     finally:

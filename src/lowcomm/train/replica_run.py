@@ -67,13 +67,15 @@ def shorten_timeouts(levels, seconds: float) -> None:
         _set_pg_timeout(timeout, group)
 
 
-def run_job(cfg, out: Path | None, quiet: bool) -> None:
-    """This process's life in a torchrun job that is one replica of an elastic run."""
+def run_job(cfg, out: Path | None, quiet: bool) -> str | None:
+    """This process's life in a torchrun job that is one replica of an elastic run. Returns where
+    the run's records are ('HOST:PATH' of steps.jsonl): the --out of the job that led the last quorum."""
     local, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=300)))
     job = dist.PrefixStore(f"lowcomm/replica/{restart_count()}/", store)  # the agent's store outlives a restart
     # a restarted job (torchrun --max-restarts) comes back as a joiner
-    run_replica(cfg, local, size, job, parse_lighthouse(cfg.lighthouse), out, quiet, restart_count() > 0, local)
+    return run_replica(cfg, local, size, job, parse_lighthouse(cfg.lighthouse), out, quiet, restart_count() > 0,
+                       local).lead_log
 
 
 def slot_entry(local: int, slot: int, cfg, store_port: int, lighthouse: str, out_dir: str | None, quiet: bool,
@@ -88,7 +90,7 @@ def slot_entry(local: int, slot: int, cfg, store_port: int, lighthouse: str, out
 
 
 def run_replica(cfg, local: int, size: int, job: dist.Store, lighthouse: str, out: Path | None, quiet: bool,
-                joining: bool, fault_rank: int, name: str | None = None) -> None:
+                joining: bool, fault_rank: int, name: str | None = None):
     """Process `local` of a replica of `size`: its rank 0 the member at the lighthouse (ids sort by
     `name`, else by start time), the others told each quorum through `job`."""
     from .elastic import run_elastic
@@ -99,7 +101,7 @@ def run_replica(cfg, local: int, size: int, job: dist.Store, lighthouse: str, ou
          else ReplicaPeer(job, local, timeout))
     watch = MatesWatch(job, local, size, timeout, m.alive)
     try:
-        run_elastic(cfg, fault_rank, m, out, quiet, joining)
+        return run_elastic(cfg, fault_rank, m, out, quiet, joining)
     finally:
         watch.done()
         m.close()

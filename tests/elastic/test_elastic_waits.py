@@ -1,0 +1,143 @@
+"""A member's waits on the run's services (elastic/membership.py), in the test's process with a
+fake lighthouse client and a fake store: a lighthouse stalled at a worker's first heartbeat is
+waited for, and one lost for good fails the worker in one line naming it; a quorum long in
+coming is said, with the lighthouse's own figures; a commit never waits on the launcher's store.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fake_lighthouse import status_page
+
+from lowcomm.elastic import lighthouse, membership
+from lowcomm.elastic.address import check_lighthouse, lighthouse_status, min_replicas
+from lowcomm.errors import RunError, UsageError
+
+HANG_GUARD_S = 60.0  # not a timing claim: how long a call that must not block may take before the test fails
+STALLED = TimeoutError('status: Cancelled, message: "Timeout expired", details: [], metadata: MetadataMap { headers: {} }')
+STATUS = ("New quorum not ready, only have 3 participants, need min_replicas 5 [3/3 participants healthy]"
+          "[3 heartbeating][shrink_only=false]")
+
+
+class FakeClient:
+    """torchft's LighthouseClient as a stalled lighthouse answers it: each call raises `fails`'s
+    next error while there is one."""
+
+    def __init__(self, fails: list):
+        self.fails, self.beats = fails, 0
+
+    def heartbeat(self, replica_id, timeout=None):
+        if self.fails:
+            raise self.fails.pop(0)
+        self.beats += 1
+
+    def quorum(self, **kwargs):
+        if self.fails:
+            raise self.fails.pop(0)
+        return "a quorum"
+
+
+class FakeStore:
+    """The launcher's TCP store; `stopped` set, a call blocks as a SIGSTOPped launcher's does."""
+
+    def __init__(self, *args, **kwargs):
+        self.counts, self.stopped, self.resumed = {}, threading.Event(), threading.Event()
+
+    def add(self, key, n):
+        if self.stopped.is_set():
+            self.resumed.wait()
+        self.counts[key] = self.counts.get(key, 0) + n
+        return self.counts[key]
+
+
+@pytest.fixture
+def member(monkeypatch):
+    """member(fails) -> a Membership on a fake lighthouse whose calls raise `fails` first."""
+    made = []
+
+    def make(fails: list, address: str = "http://127.0.0.1:1"):
+        stores = []
+        monkeypatch.setattr(membership.dist, "TCPStore", lambda *a, **k: stores.append(FakeStore()) or stores[-1])
+        monkeypatch.setattr(lighthouse, "client", lambda address: FakeClient(fails))
+        m = membership.Membership(address, "127.0.0.1", 1, slot=0, timeout_s=5.0)
+        m.stores = stores
+        made.append(m)
+        return m
+    yield make
+    for m in made:
+        m.close()
+
+
+@pytest.fixture
+def lighthouse_page():
+    """A lighthouse's dashboard saying what its next quorum waits for."""
+    with status_page(STATUS) as url:
+        yield url
+
+
+def test_a_worker_started_while_the_lighthouse_is_stalled_waits_for_it(member):
+    m = member([STALLED, STALLED, STALLED])  # three beats time out, then the lighthouse answers
+    assert m._beats.beats == 1  # the first heartbeat, once it answered: no restart used up
+
+
+def test_a_lighthouse_lost_for_good_fails_the_first_heartbeat_in_one_line_naming_it(member, monkeypatch):
+    monkeypatch.setattr(membership, "LIGHTHOUSE_AWAY_S", 0.0)
+    with pytest.raises(RunError) as e:
+        member([STALLED] * 1000)
+    line = str(e.value)
+    assert line.startswith("the lighthouse at http://127.0.0.1:1 did not answer its first heartbeat for 0 s")
+    assert "\n" not in line
+
+
+def test_another_error_of_the_first_heartbeat_is_not_taken_for_a_lighthouse_away(member):
+    with pytest.raises(ValueError):
+        member([ValueError("bad replica id")])
+
+
+def test_a_quorum_long_in_coming_is_said_once_with_the_lighthouses_figures(member, lighthouse_page, monkeypatch, capsys):
+    monkeypatch.setattr(membership, "QUORUM_QUIET_S", 0.0)
+    m = member([], address=lighthouse_page)
+    m._client.fails = [TimeoutError("Timeout expired")] * 3  # three quorum requests answered with none
+    assert m._quorum(step=0) == "a quorum"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err  # once, not at every request
+    assert err[0].startswith(f"lowcomm: worker 0 has waited 0 s for a quorum; the lighthouse at {lighthouse_page} says: ")
+    assert "only have 3 participants, need min_replicas 5" in err[0]
+
+
+def test_a_commit_reads_the_joiners_count_without_waiting_on_the_launchers_store(member):
+    m = member([])
+    store, reader = m.stores  # the member's store, and its joiners' count reader's
+    store.counts = reader.counts  # one store, two clients
+    store.add(membership.JOINS, 1)  # a joiner announced itself
+    wait_for(lambda: m.joins() == 1, "the first count")
+    reader.stopped.set()  # the launcher is stopped (SIGSTOP): a call to its store blocks
+    counted = []
+    commit = threading.Thread(target=lambda: counted.append(m.joins()), daemon=True)
+    commit.start()
+    commit.join(HANG_GUARD_S)
+    assert counted == [1]  # at once: the commit did not wait on the stopped launcher
+    reader.counts[membership.JOINS] = 2  # a joiner announced itself; the launcher continues
+    reader.resumed.set()
+    wait_for(lambda: m.joins() >= 2, "the joiner's announcement")
+
+
+def wait_for(ready, what: str) -> None:
+    done = threading.Event()
+    for _ in range(int(HANG_GUARD_S / 0.05)):
+        if ready():
+            return
+        done.wait(0.05)
+    pytest.fail(f"no {what} within {HANG_GUARD_S:.0f} s")
+
+
+def test_the_lighthouse_status_line_and_its_min_replicas_are_read_from_its_page(lighthouse_page):
+    assert lighthouse_status(lighthouse_page) == STATUS
+    assert min_replicas(STATUS) == 5
+
+
+def test_a_lighthouse_that_would_wait_for_more_members_than_the_run_has_is_refused(lighthouse_page):
+    with pytest.raises(UsageError, match="waits for 5 members .* and this run has 4: it would wait for ever"):
+        check_lighthouse(lighthouse_page, "--lighthouse x", members=4)
+    check_lighthouse(lighthouse_page, "--lighthouse x", members=5)
