@@ -142,6 +142,7 @@ def test_a_joiner_waiting_at_the_last_commit_point_is_not_taken_in(at, taken, mo
     w = E.ElasticWorker.__new__(E.ElasticWorker)  # its training loop alone, on a fake run
     w.cfg, w.step, w.round, w.joins_seen, w.pending = C.RunConfig(steps=4, elastic=True), at, None, 0, []
     w.m = SimpleNamespace(progress=lambda: None)
+    w.is_commit = lambda step: True  # ddp's commit points: every step
     w.t = SimpleNamespace(step=at, next_batch=None, run=SimpleNamespace(step=lambda batch, loss: "a step's record"))
     monkeypatch.setattr(E, "result_vector", lambda result: result)
     w._commit = lambda pending: 1  # at this commit point the members see a joiner's announcement
