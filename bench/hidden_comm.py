@@ -1,6 +1,6 @@
 """Communication hidden on a slow link: synchronous against one-step-delayed outer steps.
 
-    python bench/hidden_comm.py                        # W=2, H=32, 3 periods (~15 min on 2 cores)
+    python bench/hidden_comm.py                        # W=2, H=32, 3 periods (7.4 min on 2 quiet cores)
     python bench/hidden_comm.py --workers 4            # oversubscribes 2 cores: says so
     python bench/hidden_comm.py --periods 2 --keep runs/hidden
 
@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--sync-every", type=int, default=32)
     ap.add_argument("--periods", type=int, default=3, help="outer periods per run (steps = periods x H)")
+    ap.add_argument("--ddp-steps", type=int, default=8, help="ddp's steps per run (it syncs every step)")
     ap.add_argument("--link", default="10mbit,100ms")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--keep", help="keep the runs in this directory")
@@ -54,17 +55,20 @@ def main() -> None:
     load = os.getloadavg()[0]
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="lowcomm-bench-hidden-"))
     steps = str(args.periods * args.sync_every)
-    common = ["--workers", str(args.workers), "--model", args.model, "--steps", steps, "--sync-every",
-              str(args.sync_every), "--eval-every", "0"]
+    common = ["--workers", str(args.workers), "--model", args.model, "--eval-every", "0"]
     rows = []
     for label, strategy, flags in VARIANTS:
         name = label.replace(" ", "-")
-        on = train(root / f"{name}-link", "--strategy", strategy, *common, *flags, "--link", args.link)
-        off = train(root / f"{name}-nolink", "--strategy", strategy, *common, *flags, "--link", "inf,0")
+        # ddp sends every step, so a few of its steps tell its rate (on 10mbit one takes seconds)
+        length = ["--steps", str(args.ddp_steps)] if strategy == "ddp" else \
+            ["--steps", steps, "--sync-every", str(args.sync_every)]
+        on = train(root / f"{name}-link", "--strategy", strategy, *common, *length, *flags, "--link", args.link)
+        off = train(root / f"{name}-nolink", "--strategy", strategy, *common, *length, *flags, "--link", "inf,0")
         (rate_on, exposed), (rate_off, _) = rates(on.steps), rates(off.steps)
         rows.append((label, exposed, rate_on / rate_off, on.summary["final_val_loss"]))
         print(f"  {label}: exposed {100 * exposed:.1f} %, link / no link {rate_on / rate_off:.3f}", flush=True)
-    print(f"\nW={args.workers}, {args.model} model, H={args.sync_every}, {steps} steps, link {args.link}; "
+    print(f"\nW={args.workers}, {args.model} model, H={args.sync_every}, {steps} steps (ddp {args.ddp_steps}), "
+          f"link {args.link}; "
           f"{os.cpu_count()} cores, load {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     print(f"{'variant':28} {'exposed share':>13} {'link/no-link':>13} {'val loss':>9}")
     for label, exposed, ratio, loss in rows:
