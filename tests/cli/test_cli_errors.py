@@ -482,6 +482,7 @@ def test_valid_tiny_run_writes_the_output_contract(tmp_path, data_file):
     assert math.isfinite(s["final_val_loss"])
     assert 0 <= s["exposed_comm_fraction"] <= 1
     assert s["peak_mem_bytes"] > 0 and s["wall_s"] > 0 and s["tokens_per_s"] > 0
+    assert s["machine"]["threads"] == 2 and s["machine"]["cores"] >= 1  # 2 workers, one thread each
 
     # config.toml fed back through --config resolves to the same config
     again = C.load_toml(out / "config.toml")

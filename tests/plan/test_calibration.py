@@ -141,7 +141,7 @@ def test_a_strategy_the_bench_did_not_run_gets_the_model_s_compute_and_no_work(c
     ({"cores": 8, "threads": 2, "load_at_start": 9.5}, (3.0,),
      "caveat: the calibration ran at a load up to 9.5, above its 8 cores: its compute includes waiting for a core, "
      "so the step times below are not claimed accurate; calibrate with at most 8 worker threads on a quiet machine"),
-    (None, (), "caveat: the calibration recorded no core count or load (a run dir, or a bench of an older lowcomm): "
+    (None, (), "caveat: the calibration recorded no core count or load (a bench or run of an older lowcomm): "
                "whether its workers shared cores, and so measured CPU contention as compute, is unknown"),
 ])
 def test_a_calibration_whose_workers_shared_the_cores_says_so_in_one_caveat_line(capsys, tmp_path, machine, loads,
@@ -229,3 +229,28 @@ def test_a_real_bench_prices_every_strategy_at_one_compute_and_names_any_run_off
     assert bool(spread) == bool(apart) and all(f"{k} " in spread[0] for k in apart)
     machine = json.loads((out / "bench.json").read_text())["machine"]
     assert machine["threads"] == 2 and machine["cores"] >= 1 and machine["load_at_start"] >= 0
+
+
+@pytest.mark.parametrize("machine, said", [
+    ({"cores": 2, "threads": 4, "load_at_end": 1.0},
+     ["caveat: the calibration ran 4 worker threads on 2 cores (load up to 1): its compute includes waiting for a "
+      "core, so the step times below are not claimed accurate; calibrate with at most 2 worker threads on a quiet "
+      "machine"]),
+    ({"cores": 2, "threads": 2, "load_at_end": 0.7}, []),
+])
+def test_a_run_dir_calibrates_with_the_machine_its_summary_recorded(capsys, tmp_path, machine, said):
+    """`lowcomm train` records its host's cores, worker threads and load at its end (summary.json's
+    "machine"), so a calibration from a run dir says whether its workers shared the cores, as a
+    bench's does, instead of calling it unknown."""
+    run = tmp_path / "ddp"
+    _write_run(run, "ddp", _even(0.1))
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "machine": machine}))
+    assert main(["plan", "--calibrate", str(run), "--strategies", "ddp"]) == 0
+    assert [x for x in capsys.readouterr().out.splitlines() if x.startswith("caveat:")] == said
+
+
+def test_a_run_records_the_machine_it_ran_on_at_its_end():
+    from lowcomm.metrics.calibration import cpu_cores, machine_at_end
+    m = machine_at_end(3)
+    assert (m["cores"], m["threads"]) == (cpu_cores(), 3) and m["load_at_end"] >= 0

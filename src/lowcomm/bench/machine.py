@@ -10,18 +10,8 @@ instead of claiming its step times.
 """
 from __future__ import annotations
 
-import os
-
-from ..launch.resources import cpu_cores, device_type
-from ..metrics.calibration import shared_cores
-
-
-def load() -> float:
-    """The 1-minute load average (0 where the platform has none)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):  # pragma: no cover - not Unix
-        return 0.0
+from ..launch.resources import device_type
+from ..metrics.calibration import cpu_cores, load, shared_cores
 
 
 def at_start(cfgs: list) -> dict:

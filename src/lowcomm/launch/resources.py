@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..data import VOCAB_SIZE as VOCAB
 from ..errors import UsageError
+from ..metrics.calibration import cpu_cores
 
 WORKER_BASE = 220 * 2**20
 
@@ -101,11 +102,6 @@ def device_type(cfg) -> str:
     """Where the run's workers compute: "cuda" (nccl, or asked for) or "cpu"."""
     from ..train.worker import pick_backend
     return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and pick_backend(cfg) == "nccl") else "cpu"
-
-
-def cpu_cores() -> int:
-    """The cores this process may run on (its affinity: a container's or taskset's share)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 _WARNED: set[str] = set()  # a bench checks each of its runs: one line says it for all of them

@@ -17,6 +17,7 @@ per_rank.optimizer_s), compression, the outer step -- averaged over ranks and st
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from dataclasses import dataclass, field
 
@@ -142,15 +143,35 @@ def _step_work(record: dict) -> tuple[float, float] | None:
     return statistics.fmean(t for t, _ in rows), statistics.fmean(o for _, o in rows)
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's share)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def load() -> float:
+    """The 1-minute load average (0 where the platform has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):  # pragma: no cover - not Unix
+        return 0.0
+
+
+def machine_at_end(threads: int) -> dict:
+    """summary.json's "machine": what a calibration from this run dir needs to say whether its
+    workers shared cores (`threads`: this host's worker threads computing on the CPU, 0 on GPUs)."""
+    return {"cores": cpu_cores(), "threads": threads, "load_at_end": load()}
+
+
 def contention(meta: dict, workers: int) -> str | None:
     """The caveat for a bench whose workers shared cores (or that did not record whether they did):
     more worker threads than cores, or a 1-minute load above the cores at its start or at the end
     of a run (bench/machine.py records both). `workers`: the most any of its runs had."""
     machine = meta.get("machine")
     if not machine:
-        return ("the calibration recorded no core count or load (a run dir, or a bench of an older lowcomm): "
+        return ("the calibration recorded no core count or load (a bench or run of an older lowcomm): "
                 "whether its workers shared cores, and so measured CPU contention as compute, is unknown")
-    loads = [machine.get("load_at_start", 0.0)] + [r["load"] for r in meta.get("runs", []) if "load" in r]
+    loads = [machine.get("load_at_start", 0.0), machine.get("load_at_end", 0.0)] + \
+        [r["load"] for r in meta.get("runs", []) if "load" in r]
     busy = shared_cores(machine.get("threads", workers), machine["cores"], max(loads))
     return (f"the calibration ran {busy}: its compute includes waiting for a core, so the step times below "
             f"are not claimed accurate; calibrate with at most {machine['cores']} worker threads on a quiet machine"

@@ -121,7 +121,8 @@ def load_calibration(path: str | Path) -> Bench:
     `lowcomm plan --calibrate` measures compute, overhead and loss per token from."""
     p = Path(path)
     if is_run(p) and not is_bench(p):
-        return Bench(p, {}, [load_run(p)])
+        run = load_run(p)  # a run dir records its machine at its end (summary.json)
+        return Bench(p, {"machine": run.summary["machine"]} if "machine" in run.summary else {}, [run])
     if not is_bench(p):
         raise UsageError(f"'{path}' is not a lowcomm bench or run (no {BENCH_FILE}, nor summary.json and steps.jsonl)")
     return load_bench(p)
