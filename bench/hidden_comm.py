@@ -18,11 +18,12 @@ slowest rank), the start-up excluded.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from pathlib import Path
 
 from _runs import train
+
+from lowcomm.metrics.calibration import cpu_cores, load, shared_cores
 
 VARIANTS = [("ddp", "ddp", ()),
             ("diloco", "diloco", ()), ("diloco delayed", "diloco", ("--outer-delay", "1", "--outer-momentum", "0")),
@@ -49,10 +50,10 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--keep", help="keep the runs in this directory")
     args = ap.parse_args()
-    if args.workers > (os.cpu_count() or 1):
-        print(f"note: {args.workers} workers on {os.cpu_count()} cores oversubscribe the CPU; compute times "
-              "include waiting for a core, and the no-link runs are slowed most")
-    load = os.getloadavg()[0]
+    start_load = load()
+    busy = shared_cores(args.workers, cpu_cores(), start_load)  # the check `lowcomm plan` names it by
+    if busy:
+        print(f"note: {busy}: compute times include waiting for a core, and the no-link runs are slowed most")
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="lowcomm-bench-hidden-"))
     steps = str(args.periods * args.sync_every)
     common = ["--workers", str(args.workers), "--model", args.model, "--eval-every", "0"]
@@ -69,7 +70,7 @@ def main() -> None:
         print(f"  {label}: exposed {100 * exposed:.1f} %, link / no link {rate_on / rate_off:.3f}", flush=True)
     print(f"\nW={args.workers}, {args.model} model, H={args.sync_every}, {steps} steps (ddp {args.ddp_steps}), "
           f"link {args.link}; "
-          f"{os.cpu_count()} cores, load {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+          f"{cpu_cores()} cores, load {start_load:.1f} at the start, {load():.1f} at the end")
     print(f"{'variant':28} {'exposed share':>13} {'link/no-link':>13} {'val loss':>9}")
     for label, exposed, ratio, loss in rows:
         print(f"{label:28} {100 * exposed:12.1f}% {ratio:13.3f} {loss:9.4f}")

@@ -5,6 +5,7 @@ raw value is parsed and written back, so setting.py and tomlio.py treat them lik
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from ..comm.link import format_bandwidth, format_duration, parse_bandwidth, parse_duration
@@ -139,6 +140,11 @@ class RunConfig:
         if name not in self.options:
             self.options[name] = registry.get(name).Options()
         return self.options[name]
+
+    @property
+    def local_workers(self) -> int:
+        """Workers on this machine: torchrun's local world, else all of them."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.workers))
 
     @property
     def loader_micro_batch(self) -> int:

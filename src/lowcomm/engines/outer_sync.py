@@ -37,6 +37,16 @@ from ..contract.plan import PlannedOp
 from .sync_by_time import SlotClock, calibration_op, is_calibration
 
 
+def sync_offset(f: int, every: int, fragments: int) -> int:
+    """Fragment f of F's place in the period: it syncs at the trainer steps t ≡ ⌊f·H/F⌋ (mod H)."""
+    return (f * every) // fragments
+
+
+def syncs_at(t: int, offset: int, every: int) -> bool:
+    """Whether a fragment at `offset` syncs at trainer step t (from 1; never at step 0)."""
+    return t >= (offset or every) and (t - offset) % every == 0
+
+
 def comm_plan(sizes: list[list[int]], world: int, every: int, fmt: WireFormat, timed: bool) -> list[PlannedOp]:
     """What one rank sends: each non-empty fragment's sync at its offset in the period
     (sizes: every fragment's tensor sizes, empty fragments included), and the --sync-by time
@@ -44,7 +54,7 @@ def comm_plan(sizes: list[list[int]], world: int, every: int, fmt: WireFormat, t
     F, plan = len(sizes), []
     for f, tensors in enumerate(sizes):
         if tensors:
-            plan += fmt.plan(tensors, world, every, (f * every) // F, f, fednova=timed)
+            plan += fmt.plan(tensors, world, every, sync_offset(f, every, F), f, fednova=timed)
     return plan + ([calibration_op(world)] if timed else [])
 
 
@@ -59,8 +69,7 @@ def plan_occurrences(op: PlannedOp, steps: int) -> int:
 
 def merges_at(step: int, every: int, fragments: int, delay: int) -> bool:
     """Does some fragment's sync merge at trainer step `step` (from 1): ⌊f·H/F⌋ + τ (mod H)?"""
-    offsets = ((f * every) // fragments for f in range(fragments))
-    return any(step >= (offset or every) + delay and (step - offset - delay) % every == 0 for offset in offsets)
+    return any(syncs_at(step - delay, sync_offset(f, every, fragments), every) for f in range(fragments))
 
 
 class OuterSync:
@@ -107,8 +116,8 @@ class OuterSync:
 
     def due(self, t: int) -> list[int]:
         """The fragments whose sync is due at trainer step t (from 1)."""
-        offsets = [(f * self.every) // self.count for f, _ in self.fragments]
-        return [i for i, offset in enumerate(offsets) if t >= (offset or self.every) and (t - offset) % self.every == 0]
+        return [i for i, (f, _) in enumerate(self.fragments) if syncs_at(t, sync_offset(f, self.every, self.count),
+                                                                          self.every)]
 
     def issue_due(self, t: int) -> None:
         """Start the syncs due at trainer step t (from 1); each merges at t + delay."""
@@ -161,29 +170,21 @@ class OuterSync:
             self.drain(i)
         return self.arrived.pop(i, None)
 
-    def reset(self, i: int, stepped: int, last: bool = False) -> None:
-        """θ_f,local ← θ_f,global: the next period starts from the global parameters (`stepped`:
-        the outer steps applied at this sync; `last`: the run's final sync, nothing left owed)."""
-        write_flat(self.globals[i].detach(), self.fragments[i][1])
-        self.syncs += stepped
-        if last:
-            self.pending.pop(i, None)
-        infos = self.landed.pop(i, None)
-        if self.clock is not None and infos is not None:
-            self.clock.learn(infos, self.comm.rank)
-
     def merges_due(self, t: int | None) -> list[int]:
         """Fragments whose merge is due at trainer step t (None: all pending)."""
         return [i for i in sorted(self.pending) if t is None or self.pending[i] <= t]
 
-    def merge(self, i: int, alpha: float) -> None:
-        """θ_f,local ← α·θ_f,local + (1−α)·θ_f,global (after `wait`): fragment i's sync is done."""
-        del self.pending[i]
+    def merge(self, i: int, alpha: float, steps: int = 1, settled: bool = True) -> None:
+        """θ_f,local ← α·θ_f,local + (1−α)·θ_f,global (after `wait`): fragment i's sync is done.
+        `steps`: the outer steps it applied (--outer-delay 1: none at the first sync, two at the
+        final one); `settled` False: a newer sync of fragment i is already in flight (--outer-delay 1)."""
+        if settled:
+            del self.pending[i]
         ps, g = self.fragments[i][1], self.globals[i].detach()
         write_flat(g if alpha == 0.0 else alpha * flat_of(ps).float() + (1 - alpha) * g, ps)
-        self.syncs += 1
-        infos = self.landed.pop(i)
-        if self.clock is not None:
+        self.syncs += steps
+        infos = self.landed.pop(i, None)  # none before --outer-delay 1's first mean has landed
+        if self.clock is not None and infos is not None:
             self.clock.learn(infos, self.comm.rank)
 
     # -- between steps ---------------------------------------------------------------

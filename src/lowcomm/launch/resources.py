@@ -20,7 +20,6 @@ memory of the devices the ranks share.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -64,15 +63,10 @@ def available_host_bytes() -> int | None:
     return min(found) if found else None
 
 
-def local_workers(cfg) -> int:
-    """Workers on this machine: torchrun's local world, else all of them."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers))
-
-
 def check_fits(cfg, device_type: str) -> None:
     """UsageError when the run cannot fit in memory; a warning when the workers oversubscribe the cores."""
     per_worker, params = worker_bytes(cfg)
-    workers = local_workers(cfg)
+    workers = cfg.local_workers
     n_layer, _, d_model = cfg.model.dims()
     what = (f"{workers} worker(s) x {_gib(per_worker)}: model of {params / 1e6:,.1f}M params with "
             f"--n-layer {n_layer} --d-model {d_model}, --micro-batch {cfg.micro_batch}, --seq-len {cfg.model.seq_len}")

@@ -86,6 +86,7 @@ class ACCO(OverlappedStrategy):
         self.round_micro = 0           # micro-batches computed in the round now in flight
         self.real_rounds = 0
         self.lr = float("nan")
+        self.joined = False            # --elastic: this worker joined from a peer's state, its B holds nothing
 
     @classmethod
     def micro_batches_per_step(cls, cost, comm_s, options):
@@ -138,7 +139,7 @@ class ACCO(OverlappedStrategy):
         self.joined = True
 
     def launch(self, estimate, votes=None):
-        joined, self.joined = getattr(self, "joined", False), False
+        joined, self.joined = self.joined, False
         super().launch(estimate, (0, 0) if joined and votes is None else votes)
     # ----------------------------------------------------------------------------------------------
 
@@ -172,13 +173,7 @@ class ACCO(OverlappedStrategy):
         if self.round_micro < self.accum or (not self.deterministic and self.round_micro < self.max_accum
                                              and self.rounds.in_flight()):
             return False
-        was_estimate = self.estimate_next
-        self.end_round(ctx)
-        if not was_estimate:
-            return True  # the real round landed: θ_{t+1} is in the model, the step is done
-        self.share_inside()  # across replica groups: θ̃ everywhere before the real round computes at it
-        self.start_round()
-        return False
+        return self.land(ctx) is True
 
     def serve_step(self):
         """Closed: the next step's rounds as the loop would take them, with no new micro-batch
@@ -188,15 +183,24 @@ class ACCO(OverlappedStrategy):
             self.starting = False
             self.flat.zero_grad()
             self.load_round(0)
-        while True:
-            if not self.rounds.engine.pending:
-                self.start_round()
-            was_estimate = self.estimate_next
-            if not self.end_round(None):
-                return False
-            if not was_estimate:
-                return True
-            self.share_inside()
+        if not self.rounds.engine.pending:
+            self.start_round()
+        while (landed := self.land(None)) is False:  # the estimate round landed: on to the real one
+            pass
+        return landed is True
+
+    def land(self, ctx) -> bool | None:
+        """Land the round in flight. True: it was the real round, θ_{t+1} is in the model and
+        the step is done; False: the estimate round, and the step's real round has started at θ̃
+        (shared inside the replica first); None: no rank computed in it, the run is over."""
+        was_estimate = self.estimate_next
+        if not self.end_round(ctx):
+            return None
+        if not was_estimate:
+            return True
+        self.share_inside()  # across replica groups: θ̃ everywhere before the real round computes at it
+        self.start_round()
+        return False
 
     def settle(self):
         """After the last round the model gets the real θ (an estimate round's θ̃ is not kept)."""

@@ -209,7 +209,7 @@ class DiLoCo(Strategy):
             self.sync.issue(i, t + self.sync.every)
             if previous is not None:
                 self._outer_step(ctx, i, previous)
-            self.sync.reset(i, stepped=int(previous is not None))
+            self.sync.merge(i, 0.0, steps=int(previous is not None), settled=False)
 
     def _land(self, ctx, t: int | None, alpha: float) -> None:  # merges due at step t (None: all)
         for i in self.sync.merges_due(t):
@@ -256,7 +256,7 @@ class DiLoCo(Strategy):
                     self._outer_step(ctx, i, delta)
             for i, delta in self.sync.wait():
                 self._outer_step(ctx, i, delta)
-                self.sync.reset(i, stepped=1 + (previous[i] is not None), last=True)
+                self.sync.merge(i, 0.0, steps=1 + (previous[i] is not None))
         elif rounds:
             self._land(ctx, None, self.alpha)
             self.sync.issue_all()

@@ -1,7 +1,6 @@
 """The end of a run: every rank's measurements gathered, summary.json (and trace.json) written."""
 from __future__ import annotations
 
-import os
 import resource
 from pathlib import Path
 
@@ -60,10 +59,9 @@ def summarize(t, run, out_dir: Path | None, quiet: bool) -> dict | None:
         optimizer_state_bytes=strategy.optimizer_state_bytes(), peak_mem_bytes=int(peak),
         link=comm.link.describe() if comm.link is not None else None, link_times=link_times,
         traced=t.tracer is not None, strategy_report=strategy.report(), plan=plan, planned_wire_bytes=planned)
-    on_this_host = int(os.environ.get("LOCAL_WORLD_SIZE", t.world))  # under torchrun: this node's ranks
     summary.update(replicas=replicas, inside=t.cfg.inside if replicas < t.world else None, levels=levels,
                    peak_mem_added_bytes=int(added),
-                   machine=machine_at_end(0 if t.device.type == "cuda" else on_this_host * t.cfg.threads))
+                   machine=machine_at_end(0 if t.device.type == "cuda" else t.cfg.local_workers * t.cfg.threads))
     write_json_atomic(out_dir / "summary.json", summary)
     if not quiet:
         print(describe(summary), flush=True)
