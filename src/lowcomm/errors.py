@@ -20,6 +20,12 @@ class RunError(Exception):
         self.details = details
 
 
+class BadSteps(RunError):
+    """--max-bad-steps consecutive bad steps: every rank saw the same records and stops at the same
+    step. Exit 1; an elastic run's launcher does not restart a worker for it (the run, not the
+    worker, failed: a restarted one would train into the same steps)."""
+
+
 class Interrupted(Exception):
     """The launcher got SIGINT or SIGTERM and stopped every worker. Exit 128 + signal
     (130 for SIGINT, 143 for SIGTERM), as a shell reports a process killed by it."""

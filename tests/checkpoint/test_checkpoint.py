@@ -75,12 +75,12 @@ def saved_params(ckpt: Path, rank: int = 0) -> dict:
 
 
 def _train(cfg, rank, world):
-    from lowcomm.train.worker import build, loop
+    from lowcomm.train.worker import build, run_plain
     t = build(cfg, rank, world, local_rank=0)
     try:
         if cfg.resume_from:
             K.load(t, K.read(Path(cfg.resume_from)))
-        loop(t, Path(cfg.out) if rank == 0 else None, quiet=True)
+        run_plain(t, Path(cfg.out) if rank == 0 else None, quiet=True)
     finally:
         t.run.close()
     return flat(t.model)

@@ -139,12 +139,9 @@ def test_a_joiner_waiting_at_the_last_commit_point_is_not_taken_in(at, taken, mo
     from types import SimpleNamespace
     from lowcomm.train import elastic as E
 
-    w = E.ElasticWorker.__new__(E.ElasticWorker)  # its training loop alone, on a fake run
-    w.cfg, w.step, w.round, w.joins_seen, w.pending = C.RunConfig(steps=4, elastic=True), at, None, 0, []
-    w.m = SimpleNamespace(progress=lambda: None)
-    w.is_commit = lambda step: True  # ddp's commit points: every step
-    w.t = SimpleNamespace(step=at, next_batch=None, run=SimpleNamespace(step=lambda batch, loss: "a step's record"))
-    monkeypatch.setattr(E, "result_vector", lambda result: result)
-    w._commit = lambda pending: 1  # at this commit point the members see a joiner's announcement
-    ended = w.train_until_commit_or_change()
-    assert (ended, w.step) == ((False, at + 1) if taken else (True, 4))
+    w = E.ElasticWorker.__new__(E.ElasticWorker)  # its membership policy alone
+    w.cfg, w.joins_seen = C.RunConfig(steps=4, elastic=True), 0
+    w.m = SimpleNamespace(progress=lambda: None, joins=lambda: 1)
+    # the members trained step `at + 1` and, gathering it, saw one joiner's announcement
+    assert w.leaves(at + 1, joins=1) is taken
+    assert w.leaves(at + 1, joins=0) is False  # no announcement: the members train on

@@ -96,6 +96,18 @@ def event_record(e: Event, at: float) -> dict:
     return rec
 
 
+def lost_in(recorder) -> dict | None:
+    """The collective this rank was in when it found a peer gone: its latest one that failed or
+    never finished, the strategy's own traffic before bookkeeping (an elastic survivor's record of a
+    fault, membership.jsonl); None without a recorder or such a collective."""
+    events = recorder.events() if recorder is not None else []
+    unfinished = [e for e in events if e.collective and e.state != "done"]
+    if not unfinished:
+        return None
+    e = max(unfinished, key=lambda e: (not e.meta, e.eid))
+    return {k: v for k, v in event_record(e, e.t0).items() if k not in ("start_s", "duration_s")}
+
+
 def rank_record(rank: int, events: list[Event], at: float, written_by: str) -> dict:
     unfinished = [event_record(e, at) for e in events if e.collective and e.state != "done"]
     return {"rank": rank, "written_by": written_by,

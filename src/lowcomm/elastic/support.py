@@ -44,9 +44,6 @@ def check(cfg) -> None:
         check_replicas(cfg, "with --replicas")
     from .checkpoints import check as check_checkpoints
     check_checkpoints(cfg, commit_points(cfg))
-    for flag, value in (("--checkpoint-on-signal", cfg.checkpoint_on_signal), ("--trace", cfg.trace), ("--slowdown", cfg.slowdown), ("--stragglers", cfg.stragglers)):
-        if value:
-            raise UsageError(f"{flag} does not run with --elastic yet")
     from .lighthouse import require_torchft
     require_torchft()
     if cfg.lighthouse:  # refused before anything is written, not after the workers started

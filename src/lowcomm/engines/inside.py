@@ -174,7 +174,7 @@ def check_layout(workers: int, replicas: int, inside: str, strategy: str, suppor
     """UsageError (one line) unless `replicas` replicas of `workers` processes, `inside` inside
     each and `strategy` across them fit together; `spell(name, value)` names a setting as the
     caller's user wrote it (the CLI's flags, or lowcomm.wrap's keywords). `one_replica`: the
-    processes are one replica of an elastic run (train/replica_run.py rules on --inside there)."""
+    processes are one replica of an elastic run (elastic/support.py rules on --inside there)."""
     if replicas < 0:
         raise UsageError(f"replicas must be at least 1 (0: one per worker), got {replicas}")
     R = replicas or workers

@@ -25,11 +25,17 @@ class Totals:
                 sums[1] += record[f"exposed_comm_s_{level}"]
         self.wire += record["wire_bytes"]
         self.exposed += record["exposed_comm_s"]
+        # Per worker: an elastic run's record names the slot of each of its ranks ("members"; a
+        # joiner's slot is past the run's first workers), a plain run's ranks are its workers.
         per_rank = record["per_rank"]
-        for r in range(len(self.compute_per_rank)):
-            self.compute_per_rank[r] += per_rank["compute_s"][r]
-            self.exposed_per_rank[r] += per_rank["exposed_comm_s"][r]
-            self.micro_per_rank[r] += per_rank["micro_batches"][r]
+        slots = record.get("members") or range(len(per_rank["micro_batches"]))
+        for name in ("compute_per_rank", "exposed_per_rank", "micro_per_rank"):
+            values = getattr(self, name)
+            values.extend([0] * (max(slots, default=-1) + 1 - len(values)))
+        for r, slot in enumerate(slots):
+            self.compute_per_rank[slot] += per_rank["compute_s"][r]
+            self.exposed_per_rank[slot] += per_rank["exposed_comm_s"][r]
+            self.micro_per_rank[slot] += per_rank["micro_batches"][r]
 
     def per_level(self, steps: int, elapsed_s: float) -> dict[str, tuple[float, float]]:
         """level -> (MB per step, all ranks; share of `elapsed_s` waited, the slowest rank's per

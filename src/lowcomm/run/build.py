@@ -1,9 +1,9 @@
 """The wiring every run shares, written once: each rank's emulated links (one seed per rank and
 per level), its Comm on the whole group, the replica groups (comm/groups.py) and the strategy on
-the right level of them (driver.make_run). The CLI's worker (train/worker.py), its elastic
-replicas (train/replica_run.py) and wrap() call these; each keeps its own order around them
-(the worker checks node numbering before the groups form, an elastic replica shortens their
-timeouts before the strategy's first collective).
+the right level of them (driver.make_run). The CLI's runs, plain and elastic (train/assemble.py,
+for every membership), and wrap() call these; each keeps its own order around them (a torchrun
+worker checks node numbering before the groups form, an elastic member shortens their timeouts
+before the strategy's first collective).
 
 A link is given as a function of its seed (None: unshaped), so that the CLI's config and wrap()'s
 "BW,LAT[,JIT]" strings make theirs the same way.

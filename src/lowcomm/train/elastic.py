@@ -13,6 +13,9 @@ In the new quorum the members behind the newest take its state from a peer (tran
 local parts started as a fresh worker's (zeros: a residual is never copied from a peer), so a
 step that some member committed is kept and none is applied twice; the members then train on
 from that step, each on the data its new rank and the new world size give (see `loader_for`).
+The steps themselves are trained by the run's one loop (loop.py): the worker is its membership
+policy (start, gathers_at, before_step, committed, leaves), so a plain run's bad-step guard,
+dashboards, progress view, flight recorder, --trace, pace and stop on a signal are an elastic run's.
 A joiner (a restarted worker, or one more from `lowcomm join`) asks for a quorum as soon as it
 has built its model; the members notice its announcement at their next commit point and re-form
 with it. Checkpoints are written at commit points, and a resumed run loads one at its first
@@ -21,7 +24,9 @@ quorum (checkpoints.py).
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -30,16 +35,20 @@ import torch.distributed as dist
 
 from .. import config as C
 from . import run_end
+from ..comm.flight import FlightRecorder
+from ..comm.groups import ReplicaLayout
 from ..data import load_bytes, split, val_batches
 from ..data.loader import ShardedBatches
+from ..diagnose.postmortem import lost_in
+from ..diagnose.trace import Tracer
 from ..errors import RunError
-from .faults import hold_for_joiner_if_asked, kill_if_asked
-from ..metrics.runlog import StepLog, result_vector, step_record
 from ..metrics.summary import Totals
-from ..models import lm_loss
-from .worker import LoopResult, Trainer, build_model, evaluate, pick_device
+from .assemble import Seat, connect, strategy_run
+from .faults import hold_for_joiner_if_asked, kill_if_asked
+from .loop import LoopResult, Progress, loop
+from .outputs import StepOutputs
+from .worker import Trainer, ask_checkpoint_on_sigterm, build_model, pick_device
 from ..elastic import checkpoints, support, transfer
-from . import replica_run
 from .rounds import RoundState, snapshot_of
 from ..elastic.membership import Membership, View, leave
 
@@ -68,26 +77,34 @@ def val_for(cfg: C.RunConfig, val_tokens, view: View) -> list:
 
 
 class ElasticWorker:
+    """One member: its model, data and records across memberships, and the membership policy of
+    the training loop (loop.py) for each membership."""
+
     def __init__(self, cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Path | None, quiet: bool):
+        # slot: this process's number for the launcher (a replica's processes: slot·K + rank; under
+        # torchrun its rank in the job), by which the test faults name it
         self.cfg, self.slot, self.m, self.out_dir, self.quiet = cfg, slot, membership, out_dir, quiet
         self.device = pick_device(cfg, "gloo", 0)
         self.model = build_model(cfg, self.device)  # θ0 from the seed: alike on every worker, no collective
         tokens, self.source = load_bytes(cfg.data.source, quiet=True)
         self.train_tokens, self.val_tokens = split(tokens, cfg.data.val_fraction)
         self.t: Trainer | None = None
-        self.snapshot: dict | None = None  # the state at the last commit point: {"step", "strategy"}
+        self.outputs: StepOutputs | None = None  # this membership's (rank 0's steps.jsonl, progress)
+        self.snapshot: dict | None = None  # the state at the last commit point: {"step", "strategy", "log"}
         self.step = 0
-        self.totals = Totals(cfg.workers)  # per slot
-        self.loss = self.val_loss = float("nan")
+        self.progress = Progress(Totals(cfg.workers))  # totals per slot, the wait since the first quorum
         self.joins_seen = 0
         self.view: View | None = None
-        self.t_start = time.perf_counter()  # less the earlier parts' wall time in a resumed run
-        self.log: StepLog | None = None  # rank 0's steps.jsonl
         self.lead_log: str | None = None  # the quorum lead's steps.jsonl (_log_file)
         self.contributors: dict[int, int] = {}  # rank 0: outer sync step -> workers that contributed
-        self.pending: list[torch.Tensor] = []  # this member's records of the steps since the last commit
         self.is_commit = support.commit_points(cfg)
         self.round = RoundState() if support.redoes_last_step(cfg) else None  # a failed sync redoes one step (rounds.py)
+        # Kept across memberships, as a plain run's: the ring (a fault's events stay in it), the
+        # trace (every membership's spans), the dashboards (opened when this member first leads).
+        self.flight = FlightRecorder.for_rank(slot)
+        self.tracer = Tracer(slot) if cfg.trace else None
+        self.board = None
+        self.fault: dict | None = None  # after a lost peer: the members before, the collective it failed in
 
     # -- membership ---------------------------------------------------------------------
     def form(self, joining: bool) -> View:
@@ -96,6 +113,7 @@ class ElasticWorker:
         view = self.m.agree(committed, joining=joining)
         if view is self.view and self.t is not None:  # the same members on the same group (replicas.py)
             self.joins_seen = self._joins_answered()
+            self._open_outputs()
             return view
         self._build(view)
         self.joins_seen = self._joins_answered()
@@ -103,7 +121,7 @@ class ElasticWorker:
             self._load(self.snapshot)
         else:  # the run's start: every member takes its snapshot (collective when sharded)
             if self.cfg.resume_from and not joining:  # the first quorum of a resumed run
-                self.t_start -= checkpoints.load(self, view)
+                self.progress.t_start -= checkpoints.load(self, view)
             self.snapshot = self._take_snapshot()
         healed = transfer.heal(view, lambda: self.snapshot, self._resume, self.t.run.levels[0].group)
         resumed = self._hash(self.snapshot)  # the committed state this member resumed from
@@ -113,10 +131,21 @@ class ElasticWorker:
         return view
 
     def _build(self, view: View) -> None:
+        """The run of this process on the quorum's group, assembled as a plain run's is
+        (assemble.py): one worker a replica of its own, or a replica of K processes (replicas.py),
+        whose cross-replica group (run.levels[0]: its position's ranks) is where it heals."""
         if self.t is not None:
             self.t.run.release()
-        self.t = replica_run.build(self, view)  # one worker a replica, or a replica of K processes
+        cfg = self.cfg
+        seat = Seat(view.rank, ReplicaLayout(view.world, view.world // view.size()), view.slots[view.rank])
+        comm, levels = connect(cfg, seat, self.flight, member_timeout=support.member_timeout(cfg))
+        run = strategy_run(cfg, self.model, comm, levels, seat, self.flight, self.tracer, self.device,
+                           options=support.strategy_options(cfg), fault_rank=self.slot)
+        support.configure(run, cfg)
         self.view = view
+        self.t = Trainer(cfg, view.rank, view.world, self.device, "gloo", comm, self.model, run,
+                         loader_for(cfg, self.train_tokens, view, self.step), val_for(cfg, self.val_tokens, view),
+                         self.source, self.tracer, self.flight)
 
     def _joins_answered(self) -> int:
         """The announcements this quorum answered (a later one is news), alike on every member:
@@ -129,8 +158,8 @@ class ElasticWorker:
         """The state at a commit point, with `log`: the steps.jsonl records that commit made and
         the file they are due in (the quorum lead's). They travel with the state (transfer.heal),
         so the lead of the next quorum writes any the lead of this one did not: a commit is not
-        atomic. After the gather the members still evaluate and (a sharded state) gather the snapshot, both
-        collectives; a member can finish them while the lead fails in them or dies, and the step
+        atomic. After the gather the members still (a sharded state) gather the snapshot, a
+        collective; a member can finish it while the lead fails in it or dies, and the step
         the others committed would have no record."""
         return {"step": self.step, "strategy": snapshot_of(self.t.run), "log": log or {"file": None, "records": []}}
 
@@ -167,61 +196,61 @@ class ElasticWorker:
         round step it went back to: rounds.py), who received the state, and each member's hash of
         the committed state all must hold alike (equal after a join), taken after the state was
         loaded into this membership, with the hash of the committed state each resumed from
-        (equal to it: nothing lost in a transfer or a re-shard)."""
+        (equal to it: nothing lost in a transfer or a re-shard). After a fault: the members lost
+        and, per survivor, the collective it was in when it found them gone (its flight ring)."""
         every, log_file = [None] * view.world, self._log_file()
-        dist.all_gather_object(every, (self._hash(self.snapshot), resumed, log_file))
-        self.lead_log = every[0][2]  # where this quorum's records go
-        if self.log is not None:
-            self.log.close()
-            self.log = None
-        if view.rank == 0 and self.out_dir is not None:
+        dist.all_gather_object(every, (self._hash(self.snapshot), resumed, log_file, self.fault))
+        self.lead_log, self.fault = every[0][2], None  # where this quorum's records go
+        self._open_outputs()
+        if self.outputs.lead:
+            faults = {view.slots[r]: e[3]["in"] for r, e in enumerate(every) if e[3] is not None}
+            before = {s for e in every if e[3] is not None for s in e[3]["members"]}
+            fault = {"fault": {"lost": sorted(before - set(view.slots)), "in": faults}} if faults else {}
             with open(self.out_dir / "membership.jsonl", "a") as f:
                 f.write(json.dumps({"step": self.snapshot["step"], "round": in_round, "quorum": view.quorum, "slots": list(view.slots),
                                     "committed": list(view.steps), "healed": [view.slots[r] for r in healed],
                                     "state_sha256": [e[0] for e in every], "resumed_sha256": [e[1] for e in every],
-                                    "time": time.time(), **view.described()}) + "\n")
-            self.log = StepLog(self.out_dir, resume_after=self.snapshot["step"])  # a new lead continues the log
-            due, logged = self.snapshot["log"], {r["step"] for r in self.log.kept}
+                                    **fault, "time": time.time(), **view.described()}) + "\n")
+            log = self.outputs.log  # a new lead continues the log
+            due, logged = self.snapshot["log"], {r["step"] for r in log.kept}
             for record in due["records"] if due["file"] == log_file else ():
                 if record["step"] not in logged:  # committed, but the last lead failed before writing it
-                    self.log.write(record)
-                    self.log.kept.append(record)
-            self.totals = Totals(self.cfg.workers)
-            for record in self.log.kept:
-                self._add(record)
-            self.contributors = {r["step"]: r["outer"]["contributors"] for r in self.log.kept if "outer" in r}
+                    log.write(record)
+                    log.kept.append(record)
+            p = self.progress
+            p.totals, p.loss, p.val_loss = self.outputs.kept_totals(self.cfg.workers)
+            self.contributors = {r["step"]: r["outer"]["contributors"] for r in log.kept if "outer" in r}
 
-    # -- training -----------------------------------------------------------------------
-    def train_until_commit_or_change(self) -> bool:
-        """Train to the end or to a commit point where a joiner waits. True at the end."""
-        cfg, t = self.cfg, self.t
-        while self.step < checkpoints.end_step(cfg):
-            self.m.progress()
-            if self.round is not None and self.is_commit(self.step + 1):
-                self.round.keep(self)
-            self.pending.append(result_vector(t.run.step(t.next_batch, lm_loss)))
-            self.step = t.step = self.step + 1
-            if not self.is_commit(self.step):
-                continue
-            joins = max(self._commit(self.pending), hold_for_joiner_if_asked(self.step, self.m, self.joins_seen))
-            self.pending = []
-            if self.round is not None:
-                self.round.forget()
-            # A joiner waiting at the last commit point is not taken in: there is nothing left to
-            # train (it would finish the run as a member that trained nothing, counted in the summary).
-            if joins > self.joins_seen and self.step < checkpoints.end_step(cfg):
-                return False
-        return True
+    def _open_outputs(self) -> None:
+        """This membership's outputs: on its lead, steps.jsonl kept up to the committed step, the
+        progress view, and the dashboards (this member's, opened when it first leads)."""
+        if self.view.rank == 0 and self.board is None and self.out_dir is not None:
+            from ..metrics.scalars import ScalarLogs
+            self.board = ScalarLogs.for_run(self.cfg)
+        self.outputs = StepOutputs(self.t, self.out_dir, self.quiet, continues_after=self.snapshot["step"],
+                                   board=self.board if self.view.rank == 0 else None)
 
-    def _commit(self, pending: list) -> int:
-        """Gather the records since the last commit (every member finished those steps), write
-        them, evaluate when due, keep the snapshot. Returns the most joins any member has seen."""
-        t, cfg = self.t, self.cfg
-        flags = torch.zeros(len(pending[0]), dtype=torch.float64)
-        flags[0] = self.m.joins()
-        every = t.comm.meta_all_gather(torch.stack(pending + [flags])).cpu()
-        first = self.step - len(pending) + 1
-        records = [step_record(first + i, every[:, i], len(t.run.levels) > 1) for i in range(len(pending))]
+    # -- the training loop's membership policy (loop.py) ---------------------------------
+    def start(self, t) -> None:
+        """Nothing to wait for: the quorum has just formed, its group's timeout is the member timeout."""
+
+    def gathers_at(self, step: int, due: bool) -> bool:
+        """Only at commit points: a gathered record is a committed step, written once."""
+        return self.is_commit(step)
+
+    def before_step(self, t, progress: Progress) -> None:
+        self.step = t.step
+        self.m.progress()
+        if self.round is not None and self.is_commit(t.step + 1):
+            self.round.keep(self)
+
+    def joins(self) -> int:
+        return self.m.joins()
+
+    def committed(self, t, records: list[dict]) -> None:
+        """The members finished these steps: the records say who they were (and who contributed
+        to an outer merge), and each member keeps the state it goes back to if a peer is lost."""
+        self.step = t.step
         now = time.time()  # when the step was committed (bench/chaos.py times recoveries by it)
         for r in records:
             r["members"], r["committed_at"] = list(self.view.slots), now
@@ -229,65 +258,50 @@ class ElasticWorker:
         if outer is not None:  # an outer sync: who contributed to it, and how much
             records[-1]["outer"] = outer
             self.contributors[self.step] = outer["contributors"]
-        if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
-            with t.run.evaluating() as eval_model:
-                self.val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
         self.snapshot = self._take_snapshot({"file": self.lead_log, "records": records})
+        if self.round is not None:
+            self.round.forget()
         kill_if_asked(self.view.rank, self.step, "KILL_BEFORE_LOG")  # test-only
-        for r in records:
-            self._add(r)
-            if self.log is not None:
-                self.log.write(r)
-        self.loss = records[-1]["loss"]
-        if checkpoints.due(cfg, self.step):  # the members of this quorum, at this commit point
-            checkpoints.write(self, time.perf_counter() - self.t_start)
-        if self.log is not None and not self.quiet:
-            print(f"step {self.step}/{cfg.steps} loss {self.loss:.4f} on {self.view.world} worker(s)", flush=True)
-        return int(every[:, -1, 0].max())
 
-    def _add(self, record: dict) -> None:
-        """Totals per slot: a record's per-rank values go to the slots of its members."""
-        slots = record.get("members") or list(range(len(record["per_rank"]["micro_batches"])))
-        grow(self.totals, max(slots) + 1)  # a joiner's slot is W or above (lowcomm join)
-        padded = {k: [0] * len(self.totals.micro_per_rank) for k in record["per_rank"]}
-        for rank, slot in enumerate(slots):
-            for k, values in record["per_rank"].items():
-                padded[k][slot] = values[rank]
-        self.totals.add({**record, "per_rank": padded})
+    def save(self, t, wall_s: float) -> None:
+        """The members of this quorum, at this commit point (checkpoints.py)."""
+        checkpoints.write(self, wall_s)
 
+    def leaves(self, step: int, joins: int) -> bool:
+        """Re-form for a joiner that has announced itself. One waiting at the last commit point is
+        not taken in: there is nothing left to train (it would finish the run as a member that
+        trained nothing, counted in the summary)."""
+        joins = max(joins, hold_for_joiner_if_asked(step, self.m, self.joins_seen))
+        return joins > self.joins_seen and step < checkpoints.end_step(self.cfg)
+
+    # -- faults and the end ---------------------------------------------------------------
     def rollback(self) -> None:
         """A collective failed: forget the run on the broken group and the steps since the snapshot."""
+        if self.view is not None:  # the fault's record (membership.jsonl): who was there, and where it failed
+            self.fault = {"members": list(self.view.slots), "in": lost_in(self.flight)}
         if self.t is not None:
             self.t.run.release()
             self.t = None  # DDP's reducer holds the group: let it go with the run
-        if self.log is not None:
-            self.log.close()
-            self.log = None
         # Destroy the broken group now, not after the next quorum: its sockets close, so a survivor
         # still blocked in the failed collective (waiting on this member, not on the dead one)
         # fails at once instead of after --timeout, and joins the quorum too.
         leave()
         self.step = self.snapshot["step"] if self.snapshot is not None else 0
-        self.pending = []  # a round state (rounds.py) may bring back those of the round
+        self.progress.pending = []  # a round state (rounds.py) may bring back those of the round
 
     def stop(self) -> None:
-        """--stop-at: the checkpoint is written; this part of the run ends without summary.json."""
+        """--stop-at, or a stop asked by a signal: the checkpoint is written; this part of the run
+        ends without summary.json (the loop said how to continue it)."""
         self.t.run.release()
-        if self.log is not None:
-            self.log.close()
-            if not self.quiet:
-                print(f"lowcomm: stopped after step {self.step} of {self.cfg.steps} with a checkpoint; continue "
-                      f"with: lowcomm train --resume {self.out_dir}", flush=True)
+        run_end.gather_trace(self.t, self.out_dir if self.t.rank == 0 else None, stopped_after_step=self.step)
+        self._close_board()
 
-    def finish(self) -> None:
+    def finish(self, result: LoopResult) -> None:
         t = self.t
         t.run.close()  # collective: every member ends on the same final parameters
-        if self.log is not None:
-            self.log.close()
         final = transfer.state_hash({f"model.{k}": v for k, v in self.model.state_dict().items()})
         every = [None] * self.view.world
         dist.all_gather_object(every, final)
-        result = LoopResult(self.totals, self.loss, self.val_loss, time.perf_counter() - self.t_start)
         summary = run_end.summarize(t, result, self.out_dir if t.rank == 0 else None, self.quiet)
         if summary is not None and self.out_dir is not None:
             from ..metrics.runlog import write_json_atomic
@@ -295,13 +309,12 @@ class ElasticWorker:
                                   "min_workers": support.min_workers(self.cfg),
                                   **({"contributors_per_outer_sync": self.contributors} if self.contributors else {})}
             write_json_atomic(self.out_dir / "summary.json", summary)
+        self._close_board()
 
-
-def grow(totals: Totals, slots: int) -> None:
-    """Per-slot totals for `slots` slots at least."""
-    for name in ("compute_per_rank", "exposed_per_rank", "micro_per_rank"):
-        values = getattr(totals, name)
-        values.extend([0] * (slots - len(values)))
+    def _close_board(self) -> None:
+        if self.board is not None:
+            self.board.close()
+            self.board = None
 
 
 def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Path | None, quiet: bool,
@@ -311,7 +324,7 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
     w = ElasticWorker(cfg, slot, membership, out_dir, quiet)
     if not joining:
         membership.wait_for_first(cfg.workers)
-    w.t_start = time.perf_counter()
+    w.progress.t_start = time.perf_counter()
     reforms = 0
     while True:
         failed = False
@@ -319,7 +332,8 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
             w.form(joining)
             joining = False
             committed = w.step
-            if w.train_until_commit_or_change():
+            result = loop(w.t, w.outputs, w, w.progress)
+            if result is not None:
                 break
             reforms = 0 if w.step > committed else reforms + 1
         except RuntimeError as e:  # gloo: a peer closed the connection (died), or a collective timed out
@@ -339,10 +353,10 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
             joining = True
         if reforms > MAX_REFORMS_WITHOUT_PROGRESS:
             raise RunError(f"the group changed {reforms} times without committing a step; giving up")
-    if w.step < cfg.steps:  # --stop-at
+    if result.stopped:  # --stop-at, or a stop asked by a signal
         w.stop()
     else:
-        w.finish()
+        w.finish(result)
     return w
 
 
@@ -359,6 +373,7 @@ def elastic_entry(_i: int, slot: int, cfg: C.RunConfig, store_port: int, lightho
     """Entry of an elastic worker the launcher started (or restarted, `joining`)."""
     m = Membership(lighthouse_address, "127.0.0.1", store_port, slot, support.member_timeout(cfg),
                    speaks=slot == 0)  # one line for a quorum long in coming, not one a worker
+    ask_checkpoint_on_sigterm(cfg)
     try:
         run_elastic(cfg, slot, m, Path(out_dir) if out_dir else None, quiet, joining)
     finally:

@@ -1,6 +1,6 @@
 """Where each gathered step goes: rank 0's steps.jsonl, progress view and flags (stragglers, slow
 link, loss spikes, the launcher's stalled collectives), and the dashboards asked for (--tensorboard, --wandb).
-The training loop (worker.loop) hands records over; this module knows where they are written."""
+The training loop (loop.py) hands records over; this module knows where they are written."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,11 +18,17 @@ from ..metrics.summary import Totals
 class StepOutputs:
     """Rank 0's outputs of a run (`lead`: it writes a run directory); the others hold none."""
 
-    def __init__(self, t, out_dir: Path | None, quiet: bool):
+    def __init__(self, t, out_dir: Path | None, quiet: bool, continues_after: int | None = None,
+                 board: ScalarLogs | None | bool = True):
+        """`continues_after`: the log keeps the records up to that step (an elastic run's new
+        membership; default: a resumed run's step). `board`: the dashboards, opened here on rank 0
+        (True), or kept by the caller across memberships and not closed here."""
         cfg = t.cfg
-        self.lead = t.rank == 0 and out_dir is not None
+        self.lead, self.quiet = t.rank == 0 and out_dir is not None, quiet
         self.levels = t.run.levels
-        self.log = StepLog(out_dir, resume_after=t.step if cfg.resume_from else None) if self.lead else None
+        if continues_after is None and cfg.resume_from:
+            continues_after = t.step
+        self.log = StepLog(out_dir, resume_after=continues_after) if self.lead else None
         leveled = len(self.levels) > 1  # replica groups: bytes and waits shown per level
         self.view = ProgressView(cfg.steps, f"{cfg.strategy} W={t.world}", enabled=self.lead and not quiet,
                                  levels=leveled)
@@ -31,13 +37,16 @@ class StepOutputs:
         self.spikes = LossSpikeFlags() if self.lead else None
         self._shown_late: list[str] = []  # spikes of a gather's earlier steps, for its progress line
         self.stalls = StallFlags.for_run() if self.lead else None  # None without lowcomm's launcher
-        self.board = ScalarLogs.for_run(cfg) if t.rank == 0 else None  # optional extras, checked before the run
+        self._owns_board = board is True
+        if board is True:  # optional extras, checked before the run
+            board = ScalarLogs.for_run(cfg) if t.rank == 0 else None
+        self.board = board or None
 
     def kept_totals(self, world: int) -> tuple[Totals, float, float]:
         """The totals, last loss and last validation loss of the steps before a resumed checkpoint."""
         totals, loss, val_loss = Totals(world), float("nan"), float("nan")
         for record in (self.log.kept if self.log is not None else []):
-            if len(record["per_rank"]["micro_batches"]) != world:  # resumed on another world size
+            if "members" not in record and len(record["per_rank"]["micro_batches"]) != world:  # resumed on another world size
                 record = {**record, "per_rank": {k: [0] * world for k in record["per_rank"]}}
             totals.add(record)
             loss, val_loss = record["loss"], record.get("val_loss", val_loss)
@@ -74,5 +83,5 @@ class StepOutputs:
         self.view.close()
         if self.log is not None:
             self.log.close()
-        if self.board is not None:
+        if self.board is not None and self._owns_board:
             self.board.close()

@@ -1,6 +1,7 @@
-"""A torchrun job as one replica of an elastic run (replicas.py): its entry, its checks, and the
-run built on each quorum's group with the replica machinery of a plain run (for every elastic
-run: a flat one's workers are replicas of one process).
+"""A torchrun job (or a launcher's slot of K processes) as one replica of an elastic run
+(replicas.py): its entries. The run on each quorum's group is assembled as a plain run's is
+(assemble.py, from ElasticWorker._build), with the replica machinery of a plain run (for every
+elastic run: a flat one's workers are replicas of one process).
 
 On a quorum of R replicas of K processes the world is R·K ranks, numbered replica by replica,
 which is comm/groups.py's ReplicaLayout(R·K, R): so the groups, the strategy across replicas on
@@ -17,15 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from .. import config as C
-from . import faults
-from ..comm import control
-from ..comm.groups import ReplicaLayout
-from .optim import adamw_factory, lr_schedule
-from ..run.build import build as build_run, replica_groups, world_comm
-from .worker import Trainer
 from ..elastic import support
 from ..elastic.address import parse_lighthouse
 
@@ -34,37 +27,6 @@ RESTARTED = "TORCHELASTIC_RESTART_COUNT"
 
 def restart_count() -> int:
     return int(os.environ.get(RESTARTED) or 0)
-
-
-def build(w, view) -> Trainer:
-    """The run of one process on a quorum's group: a replica of K processes (replicas.ReplicaView)
-    or one worker, a replica of its own (K = 1, a flat run). Its cross-replica group
-    (run.levels[0]: its position's ranks, the world when K = 1) is where it heals."""
-    cfg = w.cfg
-    layout = ReplicaLayout(view.world, view.world // view.size())
-    slot = view.slots[view.rank]
-    link, intra_link = C.link_factories(cfg)
-    comm = world_comm(layout, slot, cfg.seed, link)
-    levels = replica_groups(layout, slot, cfg.seed, link, intra_link)
-    if levels is not None:
-        shorten_timeouts(levels, support.member_timeout(cfg))
-    run = build_run(cfg.strategy, w.model, adamw_factory(cfg.optim), comm, levels, accum=cfg.accum,
-                    schedule=lr_schedule(cfg.optim, cfg.steps), total_steps=cfg.steps,
-                    options=support.strategy_options(cfg), inside=cfg.inside)
-    support.configure(run, cfg)
-    run = faults.inject(run, w.slot)  # test faults: by the rank in the job (torchrun), slot·K + rank (launcher)
-    from .elastic import loader_for, val_for
-    val = val_for(cfg, w.val_tokens, view)
-    return Trainer(cfg, view.rank, view.world, w.device, "gloo", comm, w.model, run,
-                   loader_for(cfg, w.train_tokens, view, w.step), val, w.source, None, None)
-
-
-def shorten_timeouts(levels, seconds: float) -> None:
-    """The replica groups fail a collective after the member timeout, as the quorum's group does
-    (new_group's own timeout is 30 min: a frozen member would hang the others that long)."""
-    timeout = timedelta(seconds=seconds)
-    for group in (levels.intra.group, levels.cross.group, *control.control_groups()):
-        _set_pg_timeout(timeout, group)
 
 
 def run_job(cfg, out: Path | None, quiet: bool) -> str | None:
@@ -94,12 +56,14 @@ def run_replica(cfg, local: int, size: int, job: dist.Store, lighthouse: str, ou
     """Process `local` of a replica of `size`: its rank 0 the member at the lighthouse (ids sort by
     `name`, else by start time), the others told each quorum through `job`."""
     from .elastic import run_elastic
+    from .worker import ask_checkpoint_on_sigterm
     from ..elastic.replicas import MatesWatch, ReplicaLeader, ReplicaPeer
 
     timeout = support.member_timeout(cfg)
     m = (ReplicaLeader(lighthouse, job, size, timeout, support.min_workers(cfg), name) if local == 0
          else ReplicaPeer(job, local, timeout))
     watch = MatesWatch(job, local, size, timeout, m.alive)
+    ask_checkpoint_on_sigterm(cfg)
     try:
         return run_elastic(cfg, fault_rank, m, out, quiet, joining)
     finally:

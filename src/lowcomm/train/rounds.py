@@ -38,7 +38,7 @@ class RoundState:
     def keep(self, w) -> None:
         """Before the step that ends a round (w: the ElasticWorker)."""
         if self.kept is None or self.kept["step"] != w.step:
-            self.kept = {"step": w.step, "base": w.snapshot["step"], "pending": list(w.pending),
+            self.kept = {"step": w.step, "base": w.snapshot["step"], "pending": list(w.progress.pending),
                          "state": {"step": w.step, "strategy": snapshot_of(w.t.run)}}
 
     def forget(self) -> None:
@@ -58,10 +58,10 @@ class RoundState:
         target = max(steps)
         if mine == target:
             w._load(self.kept["state"])
-            w.pending = list(self.kept["pending"])
+            w.progress.pending = list(self.kept["pending"])
         else:  # in the round from here, having trained none of it
             committed = w.snapshot
             w._load({"step": target, "strategy": {**committed["strategy"], "steps_done": target}})
-            w.pending = [absent_vector() for _ in range(target - committed["step"])]
+            w.progress.pending = [absent_vector() for _ in range(target - committed["step"])]
             self.kept = None
         return target
