@@ -1,7 +1,9 @@
 """--elastic as a user meets it: a worker SIGKILLed mid-run, with no restart left, is dropped by
 the survivors once its heartbeats stop (about 2 s), not after --member-timeout, and they finish the run; no step is logged (applied) twice; every
 live worker ends with the same parameters (by hash); a worker whose training thread is stuck is
-left out. What a strategy declares it cannot run elastically is refused in one line. (Every fault kind, for
+left out; what a plain run records (validation, dashboards, the flight recorder's account of a
+fault) and how it stops on bad steps hold under --elastic. What a strategy declares it cannot run
+elastically is refused in one line. (Every fault kind, for
 each elastic strategy, in one run each: test_elastic_faults.py.)
 """
 from __future__ import annotations
@@ -33,13 +35,29 @@ def train(out: Path, monkeypatch, capfd, *flags: str, **faults: str) -> str:
 
 @pytest.mark.elastic
 def test_diloco_survivors_drop_a_killed_worker_by_its_heartbeats_and_finish(tmp_path, monkeypatch, capfd):
-    out, log = tmp_path / "run", tmp_path / "killed"
+    """... with what a plain run records: validation between commit points, the dashboards (each
+    committed step once, none of the redone round's twice), the flight recorder's account of the
+    fault (who was lost, the collective each survivor was in)."""
+    pytest.importorskip("tensorboard", reason="the optional tensorboard extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out, log, board = tmp_path / "run", tmp_path / "killed", tmp_path / "tb"
     err = train(out, monkeypatch, capfd, "--strategy", "diloco", "--sync-every", "4", "--steps", "24",
-                "--member-timeout", str(MEMBER_TIMEOUT), kill_at="1:6", kill_log=str(log))
+                "--member-timeout", str(MEMBER_TIMEOUT), "--eval-every", "5", "--eval-batches", "2",
+                "--tensorboard", str(board), kill_at="1:6", kill_log=str(log))
     assert "worker 1 failed: killed by signal SIGKILL; the others go on without it" in err
     records, summary = check_finished(out, 24)
     quorums = jsonl(out / "membership.jsonl")
     assert [q["slots"] for q in quorums] == [[0, 1, 2], [0, 2]]
+    # Worker 1 died after step 6, the survivors in the next collective of the strategy's own: the
+    # sync of step 8, which failed for both.
+    fault = quorums[1]["fault"]
+    assert fault["lost"] == [1] and set(fault["in"]) == {"0", "2"}, fault
+    assert all(e["state"] == "failed" and e["step"] == 8 and not e["bookkeeping"] for e in fault["in"].values()), fault
+    assert [r["step"] for r in records if "val_loss" in r] == [5, 10, 15, 20, 24]  # all but 24: between commits
+    events = EventAccumulator(str(board))
+    events.Reload()
+    assert [s.step for s in events.Scalars("train/loss")] == list(range(1, 25))
+    assert [s.step for s in events.Scalars("train/val_loss")] == [5, 10, 15, 20, 24]
     # The round in which it died (steps 5-8) is kept: the survivors go back to their state before
     # step 8 (the step ending the round, whose sync failed) and redo only that step and the sync.
     assert quorums[1]["step"] == 4 and quorums[1]["round"] == 7, quorums[1]
@@ -52,6 +70,23 @@ def test_diloco_survivors_drop_a_killed_worker_by_its_heartbeats_and_finish(tmp_
     # each outer sync records its contributors (token-weighted merge): three, then the two survivors
     assert [r["outer"]["contributors"] for r in records if "outer" in r] == [3, 2, 2, 2, 2, 2]
     assert summary["elastic"]["members"] == [0, 2]
+
+
+@pytest.mark.elastic
+def test_consecutive_bad_steps_end_the_run_in_one_line_without_restarting_a_worker(tmp_path, monkeypatch, capfd):
+    # Every member sees the same gathered records, so all stop at the same step: the run failed,
+    # not a worker, and a restarted one would only train into the same steps.
+    out = tmp_path / "run"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("LOWCOMM_TEST_NAN_AT", "0:3,0:4")
+    code = main(["train", *TINY, "--strategy", "ddp", "--steps", "8", "--max-bad-steps", "2", "--max-restarts", "2",
+                 "--out", str(out)])
+    err = capfd.readouterr().err
+    assert code == 1, err
+    assert err.strip().splitlines()[-1] == ("error: 2 consecutive steps had a non-finite loss or gradient (the last "
+                                            "at step 4; --max-bad-steps 2); try a lower --lr"), err
+    assert "restarting" not in err and "go on" not in err, err
+    assert [r["step"] for r in jsonl(out / "steps.jsonl")] == [1, 2, 3, 4]
 
 
 @pytest.mark.elastic

@@ -8,8 +8,8 @@ checked over the registry: a strategy is covered the moment it stops refusing --
   tensor zero; a local θ at the parameters a fresh worker starts from, the ones evaluated) and
   the replicated state of its peer, bit for bit; and the two go on to their next commit point
   with equal replicated states again;
-- a no-fault `lowcomm train --elastic` run equals the plain run bit for bit (every step's loss,
-  the final validation loss and parameters).
+- a no-fault `lowcomm train --elastic` run equals the plain run bit for bit (every step's loss
+  and validation loss, the final validation loss and parameters), at two seeds.
 All strategies share one W=2 spawn for the first two; the CLI pair is two short runs each.
 """
 from __future__ import annotations
@@ -165,8 +165,10 @@ def test_a_joiner_holds_a_fresh_workers_local_state_and_its_peers_replicated_sta
 # -- a no-fault elastic run equals the plain run bit for bit, through the CLI ----------------------
 
 STEPS = 6
+# Validation every 3 steps: between the commit points of the local-SGD family (an elastic run
+# evaluates there too, and writes the loss with the step at the next commit).
 RUN = ["--workers", "2", "--n-layer", "2", "--n-head", "2", "--d-model", "16", "--seq-len", "16", "--data",
-       "pydoc", "--eval-every", "0", "--steps", str(STEPS), "--quiet"]
+       "pydoc", "--eval-every", "3", "--eval-batches", "2", "--steps", str(STEPS), "--quiet"]
 
 
 def cli_flags(name: str) -> list[str]:
@@ -185,15 +187,19 @@ def final_params_hash(out: Path) -> str:
 
 @pytest.mark.elastic
 @pytest.mark.procs
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("name", ELASTIC)
-def test_a_no_fault_elastic_run_equals_the_plain_run(name, tmp_path, monkeypatch):
+def test_a_no_fault_elastic_run_equals_the_plain_run(name, seed, tmp_path, monkeypatch):
     pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     plain, elastic = tmp_path / "plain", tmp_path / "elastic"
-    assert main(["train", *RUN, *cli_flags(name), "--checkpoint-every", str(STEPS), "--out", str(plain)]) == 0
-    assert main(["train", *RUN, *cli_flags(name), "--elastic", "--out", str(elastic)]) == 0
+    run = [*RUN, *cli_flags(name), "--seed", str(seed)]
+    assert main(["train", *run, "--checkpoint-every", str(STEPS), "--out", str(plain)]) == 0
+    assert main(["train", *run, "--elastic", "--out", str(elastic)]) == 0
     rows = [[json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()] for out in (plain, elastic)]
     assert [r["loss"] for r in rows[0]] == [r["loss"] for r in rows[1]], name
+    assert [(r["step"], r.get("val_loss")) for r in rows[0]] == [(r["step"], r.get("val_loss")) for r in rows[1]], name
+    assert [r["step"] for r in rows[1] if "val_loss" in r] == [3, 6]
     summaries = [json.loads((out / "summary.json").read_text()) for out in (plain, elastic)]
     assert summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
     assert set(summaries[1]["elastic"]["final_params_sha256"]) == {final_params_hash(plain)}

@@ -146,6 +146,8 @@ class Slots:
                 f.write(f"--- {name} ---\n{tb}\n")
         if self.finished:
             return
+        if tb and supervise.failed_the_run(tb):  # the run failed, not the worker: no restart, no survivor
+            raise RunError(what)
         if self.restarts < self.cfg.max_restarts:
             self.restarts += 1
             print(f"lowcomm: {self.last_failure}; the others go on; restarting it "

@@ -195,10 +195,20 @@ def _exception_line(tb: str) -> str:
 def _last_line(tb: str) -> str:
     """The exception line of a traceback; lowcomm's own errors without their class path."""
     last = _exception_line(tb)
-    for prefix in ("lowcomm.errors.RunError: ", "lowcomm.errors.UsageError: ", "lowcomm.errors.DiskFull: "):
+    for prefix in ("lowcomm.errors.RunError: ", "lowcomm.errors.UsageError: ", "lowcomm.errors.DiskFull: ",
+                   RUN_FAILED):
         if last.startswith(prefix):
             return last[len(prefix):]
     return last
+
+
+# A worker's failure that is the run's (every rank meets it at the same step: --max-bad-steps):
+# an elastic launcher ends the run instead of restarting the worker into the same steps.
+RUN_FAILED = "lowcomm.errors.BadSteps: "
+
+
+def failed_the_run(tb: str) -> bool:
+    return _exception_line(tb).startswith(RUN_FAILED)
 
 
 def _signal_name(signum: int) -> str:

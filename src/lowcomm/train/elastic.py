@@ -60,10 +60,11 @@ def loader_for(cfg: C.RunConfig, train, view: View, step: int) -> ShardedBatches
     world shards, each read in an order drawn from (seed, step the membership began, rank). So
     what a worker trains on is a function of the step and the live membership (membership.jsonl
     records both); the steps a failure discarded are trained again by the new membership on its
-    own data (re-assigned, not skipped)."""
+    own data (re-assigned, not skipped). A membership that began at step 0 reads what a plain run
+    of its workers reads, at any seed (its order seed is then the plain run's, --seed)."""
     rank, world, position, positions = view.shard()  # a replica of K processes: its shard, split K ways
     return ShardedBatches(train, rank, world, cfg.model.seq_len, cfg.loader_micro_batch,
-                          cfg.seed * 1_000_003 + step, position, positions)
+                          cfg.seed + 1_000_003 * step, position, positions)
 
 
 def val_for(cfg: C.RunConfig, val_tokens, view: View) -> list:
@@ -205,7 +206,9 @@ class ElasticWorker:
         if self.outputs.lead:
             faults = {view.slots[r]: e[3]["in"] for r, e in enumerate(every) if e[3] is not None}
             before = {s for e in every if e[3] is not None for s in e[3]["members"]}
-            fault = {"fault": {"lost": sorted(before - set(view.slots)), "in": faults}} if faults else {}
+            # lost: gone, or back already as a restarted process with nothing committed (-1)
+            fresh = {slot for slot, step in zip(view.slots, view.steps) if step < 0}
+            fault = {"fault": {"lost": sorted(before - (set(view.slots) - fresh)), "in": faults}} if faults else {}
             with open(self.out_dir / "membership.jsonl", "a") as f:
                 f.write(json.dumps({"step": self.snapshot["step"], "round": in_round, "quorum": view.quorum, "slots": list(view.slots),
                                     "committed": list(view.steps), "healed": [view.slots[r] for r in healed],
@@ -332,6 +335,7 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
             w.form(joining)
             joining = False
             committed = w.step
+            w.progress.forget_after(w.step)  # evaluated past the state this membership resumed from
             result = loop(w.t, w.outputs, w, w.progress)
             if result is not None:
                 break

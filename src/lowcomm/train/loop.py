@@ -52,6 +52,12 @@ class Progress:
     bad_in_row: int = 0  # consecutive bad steps (--max-bad-steps)
     t_start: float = field(default_factory=time.perf_counter)  # less the wall time of earlier parts
     pending: list = field(default_factory=list)  # this rank's results of the steps not yet gathered
+    # validation losses of steps not yet gathered (an elastic run evaluates between commit points)
+    evaluated: dict = field(default_factory=dict)
+
+    def forget_after(self, step: int) -> None:
+        """Back to `step` (an elastic run's rollback): the later steps' results are redone."""
+        self.evaluated = {s: v for s, v in self.evaluated.items() if s <= step}
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start
@@ -110,12 +116,16 @@ def loop(t, outputs, members, progress: Progress) -> LoopResult | None:
             evaluate_now = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
             checkpoint_now = bool(every and step % every == 0) or (step == end and bool(every or cfg.stop_at))
             if not members.gathers_at(step, evaluate_now or checkpoint_now or step == end or step % cfg.log_every == 0):
+                if evaluate_now:  # between an elastic run's commit points: evaluated now, written at the commit
+                    progress.evaluated[step] = evaluate_run(t)
                 continue
             records, asked, stop_asked, joins = gather_records(t, progress.pending, members.joins())
             progress.bad_in_row = check_steps(records, progress.bad_in_row, cfg.max_bad_steps, outputs.lead, outputs.log)
             if evaluate_now:
-                with recorded(t.flight, "evaluate"), run.evaluating() as eval_model:
-                    progress.val_loss = records[-1]["val_loss"] = evaluate(eval_model, t.val, t.comm, t.device)
+                progress.evaluated[step] = evaluate_run(t)
+            for r in records:
+                if r["step"] in progress.evaluated:
+                    progress.val_loss = r["val_loss"] = progress.evaluated.pop(r["step"])
             members.committed(t, records)
             outputs.write(records, progress.totals)
             progress.loss = records[-1]["loss"]
@@ -135,6 +145,12 @@ def loop(t, outputs, members, progress: Progress) -> LoopResult | None:
         print(f"lowcomm: stopped after step {t.step} of {cfg.steps} with a checkpoint; continue with: "
               f"lowcomm train --resume {cfg.out}", flush=True)
     return LoopResult(progress.totals, progress.loss, progress.val_loss, progress.elapsed(), stopped)
+
+
+def evaluate_run(t) -> float:
+    """The validation loss of what the strategy evaluates (DiLoCo: θ_global), over every rank."""
+    with recorded(t.flight, "evaluate"), t.run.evaluating() as eval_model:
+        return evaluate(eval_model, t.val, t.comm, t.device)
 
 
 @torch.no_grad()
