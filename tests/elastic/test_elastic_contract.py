@@ -25,33 +25,18 @@ import torch.distributed as dist
 import lowcomm
 from lowcomm.cli.main import main
 from lowcomm.contract.elastic import replaced
-from lowcomm.contract.options import cli_flag
 from lowcomm.elastic.transfer import state_hash
 from lowcomm.run.driver import make_run
 from lowcomm.strategies import available, get
 
 from dist_utils import run_dist
+from elastic_runs import ELASTIC, cli_flags, options
 
-# Options under which commits come within a few steps: the local-SGD family syncs every 2 (streaming
-# diloco: 2 fragments of a period of 4, each merged a step after its sync: commits at 3, 5, 7, ...);
-# the compressors past their warm-ups, so their residuals are live at the commits checked.
-SHORT = {"diloco": {"sync_every": 2}, "sparseloco": {"sync_every": 2},
-         "streaming_diloco": {"sync_every": 4, "fragments": 2, "fragment_delay": 1},
-         "powersgd": {"start": 2}, "onebit_adam": {"freeze_variance_after": 2}, "dpu": {"warmup_steps": 2}}
-ELASTIC = [n for n in available()
-           if get(n).elastic_refusal(get(n).Options(**SHORT.get(n, {})).validate(n), False) is None]
 SEQ, MICRO = 16, 2
 
 
 def test_the_strategies_that_run_elastically():
     assert set(available()) == set(ELASTIC)
-
-
-def options(name: str) -> dict:
-    values = {**get(name).reproducible_options, **SHORT.get(name, {})}
-    if "outer_weights" in {f for f in get(name).Options.__dataclass_fields__}:
-        values["outer_weights"] = "tokens"  # as --elastic runs the local-SGD family
-    return values
 
 
 def build(name: str, seed: int):
@@ -169,14 +154,6 @@ STEPS = 6
 # evaluates there too, and writes the loss with the step at the next commit).
 RUN = ["--workers", "2", "--n-layer", "2", "--n-head", "2", "--d-model", "16", "--seq-len", "16", "--data",
        "pydoc", "--eval-every", "3", "--eval-batches", "2", "--steps", str(STEPS), "--quiet"]
-
-
-def cli_flags(name: str) -> list[str]:
-    out = ["--strategy", name]
-    for key, value in options(name).items():
-        flag = cli_flag(get(name).Options.__dataclass_fields__[key])
-        out += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
-    return out
 
 
 def final_params_hash(out: Path) -> str:

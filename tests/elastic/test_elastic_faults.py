@@ -1,22 +1,24 @@
-"""Every fault an elastic run meets, in turn, in one run of each strategy that runs elastically
-(ddp, zero1, diloco), two workers and a third from `lowcomm join`:
+"""The elastic contract under faults, for every registered strategy: each run meets every fault
+in turn -- three workers and a fourth from `lowcomm join`:
 
   join         `lowcomm join RUNDIR` (another process) joins at a commit point with the live state;
-  kill in a    worker 1 is SIGKILLed inside a collective of its step (issued, its peers in it):
-  collective   the survivors re-form once its heartbeats stop (about 2 s) and redo the step; the launcher restarts it
-               and it rejoins with the live state (often in that same quorum: a restart takes less
-               than the lighthouse's heartbeat timeout);
+  kill in a    worker 1 is SIGKILLed inside a collective of the strategy's own traffic (issued, its
+  collective   peers in it): the survivors re-form once its heartbeats stop (about 2 s) and redo
+               from their last commit; the launcher restarts it and it rejoins with the live state
+               (often in that same quorum: a restart takes less than the lighthouse's heartbeat timeout);
   freeze       the joiner is SIGSTOPped: the others drop it after --member-timeout and go on;
   lighthouse   while the lighthouse is away (stopped, then killed: about 3 s until the launcher's
                restart answers), the joiner is continued: it rejoins through the restarted lighthouse;
-  kill mid-    the joiner is SIGKILLed from outside, wherever its step is: the two launched workers
-  step         finish the run.
+  kill mid-    the joiner is SIGKILLed from outside, wherever its step is: the three launched
+  step         workers finish the run.
 
-Checked from the run's records: the quorums in that order, each member of each holding the same
-state, bit for bit, as the one it resumed from (membership.jsonl), so a joiner's state equals its
-peers' at its first step; each step applied once (steps.jsonl: 1..N, each once); every live
-worker ends with the same parameters (summary.json); diloco's outer syncs merge what the members
-of the time trained.
+Checked from the run's records: the quorums in that order, each fault's record naming the member
+lost and the collective each survivor was in; every member holding the same replicated state,
+bit for bit, after every commit it made (a test-only hook writes each member's hash at each
+commit), and at each re-form the state it resumed from (membership.jsonl), so a joiner's state
+equals its peers' at its first commit; each step applied once (steps.jsonl: 1..N, each once);
+every live worker ends with the same parameters (summary.json); the local-SGD family's outer
+merges weigh what the members of the time trained.
 """
 from __future__ import annotations
 
@@ -33,11 +35,12 @@ import pytest
 pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
 
 from lowcomm.cli.main import main  # noqa: E402
-from elastic_runs import TINY, check_finished, jsonl, wait_for  # noqa: E402
+from lowcomm.strategies import get  # noqa: E402
+from elastic_runs import ELASTIC, TINY, check_finished, cli_flags, jsonl, options, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.elastic
 
-STEPS, JOIN_AT, KILL_IN = 100, 4, 6  # the members wait at JOIN_AT's commit point for the joiner
+STEPS, JOIN_AT, KILL_IN = 100, 4, 6  # the members wait at JOIN_AT's (first) commit point for the joiner
 # ... and at REJOIN_AT's for it to come back through the restarted lighthouse, unless the test has
 # seen it back already (REJOINED, a file; on a quiet machine by step ~25, at load 14 by step 70:
 # the run once reached STEPS first and ended before every fault was made). The drop before it
@@ -101,20 +104,20 @@ class Faults:
             self.end()
 
     def _run(self) -> None:
-        self.quorum(1, [0, 1, 2], [2])  # the join
+        self.quorum(1, [0, 1, 2, 3], [3])  # the join
         # Worker 1 kills itself inside a collective (LOWCOMM_TEST_KILL_IN); restarted by the launcher
         # within about a heartbeat timeout, it is often in the survivors' first quorum already.
-        self.quorum(2, [0, 1, 2], [1])
+        self.quorum(2, [0, 1, 2, 3], [1])
         self.at["frozen"] = time.time()
         os.kill(self.joiner.pid, signal.SIGSTOP)
-        self.quorum(3, [0, 1], [])
+        self.quorum(3, [0, 1, 2], [])
         beacon = lighthouse_of(os.getpid())  # the launcher runs in this process
         os.kill(beacon, signal.SIGSTOP)  # unreachable: requests hang
         os.kill(self.joiner.pid, signal.SIGCONT)
         time.sleep(2.0)
         os.kill(beacon, signal.SIGKILL)  # dead: refused until the launcher has restarted it
         self.at["lighthouse"] = time.time()
-        back = self.quorum(4, [0, 1, 2], [2])
+        back = self.quorum(4, [0, 1, 2, 3], [3])
         (self.log.parent / REJOINED).touch()  # the members need not wait at REJOIN_AT for it
         wait_for(lambda: any(r["step"] > back["step"] for r in records(self.out / "steps.jsonl")),
                  "a step trained with the joiner back")
@@ -127,21 +130,27 @@ class Faults:
             self.joiner.kill()
 
 
-@pytest.mark.parametrize("strategy", [["ddp"], ["zero1"], ["diloco", "--sync-every", "2"]],
-                         ids=["ddp", "zero1", "diloco"])
-def test_the_survivors_of_every_fault_in_turn_finish_with_one_state(strategy, tmp_path, monkeypatch, capfd):
+def last_commit_before(name: str, step: int) -> int:
+    """The strategy's last commit point before `step` (0: none)."""
+    o = get(name).Options(**options(name)).validate(name)
+    return max((c for c in range(1, step) if get(name).commits_at(o, c)), default=0)
+
+
+@pytest.mark.parametrize("name", ELASTIC)
+def test_every_strategy_survives_every_fault_in_turn_with_one_state(name, tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("LOWCOMM_TEST_HOLD_FOR_JOINER", f"{JOIN_AT},{REJOIN_AT}:{tmp_path / REJOINED}")
     monkeypatch.setenv("LOWCOMM_TEST_KILL_IN", f"1:{KILL_IN}")  # first launch of worker 1 only
     monkeypatch.setenv("LOWCOMM_TEST_KILL_LOG", str(tmp_path / "killed"))
+    monkeypatch.setenv("LOWCOMM_TEST_COMMIT_HASHES", str(tmp_path / "commits.jsonl"))
     out = tmp_path / "run"
     faults = Faults(out, tmp_path / "joiner.log")
     thread = threading.Thread(target=faults.run, daemon=True)
     thread.start()
     try:
-        # In this process, so the workers' fork server stays warm across the three runs.
-        code = main(["train", *TINY, "--workers", "2", "--steps", str(STEPS), "--max-restarts", "1",
-                     "--member-timeout", str(MEMBER_TIMEOUT), "--strategy", *strategy, "--out", str(out)])
+        # In this process, so the workers' fork server stays warm across the runs.
+        code = main(["train", *TINY, "--steps", str(STEPS), "--max-restarts", "1",
+                     "--member-timeout", str(MEMBER_TIMEOUT), *cli_flags(name), "--out", str(out)])
         thread.join(timeout=60)
     finally:
         faults.end()
@@ -155,25 +164,38 @@ def test_the_survivors_of_every_fault_in_turn_finish_with_one_state(strategy, tm
     assert faults.joiner.wait(timeout=30) == -signal.SIGKILL
 
     steps, summary = check_finished(out, STEPS)  # steps 1..N, each once; the same final parameters
-    assert summary["elastic"]["members"] == [0, 1]
+    assert summary["elastic"]["members"] == [0, 1, 2]
     quorums = jsonl(out / "membership.jsonl")
     for q in quorums:  # every member on the state it resumed from, that of its peers (a joiner's too)
         assert len(set(q["state_sha256"] + q["resumed_sha256"])) == 1, q
+    # After every commit, every member that made it holds the same replicated state; the joiner's
+    # first commit included (each member, the restarted worker too, writes its own line).
+    commits: dict[int, dict[int, set]] = {}
+    for c in jsonl(tmp_path / "commits.jsonl"):
+        commits.setdefault(c["step"], {}).setdefault(c["slot"], set()).add(c["sha256"])
+    assert all(len(set().union(*by_slot.values())) == 1 for by_slot in commits.values()), name
+    joiner_commits = sorted(step for step, by_slot in commits.items() if 3 in by_slot)
+    assert joiner_commits and len(commits[joiner_commits[0]]) >= 3, commits[joiner_commits[0]]
     seen = [(q["slots"], q["healed"]) for q in quorums]
     # The survivors of the kill form a quorum of their own only when the restarted worker is late.
-    alone = [([0, 2], [])] if seen[2] == ([0, 2], []) else []
-    assert seen == [([0, 1], []), ([0, 1, 2], [2]), *alone, ([0, 1, 2], [1]), ([0, 1], []), ([0, 1, 2], [2]),
-                    ([0, 1], [])], seen
+    alone = [([0, 2, 3], [])] if seen[2] == ([0, 2, 3], []) else []
+    assert seen == [([0, 1, 2], []), ([0, 1, 2, 3], [3]), *alone, ([0, 1, 2, 3], [1]), ([0, 1, 2], []),
+                    ([0, 1, 2, 3], [3]), ([0, 1, 2], [])], seen
     joined, after_kill = quorums[1:3]
     restarted, frozen, back, _ = quorums[-4:]
-    assert joined["step"] == JOIN_AT and joined["committed"][2] == -1  # a new worker, no state of its own
-    # Worker 1 died inside a collective of step KILL_IN; the step, half done, is redone by the
-    # survivors (diloco: the round since the last outer sync), who re-form once its heartbeats
-    # stop (about 2 s): sooner than the frozen joiner, measured in this run, is dropped after
-    # waiting out --member-timeout (not an absolute bound: 2.7 s was seen at load 10-19).
+    assert joined["step"] >= JOIN_AT and joined["committed"][3] == -1  # a new worker, no state of its own
+    # Worker 1 died inside a collective of the strategy's own traffic, from step KILL_IN on; the
+    # survivors, failed in the collective (the flight recorder's record), redo from their last
+    # commit before it, once its heartbeats stop (about 2 s): sooner than the frozen joiner,
+    # measured in this run, is dropped after waiting out --member-timeout (not an absolute bound:
+    # 2.7 s was seen at load 10-19).
     killed_at, op = (tmp_path / "killed").read_text().split()
-    assert op in ("all_reduce", "reduce_scatter", "all_gather"), op
-    assert after_kill["step"] == KILL_IN - (2 if strategy[0] == "diloco" else 1)
+    assert op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all"), op
+    fault = after_kill["fault"]
+    assert fault["lost"] == [1] and set(fault["in"]) == {"0", "2", "3"}, fault
+    failed_at = min(e["step"] for e in fault["in"].values())
+    assert failed_at >= KILL_IN and after_kill["step"] == last_commit_before(name, failed_at), (after_kill, fault)
+    assert frozen["fault"]["lost"] == [3], frozen
     dropped_killed, dropped_frozen = after_kill["time"] - float(killed_at), frozen["time"] - faults.at["frozen"]
     assert dropped_killed < dropped_frozen, (dropped_killed, dropped_frozen)
     assert restarted["committed"][1] == -1  # the restarted worker starts from nothing, takes the live state
@@ -184,5 +206,5 @@ def test_the_survivors_of_every_fault_in_turn_finish_with_one_state(strategy, tm
     for q, nxt in zip(quorums, quorums[1:] + [None]):  # who trained which step: the quorum of the time
         until = nxt["step"] if nxt else STEPS
         assert all(r["members"] == q["slots"] for r in steps[q["step"]:until]), q
-    if strategy[0] == "diloco":  # each outer sync merges what the members of the time trained
-        assert all(r["outer"]["contributors"] == len(r["members"]) for r in steps if "outer" in r)
+    # each outer merge of the local-SGD family weighs what the members of the time trained
+    assert all(r["outer"]["contributors"] == len(r["members"]) for r in steps if "outer" in r)

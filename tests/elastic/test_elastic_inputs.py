@@ -140,7 +140,7 @@ def test_a_joiner_waiting_at_the_last_commit_point_is_not_taken_in(at, taken, mo
     from lowcomm.train import elastic as E
 
     w = E.ElasticWorker.__new__(E.ElasticWorker)  # its membership policy alone
-    w.cfg, w.joins_seen = C.RunConfig(steps=4, elastic=True), 0
+    w.cfg, w.joins_seen, w.since = C.RunConfig(steps=4, elastic=True), 0, at
     w.m = SimpleNamespace(progress=lambda: None, joins=lambda: 1)
     # the members trained step `at + 1` and, gathering it, saw one joiner's announcement
     assert w.leaves(at + 1, joins=1) is taken

@@ -1,13 +1,44 @@
-"""The tiny --elastic run the elastic tests start (three workers, at least two), and what they
-check of a finished one: each step logged once, every live worker on the same parameters."""
+"""The tiny --elastic run the elastic tests start (three workers, at least two), the strategies
+that run elastically with options under which they commit within a few steps, and what the tests
+check of a finished run: each step logged once, every live worker on the same parameters."""
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
 
+from lowcomm.contract.options import cli_flag
+from lowcomm.strategies import available, get
+
 TINY = ["--workers", "3", "--elastic", "--min-workers", "2", "--n-layer", "2", "--n-head", "2",
         "--d-model", "16", "--seq-len", "16", "--data", "pydoc", "--eval-every", "0", "--quiet"]
+
+
+# Options under which commits come within a few steps: the local-SGD family syncs every 2 (streaming
+# diloco: 2 fragments of a period of 4, each merged a step after its sync: commits at 3, 5, 7, ...);
+# the compressors past their warm-ups, so their residuals are live at the commits checked.
+SHORT = {"diloco": {"sync_every": 2}, "sparseloco": {"sync_every": 2},
+         "streaming_diloco": {"sync_every": 4, "fragments": 2, "fragment_delay": 1},
+         "powersgd": {"start": 2}, "onebit_adam": {"freeze_variance_after": 2}, "dpu": {"warmup_steps": 2}}
+ELASTIC = [n for n in available()
+           if get(n).elastic_refusal(get(n).Options(**SHORT.get(n, {})).validate(n), False) is None]
+
+
+def options(name: str) -> dict:
+    """The strategy's options in these tests: reproducible, SHORT, merges weighted by tokens."""
+    values = {**get(name).reproducible_options, **SHORT.get(name, {})}
+    if "outer_weights" in {f for f in get(name).Options.__dataclass_fields__}:
+        values["outer_weights"] = "tokens"  # as --elastic runs the local-SGD family
+    return values
+
+
+def cli_flags(name: str) -> list[str]:
+    """`--strategy NAME` and the flags of options(name)."""
+    out = ["--strategy", name]
+    for key, value in options(name).items():
+        flag = cli_flag(get(name).Options.__dataclass_fields__[key])
+        out += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
+    return out
 
 
 # A hang guard, not a timing claim: how long a test waits for what its run will do (a quorum, a

@@ -41,7 +41,7 @@ def test_residuals_survive_state_dict(spawned):
     results = [r["round_trip"] for r in spawned[2]]
     assert_round_trip(results)
     residuals = results[0][2]["residuals"]
-    assert set(residuals) == {"worker", "owner"} and float(residuals["worker"].abs().max()) > 0
+    assert set(residuals) == {"worker", "owner@0/2"} and float(residuals["worker"].abs().max()) > 0
 
 
 def _validated(*flags):
@@ -91,3 +91,27 @@ def test_int8_with_error_feedback_matches_ddp(corpus_run):
     ddp = corpus_run("ddp")[0]["final_val_loss"]
     loss = corpus_run("quantized", "--bits", "8")[0]["final_val_loss"]
     assert abs(loss - ddp) <= 0.01 * ddp, (loss, ddp)
+
+
+def test_residuals_of_another_membership_keep_each_parameters_error_and_the_owners_restarts():
+    """--elastic: a residual taken at W=3 (rank 2) loaded at W=4 (rank 1): the worker's error of
+    each parameter is kept, re-padded to 4 shards; the owner's, of a shard this rank no longer
+    owns, starts at zero. At the same rank of the same W, both load as they were."""
+    import torch
+    from types import SimpleNamespace
+    from lowcomm.comm.compressed import CompressedAllReduce
+
+    params = [torch.zeros(700), torch.zeros(9, 11)]  # 799 values: m=256 at W=4, m=384 at W=3 (blocks of 128)
+    before = CompressedAllReduce(SimpleNamespace(rank=2, world=3), params, bits=8, block=128)
+    worker = torch.randn(3, before.m)
+    before.ef.residuals = {"worker": worker, "owner": torch.randn(before.m)}
+    saved = before.state_dict()
+    after = CompressedAllReduce(SimpleNamespace(rank=1, world=4), params, bits=8, block=128)
+    after.load_state_dict(saved)
+    kept = after.ef.residuals
+    assert kept["worker"].shape == (4, after.m) and "owner" not in kept
+    assert torch.equal(kept["worker"].reshape(-1)[:799], worker.reshape(-1)[:799])
+    assert not kept["worker"].reshape(-1)[799:].any()
+    same = CompressedAllReduce(SimpleNamespace(rank=2, world=3), params, bits=8, block=128)
+    same.load_state_dict(saved)
+    assert torch.equal(same.ef.residuals["worker"], worker) and torch.equal(same.ef.residuals["owner"], saved["owner@2/3"])

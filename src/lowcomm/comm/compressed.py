@@ -124,11 +124,41 @@ class CompressedAllReduce:
         return {"compress_s": self.compress_s, "compress_s_per_step": self.compress_s / max(steps, 1),
                 "compressor": self.q.name, "error_feedback": self.ef.enabled}
 
+    # Whether the flat vector is the parameters' (its first `numel` values each a parameter's,
+    # whatever W): a residual of another membership's layout keeps them. SplitByPosition's piece
+    # is not: another replica count cuts other values into it.
+    parameter_aligned = True
+
     def state_dict(self) -> dict:
-        """The two residuals ("worker", "owner"): this rank's own, as a checkpoint keeps them."""
-        return self.ef.state_dict()
+        """The two residuals, this rank's own as a checkpoint keeps them: the worker's ("worker")
+        and the owner's, named by the shard it is of ("owner@RANK/W")."""
+        sd = self.ef.state_dict()
+        if "owner" in sd:
+            sd[self._owner_key()] = sd.pop("owner")
+        return sd
+
+    def _owner_key(self) -> str:
+        return f"owner@{self.comm.rank}/{self.comm.world}"
 
     def load_state_dict(self, sd: dict) -> None:
+        """Residuals taken in another membership (--elastic: another W, or this worker at another
+        rank) are fitted to this one: the worker's keeps each parameter's error, re-padded to W
+        shards; the owner's was of a shard this rank no longer owns and starts at zero, as a new
+        owner's (a joiner's: all zero, contract/elastic.py). A checkpoint of the same run loads as
+        is (one written before residuals named their shard: "owner", taken as this rank's)."""
+        sd = dict(sd)
+        owners = [k for k in sd if k.startswith("owner")]
+        mine = sd.pop(self._owner_key(), sd.pop("owner", None))
+        for k in owners:
+            sd.pop(k, None)
+        if mine is not None:
+            sd["owner"] = mine
+        worker = sd.get("worker")
+        if worker is not None and worker.shape != (self.comm.world, self.m):
+            fitted = torch.zeros(self.comm.world * self.m, dtype=worker.dtype, device=worker.device)
+            if self.parameter_aligned:
+                fitted[:self.numel] = worker.reshape(-1)[:self.numel]
+            sd["worker"] = fitted.view(self.comm.world, self.m)
         self.ef.load_state_dict(sd)
 
 
@@ -151,6 +181,7 @@ class SplitByPosition:
         self.piece = split_piece(self.numel, comm.world, inside.comm.world, block)
         piece = torch.empty(self.piece, device=self.layout.device)
         self.part = CompressedAllReduce(comm, [piece], bits, block, error_feedback)  # this position's blocks
+        self.part.parameter_aligned = False
 
     @property
     def comm(self):

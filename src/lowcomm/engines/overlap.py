@@ -230,7 +230,14 @@ class OverlappedStrategy(ShardedStrategy):
         return self.inside.sum((count, computing), self.flat.grads.device, counted=computing > 0)
 
     def launch(self, estimate: bool, votes: tuple[int, int] | None = None) -> None:
-        """Start the round on B with its votes (default: those of the micro-batches B holds)."""
+        """Start the round on B with its votes (default: those of the micro-batches B holds). A
+        computing rank whose B holds none is an elastic joiner (its B is a fresh worker's:
+        contract/elastic.py), until its first round: it votes no micro-batch, as a closed rank
+        does (the round divides by the others' count), and contributes from its next. Read from
+        B, not from a flag set at the join, so that it holds when the membership re-forms again
+        before that round (the member then reloads its own snapshot, B as it joined with it)."""
+        if votes is None and self.rounds.open and self.rounds.buffer_count == 0:
+            votes = (0, 0)  # every process of a joiner replica alike: each holds a fresh B
         self.rounds.start(estimate, *(votes or self.votes(self.rounds.buffer_count)))
 
     def end_run(self, agree) -> bool:

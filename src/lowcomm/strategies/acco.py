@@ -86,7 +86,6 @@ class ACCO(OverlappedStrategy):
         self.round_micro = 0           # micro-batches computed in the round now in flight
         self.real_rounds = 0
         self.lr = float("nan")
-        self.joined = False            # --elastic: this worker joined from a peer's state, its B holds nothing
 
     @classmethod
     def micro_batches_per_step(cls, cost, comm_s, options):
@@ -134,13 +133,6 @@ class ACCO(OverlappedStrategy):
     # it contributes from its next. Commit point: every step (no round is in flight between steps).
     local_state = ("extra.grads", "extra.buffer", "extra.buffer_count", "extra.local_count")
     flat_buffers = ("buffer",)  # one world's flat layout: re-padded for another membership
-
-    def join_from_peer(self):
-        self.joined = True
-
-    def launch(self, estimate, votes=None):
-        joined, self.joined = self.joined, False
-        super().launch(estimate, (0, 0) if joined and votes is None else votes)
     # ----------------------------------------------------------------------------------------------
 
     def begin_step(self, ctx):

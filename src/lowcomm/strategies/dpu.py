@@ -42,7 +42,6 @@ class DPU(OverlappedStrategy):
         super().__init__(*args, **kwargs)
         self.warmup_steps = self.options.warmup_steps
         self.updates = 0
-        self.fresh = False  # a joiner that holds no gradient in B yet (--elastic)
 
     @classmethod
     def plan_occurrences(cls, op, steps, options):
@@ -62,19 +61,16 @@ class DPU(OverlappedStrategy):
         return super().model_state_bytes(num_params, world, options) + cls.flat_bytes(num_params, world, options)
 
     # --elastic (the module docstring): B and what it counts are this worker's own
+    # (a joiner's B holds no micro-batch: its first delayed round votes none, overlap.py's launch)
     local_state = ("extra.grads", "extra.buffer", "extra.buffer_count")
     flat_buffers = ("buffer",)  # one world's flat layout: re-padded for another membership
-
-    def join_from_peer(self):
-        self.fresh = True  # its next delayed round votes no micro-batch
 
     def begin_step(self, ctx):
         ctx.lr = self.set_lr(self.updates)
         self.synchronous = self.steps_done < self.warmup_steps
         self.delayed = self.steps_done > self.warmup_steps  # g(θ_{t-1}) waits in B (the first delayed step: none)
-        fresh, self.fresh = self.fresh, False
         if self.delayed:
-            self.launch(estimate=False, votes=(0, 0) if fresh else None)
+            self.launch(estimate=False)
         self.flat.zero_grad()
 
     def update(self, ctx):

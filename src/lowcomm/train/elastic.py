@@ -44,7 +44,7 @@ from ..diagnose.trace import Tracer
 from ..errors import RunError
 from ..metrics.summary import Totals
 from .assemble import Seat, connect, strategy_run
-from .faults import hold_for_joiner_if_asked, kill_if_asked
+from .faults import hold_for_joiner_if_asked, kill_if_asked, note_commit_if_asked
 from .loop import LoopResult, Progress, loop
 from .outputs import StepOutputs
 from .worker import Trainer, ask_checkpoint_on_sigterm, build_model, pick_device
@@ -95,6 +95,7 @@ class ElasticWorker:
         self.step = 0
         self.progress = Progress(Totals(cfg.workers))  # totals per slot, the wait since the first quorum
         self.joins_seen = 0
+        self.since = 0  # the commit point before the last one (the test hold's window)
         self.view: View | None = None
         self.lead_log: str | None = None  # the quorum lead's steps.jsonl (_log_file)
         self.contributors: dict[int, int] = {}  # rank 0: outer sync step -> workers that contributed
@@ -261,7 +262,9 @@ class ElasticWorker:
         if outer is not None:  # an outer sync: who contributed to it, and how much
             records[-1]["outer"] = outer
             self.contributors[self.step] = outer["contributors"]
+        self.since = self.snapshot["step"]  # the last commit point before this one
         self.snapshot = self._take_snapshot({"file": self.lead_log, "records": records})
+        note_commit_if_asked(self.slot, self.step, lambda: self._hash(self.snapshot))  # test-only
         if self.round is not None:
             self.round.forget()
         kill_if_asked(self.view.rank, self.step, "KILL_BEFORE_LOG")  # test-only
@@ -274,7 +277,7 @@ class ElasticWorker:
         """Re-form for a joiner that has announced itself. One waiting at the last commit point is
         not taken in: there is nothing left to train (it would finish the run as a member that
         trained nothing, counted in the summary)."""
-        joins = max(joins, hold_for_joiner_if_asked(step, self.m, self.joins_seen))
+        joins = max(joins, hold_for_joiner_if_asked(step, self.m, self.joins_seen, self.since))
         return joins > self.joins_seen and step < checkpoints.end_step(self.cfg)
 
     # -- faults and the end ---------------------------------------------------------------

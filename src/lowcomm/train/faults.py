@@ -12,6 +12,7 @@ step() misbehaves at the asked step (the tests of supervision and recovery use i
     LOWCOMM_TEST_KILL_IN=RANK:STEP    that rank is SIGKILLed inside a collective: the first one of the
                                       strategy's own traffic from that step on, once it is issued (its
                                       peers wait in it for this rank's part); by launch attempt as KILL_AT
+    LOWCOMM_TEST_HOLD_FOR_JOINER, LOWCOMM_TEST_COMMIT_HASHES  (--elastic) see their functions below
     LOWCOMM_TEST_KILL_BEFORE_LOG=RANK:STEP  (--elastic) that rank of the quorum is SIGKILLed at that
                                       step's commit point once every member has committed the step,
                                       before it writes the step's records (as rank 0, the log's writer);
@@ -133,21 +134,36 @@ def nan_loss_if_asked(rank: int, step: int, loss_fn):
     return lambda model, batch: loss_fn(model, batch) * float("nan")
 
 
-def hold_for_joiner_if_asked(step: int, membership: Membership, seen: int = 0) -> int:
+def hold_for_joiner_if_asked(step: int, membership: Membership, seen: int = 0, since: int | None = None) -> int:
     """Test-only: LOWCOMM_TEST_HOLD_FOR_JOINER=STEP[,STEP:FILE...] makes every member wait at the
-    commit point of each STEP until a joiner has announced itself since the `seen` joins the
-    members answered (with :FILE, not once FILE exists: the test saw what it waited for), so a
-    test's joiner arrives, or comes back, mid-run however loaded the machine is (as the
+    commit point of each STEP -- the first at or after it, the commits since step `since` (the
+    last commit point) having passed it -- until a joiner has announced itself since the `seen`
+    joins the members answered (with :FILE, not once FILE exists: the test saw what it waited
+    for), so a test's joiner arrives, or comes back, mid-run however loaded the machine is (as the
     hooks above do for failures). Returns the joins seen then, else 0 (a member's own count, not
     gathered, must not decide alone to re-form)."""
     holds = dict((entry.split(":", 1) + [""])[:2] for entry in
                  os.environ.get("LOWCOMM_TEST_HOLD_FOR_JOINER", "").split(",") if entry)
-    if str(step) not in holds:
+    since = step - 1 if since is None else since
+    due = [at for at in holds if since < int(at) <= step]
+    if not due:
         return 0
-    unless = holds[str(step)]
+    unless = holds[due[0]]
     deadline = time.monotonic() + 300
     while (membership.joins() <= seen and not (unless and os.path.exists(unless))
            and time.monotonic() < deadline):
         membership.progress()  # waiting on purpose: not a stuck worker, whose heartbeats stop
         time.sleep(0.05)
     return membership.joins()
+
+
+def note_commit_if_asked(slot: int, step: int, state_sha256) -> None:
+    """Test-only: LOWCOMM_TEST_COMMIT_HASHES=FILE gets a line {"slot", "step", "sha256"} from each
+    member at each of its commits: the hash of the replicated state it committed (`state_sha256`,
+    called only when asked: hashing the whole state each commit is a test's cost), so a test
+    checks that every member holds the same state after every commit, not only at a re-form."""
+    path = os.environ.get("LOWCOMM_TEST_COMMIT_HASHES")
+    if path:
+        import json
+        with open(path, "a") as f:  # one short line a write: appends from several processes stay whole
+            f.write(json.dumps({"slot": slot, "step": step, "sha256": state_sha256()}) + "\n")
