@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
 
 from lowcomm.cli.main import main  # noqa: E402
-from elastic_runs import TINY, check_finished, jsonl  # noqa: E402
+from elastic_runs import TINY, check_finished, checkpoint_params_hashes, jsonl  # noqa: E402
 
 pytestmark = pytest.mark.elastic
 
@@ -93,3 +93,78 @@ def test_an_elastic_run_resumes_bit_for_bit_and_with_the_workers_it_finds(flags,
     assert [r["members"] for r in jsonl(more / "steps.jsonl")] == [[0, 1]] * 4 + [[0, 1, 2]] * 4  # to 8 only
     assert json.loads((more / "ckpt-000008" / "manifest.json").read_text())["world"] == 3
     assert not (more / "summary.json").exists()  # a part of the run: the part that reaches --steps writes it
+
+
+# -- replica groups: a launcher's slot of K = 2 processes is one replica -----------------------------
+
+REPLICAS = ["--elastic", "--n-layer", "2", "--n-head", "2", "--d-model", "16", "--seq-len", "16", "--data", "pydoc",
+            "--eval-every", "0", "--quiet", "--steps", str(STEPS)]
+TWO, ONE = ["--workers", "4", "--replicas", "2"], ["--workers", "2", "--replicas", "1"]
+
+
+def quorum_at(run: Path, step: int) -> dict:
+    return next(q for q in jsonl(run / "membership.jsonl") if q["step"] == step)
+
+
+def test_zero1_across_elastic_replicas_equals_the_plain_run_and_resumes_on_fewer_and_more_replicas(
+        tmp_path, capfd, monkeypatch):
+    # zero1's optimizer state is sharded across the replicas at each position: gathered at every
+    # commit, put together from a checkpoint's shards of that position, and cut anew for 1 or 2 replicas
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    plain, whole = tmp_path / "plain", tmp_path / "whole"
+    flags = ["--strategy", "zero1", *TWO]
+    lowcomm(capfd, "train", *REPLICAS[1:], *flags, "--checkpoint-every", str(STEPS), "--out", str(plain))
+    lowcomm(capfd, "train", *REPLICAS, *flags, "--checkpoint-every", "4", "--keep", "3", "--out", str(whole))
+    _, uninterrupted = check_finished(whole, STEPS)  # one model: --inside ddp shares the owners' tensors
+    assert [r["loss"] for r in jsonl(whole / "steps.jsonl")] == [r["loss"] for r in jsonl(plain / "steps.jsonl")]
+    assert uninterrupted["elastic"]["final_params_sha256"] == checkpoint_params_hashes(plain / f"ckpt-{STEPS:06d}")
+
+    resumed = stopped_after_4(whole, tmp_path / "resumed")  # the same replicas: bit for bit
+    lowcomm(capfd, "train", "--resume", str(resumed), "--quiet")
+    _, summary = check_finished(resumed, STEPS)
+    assert summary["elastic"]["final_params_sha256"] == uninterrupted["elastic"]["final_params_sha256"]
+    held = quorum_at(resumed, 4)["state_sha256"]  # each position's state, as two replicas hold it at step 4
+    assert held[:2] == held[2:] and held[0] != held[1]
+
+    fewer = stopped_after_4(whole, tmp_path / "fewer")  # one replica, then two again
+    _, err = lowcomm(capfd, "train", "--resume", str(fewer), *ONE, "--stop-at", "8")
+    assert "written by 2 replica(s) of 2 processes, resuming on 1" in err
+    alone = quorum_at(fewer, 4)
+    assert alone["slots"] == [0, 1] and alone["resumed_sha256"] == held[:2]  # two positions' shards, cut for one
+    assert json.loads((fewer / "ckpt-000008" / "manifest.json").read_text())["world"] == 2
+    lowcomm(capfd, "train", "--resume", str(fewer), *TWO, "--quiet")
+    _, summary = check_finished(fewer, STEPS)
+    back = quorum_at(fewer, 8)  # replica 1, which the checkpoint has not, takes replica 0's, position by position
+    assert back["slots"] == [0, 1, 2, 3] and back["state_sha256"][:2] == back["state_sha256"][2:]
+    assert back["resumed_sha256"] == back["state_sha256"]  # nothing lost cutting one replica's shards in two
+    assert [len(r["members"]) for r in jsonl(fewer / "steps.jsonl")] == [4] * 4 + [2] * 4 + [4] * 4
+
+
+def test_a_replica_with_fsdp_inside_heals_position_by_position_and_its_checkpoint_resumes_bit_for_bit(
+        tmp_path, capfd, monkeypatch):
+    # diloco with FSDP inside each replica of 2: a process holds its shard of every tensor; slot 1's
+    # process 1 (rank 3) is killed after step 5, mid-round, and its replica restarted as a joiner
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("LOWCOMM_TEST_KILL_AT", "3:5")
+    run = tmp_path / "run"
+    flags = ["--strategy", "diloco", "--sync-every", "4", *TWO, "--inside", "fsdp"]
+    _, err = lowcomm(capfd, "train", *REPLICAS, *flags, "--checkpoint-every", "4", "--keep", "3", "--max-restarts", "1",
+                     "--out", str(run))
+    monkeypatch.delenv("LOWCOMM_TEST_KILL_AT")
+    assert "replica 1 (process 1) failed: killed by signal SIGKILL" in err
+    records = jsonl(run / "steps.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    healed = jsonl(run / "membership.jsonl")[-1]  # at the sync that found rank 3 gone
+    assert healed["healed"] == [2, 3] and healed["committed"][2:] == [-1, -1]
+    shards = healed["state_sha256"]  # position p of the new replica holds position p's shards, bit for bit
+    assert shards[2:] == shards[:2] == healed["resumed_sha256"][:2] and shards[0] != shards[1]
+    final = json.loads((run / "summary.json").read_text())["elastic"]["final_params_sha256"]
+    assert final[:2] == final[2:] and final[0] != final[1]
+
+    resumed = tmp_path / "resumed"  # stopped after step 8 (written after the heal): the same replicas go on
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "ckpt-000012")
+    (resumed / "summary.json").unlink()
+    lowcomm(capfd, "train", "--resume", str(resumed), "--quiet")
+    assert [r["step"] for r in jsonl(resumed / "steps.jsonl")] == list(range(1, STEPS + 1))
+    assert json.loads((resumed / "summary.json").read_text())["elastic"]["final_params_sha256"] == final

@@ -34,3 +34,13 @@ def check_finished(out: Path, steps: int) -> tuple[list[dict], dict]:
     hashes = summary["elastic"]["final_params_sha256"]
     assert len(set(hashes)) == 1, hashes  # every live worker ends with the same parameters
     return records, summary
+
+
+def checkpoint_params_hashes(checkpoint: Path) -> list[str]:
+    """Each rank's model in a checkpoint, hashed as summary.json's `final_params_sha256` (with FSDP
+    inside a replica: its shards)."""
+    from lowcomm.checkpoint import read, read_state
+    from lowcomm.elastic.transfer import state_hash
+    found = read(checkpoint)
+    models = [read_state(found, r)["strategy"]["model"] for r in range(found.world)]
+    return [state_hash({f"model.{k}": v for k, v in model.items()}) for model in models]
