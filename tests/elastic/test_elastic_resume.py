@@ -2,7 +2,12 @@
 members of the time; `lowcomm train --resume` continues the run bit for bit with as many workers
 as wrote the checkpoint, and with the workers it is started with otherwise (here 3 after 2,
 stopped again with --stop-at), for ddp, zero1 (its shards put together and cut anew) and
-sparseloco (a worker's own residual: the third worker's starts at zero)."""
+sparseloco (a worker's own residual: the third worker's starts at zero).
+
+With replica groups (a launcher's slot of 2 processes is one replica) the same holds position by
+position: zero1 across 2 replicas equals the plain run, resumes bit for bit, goes on with 1
+replica from a checkpoint of 2 and with 2 again when `lowcomm join` adds one; diloco with FSDP
+inside heals a restarted replica shard by shard, and its checkpoint resumes bit for bit."""
 from __future__ import annotations
 
 import json
@@ -15,7 +20,7 @@ import torch
 pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
 
 from lowcomm.cli.main import main  # noqa: E402
-from elastic_runs import TINY, check_finished, checkpoint_params_hashes, jsonl  # noqa: E402
+from elastic_runs import TINY, check_finished, checkpoint_params_hashes, join_once, jsonl  # noqa: E402
 
 pytestmark = pytest.mark.elastic
 
@@ -106,10 +111,11 @@ def quorum_at(run: Path, step: int) -> dict:
     return next(q for q in jsonl(run / "membership.jsonl") if q["step"] == step)
 
 
-def test_zero1_across_elastic_replicas_equals_the_plain_run_and_resumes_on_fewer_and_more_replicas(
+def test_zero1_across_elastic_replicas_equals_the_plain_run_and_goes_on_with_the_replicas_it_finds(
         tmp_path, capfd, monkeypatch):
     # zero1's optimizer state is sharded across the replicas at each position: gathered at every
-    # commit, put together from a checkpoint's shards of that position, and cut anew for 1 or 2 replicas
+    # commit, put together from a checkpoint's shards of that position and cut anew for one replica,
+    # and cut for two again when `lowcomm join` adds a replica that takes the live state
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     plain, whole = tmp_path / "plain", tmp_path / "whole"
     flags = ["--strategy", "zero1", *TWO]
@@ -126,18 +132,27 @@ def test_zero1_across_elastic_replicas_equals_the_plain_run_and_resumes_on_fewer
     held = quorum_at(resumed, 4)["state_sha256"]  # each position's state, as two replicas hold it at step 4
     assert held[:2] == held[2:] and held[0] != held[1]
 
-    fewer = stopped_after_4(whole, tmp_path / "fewer")  # one replica, then two again
+    fewer = stopped_after_4(whole, tmp_path / "fewer")  # one replica from step 4, stopped at 8
     _, err = lowcomm(capfd, "train", "--resume", str(fewer), *ONE, "--stop-at", "8")
     assert "written by 2 replica(s) of 2 processes, resuming on 1" in err
     alone = quorum_at(fewer, 4)
     assert alone["slots"] == [0, 1] and alone["resumed_sha256"] == held[:2]  # two positions' shards, cut for one
     assert json.loads((fewer / "ckpt-000008" / "manifest.json").read_text())["world"] == 2
-    lowcomm(capfd, "train", "--resume", str(fewer), *TWO, "--quiet")
-    _, summary = check_finished(fewer, STEPS)
-    back = quorum_at(fewer, 8)  # replica 1, which the checkpoint has not, takes replica 0's, position by position
-    assert back["slots"] == [0, 1, 2, 3] and back["state_sha256"][:2] == back["state_sha256"][2:]
-    assert back["resumed_sha256"] == back["state_sha256"]  # nothing lost cutting one replica's shards in two
-    assert [len(r["members"]) for r in jsonl(fewer / "steps.jsonl")] == [4] * 4 + [2] * 4 + [4] * 4
+
+    # Resumed again on that replica, joined by one more from `lowcomm join` (the members hold at step 10
+    # until it is in: a fresh python's start takes seconds), which takes each position's state live.
+    monkeypatch.setenv("LOWCOMM_TEST_HOLD_FOR_REPLICAS", "2:10")
+    thread, joiner = join_once(fewer, lambda: (fewer / "elastic.json").exists())  # once its launcher is up
+    lowcomm(capfd, "train", "--resume", str(fewer), "--quiet")
+    thread.join()
+    out, err = joiner[0].communicate(timeout=60)
+    assert joiner[0].returncode == 0, err
+    records, summary = check_finished(fewer, STEPS)
+    join = next(q for q in jsonl(fewer / "membership.jsonl") if q["healed"])
+    assert join["slots"] == [0, 1, 2, 3] and join["healed"] == [2, 3] and join["replicas"][1].startswith("00001:")
+    assert join["state_sha256"][:2] == join["state_sha256"][2:] == join["resumed_sha256"][:2]
+    assert f"replica 1 trained steps {join['step'] + 1} to {STEPS} of the run in {fewer} (it has finished)" in out
+    assert [len(r["members"]) for r in records] == [4] * 4 + [2] * (join["step"] - 4) + [4] * (STEPS - join["step"])
 
 
 def test_a_replica_with_fsdp_inside_heals_position_by_position_and_its_checkpoint_resumes_bit_for_bit(
