@@ -124,6 +124,13 @@ def test_zero1_across_elastic_replicas_equals_the_plain_run_and_goes_on_with_the
     _, uninterrupted = check_finished(whole, STEPS)  # one model: --inside ddp shares the owners' tensors
     assert [r["loss"] for r in jsonl(whole / "steps.jsonl")] == [r["loss"] for r in jsonl(plain / "steps.jsonl")]
     assert uninterrupted["elastic"]["final_params_sha256"] == checkpoint_params_hashes(plain / f"ckpt-{STEPS:06d}")
+    written = {p.name: p.stat().st_mtime_ns for p in whole.iterdir()}
+    assert main(["train", "--resume", str(whole), "--workers", "6"]) == 2  # replicas of 3: refused, nothing written
+    assert capfd.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --resume: {whole}/ckpt-000012 was written by replicas of 2 process(es), which a resumed elastic run "
+        f"keeps (each process holds its position's state); this run has --workers 6 --replicas 2, replicas of 3: "
+        f"pass --replicas 3")
+    assert {p.name: p.stat().st_mtime_ns for p in whole.iterdir()} == written
 
     resumed = stopped_after_4(whole, tmp_path / "resumed")  # the same replicas: bit for bit
     lowcomm(capfd, "train", "--resume", str(resumed), "--quiet")
