@@ -76,9 +76,9 @@ def run_dir(worker) -> Path:
     dist.all_gather_object(reached, bool(steps) and (host == socket.gethostname() or folder.is_dir()))
     if not all(reached):
         away = [worker.view.slots[r] for r, ok in enumerate(reached) if not ok]
-        raise RunError(f"cannot write a checkpoint into {folder} on {host} (the --out of the replica that leads the run): "
-                       f"process(es) {', '.join(map(str, away))} do not see it; give every torchrun job an --out on a "
-                       f"filesystem every node sees, at the same path")
+        raise RunError(f"cannot write a checkpoint into {folder} on {host}, beside the run's records: process(es) "
+                       f"{', '.join(map(str, away))} do not see it; every member's machine must see that directory at "
+                       f"that path (a shared filesystem; under torchrun, for the --out of each job)")
     return folder
 
 

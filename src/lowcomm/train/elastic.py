@@ -141,7 +141,7 @@ class ElasticWorker:
             self.t.run.release()
         cfg = self.cfg
         if not self.model_reusable:  # θ0 again (the RNG left as it was): the state is loaded next
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 self.model = build_model(cfg, self.device)
         seat = Seat(view.rank, ReplicaLayout(view.world, view.world // view.size()), view.slots[view.rank])
         comm, levels = connect(cfg, seat, self.flight, member_timeout=support.member_timeout(cfg))
