@@ -103,7 +103,7 @@ def _replica_size_changed(found: Found, cfg: C.RunConfig) -> str:
            "drop --replicas" if was == 1 else f"pass --replicas {cfg.workers // was}" if cfg.workers % was == 0 else
            f"pass --workers {was}·N --replicas N")
     given = f"--workers {cfg.workers}" + (f" --replicas {cfg.replicas}" if cfg.replicas else "")
-    has = f"torchrun's {now} processes a job" if under_torchrun() else f"{given}, replicas of {now}"
+    has = f"jobs of {now} process(es) (torchrun's)" if under_torchrun() else f"{given}, replicas of {now}"
     return (f"--resume: {found.path} was written by replicas of {was} process(es), which a resumed elastic run keeps "
             f"(each process holds its position's state); this run has {has}: {fix}")
 
