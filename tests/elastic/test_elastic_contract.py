@@ -9,14 +9,15 @@ checked over the registry: a strategy is covered the moment it stops refusing --
   the replicated state of its peer, bit for bit; and the two go on to their next commit point
   with equal replicated states again;
 - a no-fault `lowcomm train --elastic` run equals the plain run bit for bit (every step's loss
-  and validation loss, the final validation loss and parameters), at two seeds.
+  and validation loss, the final validation loss and every rank's parameters), at two seeds, flat
+  and across replica groups (acco and dpu on --inside ddp; ddp, sparseloco and streaming_diloco on
+  --inside fsdp).
 All strategies share one W=2 spawn for the first two; the CLI pair is two short runs each.
 """
 from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ from lowcomm.run.driver import make_run
 from lowcomm.strategies import available, get
 
 from dist_utils import run_dist
-from elastic_runs import ELASTIC, cli_flags, options
+from elastic_runs import ELASTIC, checkpoint_params_hashes, cli_flags, options
 
 SEQ, MICRO = 16, 2
 
@@ -156,21 +157,24 @@ RUN = ["--workers", "2", "--n-layer", "2", "--n-head", "2", "--d-model", "16", "
        "pydoc", "--eval-every", "3", "--eval-batches", "2", "--steps", str(STEPS), "--quiet"]
 
 
-def final_params_hash(out: Path) -> str:
-    from lowcomm.checkpoint import read, read_state
-    model = read_state(read(out / f"ckpt-{STEPS:06d}"), 0)["strategy"]["model"]
-    return state_hash({f"model.{k}": v for k, v in model.items()})
+# Across two replicas of 2 (zero1 and diloco with fsdp: test_elastic_resume.py): acco's and dpu's
+# sharded state and round buffers are each position's, across the replicas at that position; with
+# FSDP inside, a process's state is its shard of every tensor.
+TWO = ["--workers", "4", "--replicas", "2"]
+REPLICAS = {**{f"{name}-replicas": (name, TWO) for name in ("acco", "dpu")},
+            **{f"{name}-fsdp": (name, [*TWO, "--inside", "fsdp"]) for name in ("ddp", "sparseloco", "streaming_diloco")}}
 
 
 @pytest.mark.elastic
 @pytest.mark.procs
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("name", ELASTIC)
-def test_a_no_fault_elastic_run_equals_the_plain_run(name, seed, tmp_path, monkeypatch):
+@pytest.mark.parametrize("case", [*ELASTIC, *REPLICAS])
+def test_a_no_fault_elastic_run_equals_the_plain_run(case, seed, tmp_path, monkeypatch):
     pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    name, layout = REPLICAS.get(case, (case, []))
     plain, elastic = tmp_path / "plain", tmp_path / "elastic"
-    run = [*RUN, *cli_flags(name), "--seed", str(seed)]
+    run = [*RUN, *cli_flags(name), *layout, "--seed", str(seed)]
     assert main(["train", *run, "--checkpoint-every", str(STEPS), "--out", str(plain)]) == 0
     assert main(["train", *run, "--elastic", "--out", str(elastic)]) == 0
     rows = [[json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()] for out in (plain, elastic)]
@@ -179,4 +183,4 @@ def test_a_no_fault_elastic_run_equals_the_plain_run(name, seed, tmp_path, monke
     assert [r["step"] for r in rows[1] if "val_loss" in r] == [3, 6]
     summaries = [json.loads((out / "summary.json").read_text()) for out in (plain, elastic)]
     assert summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
-    assert set(summaries[1]["elastic"]["final_params_sha256"]) == {final_params_hash(plain)}
+    assert summaries[1]["elastic"]["final_params_sha256"] == checkpoint_params_hashes(plain / f"ckpt-{STEPS:06d}")

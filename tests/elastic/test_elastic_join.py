@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -19,17 +16,11 @@ pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'low
 
 from lowcomm.cli.main import main  # noqa: E402
 from lowcomm.elastic.address import check_reachable  # noqa: E402
-from elastic_runs import TINY, check_finished, jsonl  # noqa: E402
+from elastic_runs import TINY, check_finished, join_once, jsonl  # noqa: E402
 
 # The members wait at HOLD's commit point until the joiner has announced itself (a test-only
 # hook): its start, a fresh python importing torch, takes 3 to 15 s with the machine's load.
 STEPS, HOLD = 24, 12
-
-
-def wait_for(path: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not (path.exists() and path.stat().st_size) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def refused(argv: list[str], capsys) -> str:
@@ -51,14 +42,8 @@ def lighthouse():
 def train_with_a_joiner(out: Path, *flags: str) -> subprocess.CompletedProcess:
     """Train W=2 in this process (the workers' fork server stays warm across tests) while
     `lowcomm join OUT`, another process, is started once the run has logged its first step."""
-    joiner: list[subprocess.Popen] = []
-
-    def start() -> None:
-        wait_for(out / "steps.jsonl")
-        joiner.append(subprocess.Popen([sys.executable, "-m", "lowcomm", "join", str(out)], text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    thread = threading.Thread(target=start, daemon=True)
-    thread.start()
+    logged = out / "steps.jsonl"
+    thread, joiner = join_once(out, lambda: logged.exists() and logged.stat().st_size)
     assert main(["train", *TINY, "--workers", "2", "--steps", str(STEPS), "--out", str(out), *flags]) == 0
     thread.join()
     out_, err = joiner[0].communicate(timeout=60)

@@ -28,6 +28,7 @@ from test_elastic import jsonl  # noqa: E402
 # point past HOLD until the restarted job b is back (a test-only hook: a restart, two fresh
 # pythons importing torch, takes 5 to 20 s with the machine's load).
 STEPS, KILL, HOLD = 20, 4, 10
+EVERY = 4  # the torchrun jobs checkpoint every 4 steps, beside the records (the --out of the lead job)
 MODEL = ["--strategy", "ddp", "--steps", str(STEPS), "--n-layer", "2", "--n-head", "2", "--d-model", "16",
          "--seq-len", "16", "--data", "pydoc", "--eval-every", "0", "--quiet"]
 
@@ -46,7 +47,7 @@ def torchrun(out: Path, lighthouse: str, **faults: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
             "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
             "-m", "lowcomm", "train", "--elastic", "--lighthouse", lighthouse, "--min-workers", "2", *MODEL,
-            "--out", str(out)]
+            "--checkpoint-every", str(EVERY), "--keep", str(STEPS // EVERY), "--out", str(out)]
     with open(f"{out}.log", "w") as log:  # the child keeps its own copy of the file
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -143,6 +144,20 @@ def test_a_killed_process_restarts_its_replica_which_joins_with_the_live_state(r
 
 
 @pytest.mark.elastic
+def test_torchrun_replicas_checkpoint_beside_the_records_each_written_by_the_quorum_of_its_step(run):
+    lead = next(o for o in run["outs"] if (o / "summary.json").exists())
+    assert not [p for o in run["outs"] if o != lead for p in o.glob("ckpt-*")]  # one directory a checkpoint
+    members = {r["step"]: len(r["members"]) for r in run["steps"]}
+    written = sorted(lead.glob("ckpt-*"))
+    assert [int(p.name[5:]) for p in written] == list(range(EVERY, STEPS + 1, EVERY))
+    for ckpt in written:  # every process of the quorum of the time wrote its file there, both jobs' alike
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        assert (manifest["world"], manifest["per_replica"]) == (members[manifest["step"]], 2), manifest
+        assert sorted(manifest["files"]) == sorted([".metadata", "config.toml",
+                                                    *(f"__{r}_0.distcp" for r in range(manifest["world"]))])
+
+
+@pytest.mark.elastic
 def test_the_launchers_replica_slots_restart_as_a_whole_and_match_the_plain_run(run):
     out = run["plain"].parent / "launched"
     assert "replica 1 (process 1) failed: killed by signal SIGKILL; the others go on; restarting it" in run["launched"]
@@ -162,7 +177,8 @@ def test_elastic_under_torchrun_needs_a_lighthouse_and_one_replica_a_job(capsys,
         monkeypatch.setenv(name, value)
     for flags, line in ((["--elastic"], "--elastic under torchrun needs --lighthouse HOST:PORT"),
                         (["--elastic", "--lighthouse", "127.0.0.1:1", "--replicas", "2"], "drop --replicas"),
-                        (["--elastic", "--lighthouse", "127.0.0.1:1", "--inside", "fsdp"], "runs --inside ddp"),
+                        (["--elastic", "--lighthouse", "127.0.0.1:1", "--inside", "fsdp", "--strategy", "zero1"],
+                         "strategy 'zero1' does not run with --inside fsdp inside a replica"),
                         (["--elastic", "--lighthouse", "127.0.0.1:1", "--max-restarts", "2"], "pass it to torchrun")):
         assert main(["train", *MODEL, *flags, "--out", str(tmp_path / "r")]) == 2
         err = capsys.readouterr().err.strip()

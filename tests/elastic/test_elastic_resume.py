@@ -2,7 +2,12 @@
 members of the time; `lowcomm train --resume` continues the run bit for bit with as many workers
 as wrote the checkpoint, and with the workers it is started with otherwise (here 3 after 2,
 stopped again with --stop-at), for ddp, zero1 (its shards put together and cut anew) and
-sparseloco (a worker's own residual: the third worker's starts at zero)."""
+sparseloco (a worker's own residual: the third worker's starts at zero).
+
+With replica groups (a launcher's slot of 2 processes is one replica) the same holds position by
+position: zero1 across 2 replicas equals the plain run, resumes bit for bit, goes on with 1
+replica from a checkpoint of 2 and with 2 again when `lowcomm join` adds one; diloco with FSDP
+inside heals a restarted replica shard by shard, and its checkpoint resumes bit for bit."""
 from __future__ import annotations
 
 import json
@@ -15,7 +20,7 @@ import torch
 pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
 
 from lowcomm.cli.main import main  # noqa: E402
-from elastic_runs import TINY, check_finished, jsonl  # noqa: E402
+from elastic_runs import TINY, check_finished, checkpoint_params_hashes, join_once, jsonl  # noqa: E402
 
 pytestmark = pytest.mark.elastic
 
@@ -93,3 +98,95 @@ def test_an_elastic_run_resumes_bit_for_bit_and_with_the_workers_it_finds(flags,
     assert [r["members"] for r in jsonl(more / "steps.jsonl")] == [[0, 1]] * 4 + [[0, 1, 2]] * 4  # to 8 only
     assert json.loads((more / "ckpt-000008" / "manifest.json").read_text())["world"] == 3
     assert not (more / "summary.json").exists()  # a part of the run: the part that reaches --steps writes it
+
+
+# -- replica groups: a launcher's slot of K = 2 processes is one replica -----------------------------
+
+REPLICAS = ["--elastic", "--n-layer", "2", "--n-head", "2", "--d-model", "16", "--seq-len", "16", "--data", "pydoc",
+            "--eval-every", "0", "--quiet", "--steps", str(STEPS)]
+TWO, ONE = ["--workers", "4", "--replicas", "2"], ["--workers", "2", "--replicas", "1"]
+
+
+def quorum_at(run: Path, step: int) -> dict:
+    return next(q for q in jsonl(run / "membership.jsonl") if q["step"] == step)
+
+
+def test_zero1_across_elastic_replicas_equals_the_plain_run_and_goes_on_with_the_replicas_it_finds(
+        tmp_path, capfd, monkeypatch):
+    # zero1's optimizer state is sharded across the replicas at each position: gathered at every
+    # commit, put together from a checkpoint's shards of that position and cut anew for one replica,
+    # and cut for two again when `lowcomm join` adds a replica that takes the live state
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    plain, whole = tmp_path / "plain", tmp_path / "whole"
+    flags = ["--strategy", "zero1", *TWO]
+    lowcomm(capfd, "train", *REPLICAS[1:], *flags, "--checkpoint-every", str(STEPS), "--out", str(plain))
+    lowcomm(capfd, "train", *REPLICAS, *flags, "--checkpoint-every", "4", "--keep", "3", "--out", str(whole))
+    _, uninterrupted = check_finished(whole, STEPS)  # one model: --inside ddp shares the owners' tensors
+    assert [r["loss"] for r in jsonl(whole / "steps.jsonl")] == [r["loss"] for r in jsonl(plain / "steps.jsonl")]
+    assert uninterrupted["elastic"]["final_params_sha256"] == checkpoint_params_hashes(plain / f"ckpt-{STEPS:06d}")
+    written = {p.name: p.stat().st_mtime_ns for p in whole.iterdir()}
+    assert main(["train", "--resume", str(whole), "--workers", "6"]) == 2  # replicas of 3: refused, nothing written
+    assert capfd.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --resume: {whole}/ckpt-000012 was written by replicas of 2 process(es), which a resumed elastic run "
+        f"keeps (each process holds its position's state); this run has --workers 6 --replicas 2, replicas of 3: "
+        f"pass --replicas 3")
+    assert {p.name: p.stat().st_mtime_ns for p in whole.iterdir()} == written
+
+    resumed = stopped_after_4(whole, tmp_path / "resumed")  # the same replicas: bit for bit
+    lowcomm(capfd, "train", "--resume", str(resumed), "--quiet")
+    _, summary = check_finished(resumed, STEPS)
+    assert summary["elastic"]["final_params_sha256"] == uninterrupted["elastic"]["final_params_sha256"]
+    held = quorum_at(resumed, 4)["state_sha256"]  # each position's state, as two replicas hold it at step 4
+    assert held[:2] == held[2:] and held[0] != held[1]
+
+    fewer = stopped_after_4(whole, tmp_path / "fewer")  # one replica from step 4, stopped at 8
+    _, err = lowcomm(capfd, "train", "--resume", str(fewer), *ONE, "--stop-at", "8")
+    assert "written by 2 replica(s) of 2 processes, resuming on 1" in err
+    alone = quorum_at(fewer, 4)
+    assert alone["slots"] == [0, 1] and alone["resumed_sha256"] == held[:2]  # two positions' shards, cut for one
+    assert json.loads((fewer / "ckpt-000008" / "manifest.json").read_text())["world"] == 2
+
+    # Resumed again on that replica, joined by one more from `lowcomm join` (the members hold at step 10
+    # until it is in: a fresh python's start takes seconds), which takes each position's state live.
+    monkeypatch.setenv("LOWCOMM_TEST_HOLD_FOR_REPLICAS", "2:10")
+    thread, joiner = join_once(fewer, lambda: (fewer / "elastic.json").exists())  # once its launcher is up
+    lowcomm(capfd, "train", "--resume", str(fewer), "--quiet")
+    thread.join()
+    out, err = joiner[0].communicate(timeout=60)
+    assert joiner[0].returncode == 0, err
+    records, summary = check_finished(fewer, STEPS)
+    join = next(q for q in jsonl(fewer / "membership.jsonl") if q["healed"])
+    assert join["slots"] == [0, 1, 2, 3] and join["healed"] == [2, 3] and join["replicas"][1].startswith("00001:")
+    assert join["state_sha256"][:2] == join["state_sha256"][2:] == join["resumed_sha256"][:2]
+    assert f"replica 1 trained steps {join['step'] + 1} to {STEPS} of the run in {fewer} (it has finished)" in out
+    assert [len(r["members"]) for r in records] == [4] * 4 + [2] * (join["step"] - 4) + [4] * (STEPS - join["step"])
+
+
+def test_a_replica_with_fsdp_inside_heals_position_by_position_and_its_checkpoint_resumes_bit_for_bit(
+        tmp_path, capfd, monkeypatch):
+    # diloco with FSDP inside each replica of 2: a process holds its shard of every tensor; slot 1's
+    # process 1 (rank 3) is killed after step 5, mid-round, and its replica restarted as a joiner
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("LOWCOMM_TEST_KILL_AT", "3:5")
+    run = tmp_path / "run"
+    flags = ["--strategy", "diloco", "--sync-every", "4", *TWO, "--inside", "fsdp"]
+    _, err = lowcomm(capfd, "train", *REPLICAS, *flags, "--checkpoint-every", "4", "--keep", "3", "--max-restarts", "1",
+                     "--out", str(run))
+    monkeypatch.delenv("LOWCOMM_TEST_KILL_AT")
+    assert "replica 1 (process 1) failed: killed by signal SIGKILL" in err
+    records = jsonl(run / "steps.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    healed = jsonl(run / "membership.jsonl")[-1]  # at the sync that found rank 3 gone
+    assert healed["healed"] == [2, 3] and healed["committed"][2:] == [-1, -1]
+    shards = healed["state_sha256"]  # position p of the new replica holds position p's shards, bit for bit
+    assert shards[2:] == shards[:2] == healed["resumed_sha256"][:2] and shards[0] != shards[1]
+    final = json.loads((run / "summary.json").read_text())["elastic"]["final_params_sha256"]
+    assert final[:2] == final[2:] and final[0] != final[1]
+
+    resumed = tmp_path / "resumed"  # stopped after step 8 (written after the heal): the same replicas go on
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "ckpt-000012")
+    (resumed / "summary.json").unlink()
+    lowcomm(capfd, "train", "--resume", str(resumed), "--quiet")
+    assert [r["step"] for r in jsonl(resumed / "steps.jsonl")] == list(range(1, STEPS + 1))
+    assert json.loads((resumed / "summary.json").read_text())["elastic"]["final_params_sha256"] == final

@@ -4,6 +4,9 @@ check of a finished run: each step logged once, every live worker on the same pa
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,3 +68,27 @@ def check_finished(out: Path, steps: int) -> tuple[list[dict], dict]:
     hashes = summary["elastic"]["final_params_sha256"]
     assert len(set(hashes)) == 1, hashes  # every live worker ends with the same parameters
     return records, summary
+
+
+def checkpoint_params_hashes(checkpoint: Path) -> list[str]:
+    """Each rank's model in a checkpoint, hashed as summary.json's `final_params_sha256` (with FSDP
+    inside a replica: its shards)."""
+    from lowcomm.checkpoint import read, read_state
+    from lowcomm.elastic.transfer import state_hash
+    found = read(checkpoint)
+    models = [read_state(found, r)["strategy"]["model"] for r in range(found.world)]
+    return [state_hash({f"model.{k}": v for k, v in model.items()}) for model in models]
+
+
+def join_once(run: Path, ready) -> tuple[threading.Thread, list[subprocess.Popen]]:
+    """`lowcomm join RUN` from another process, as from a user's other terminal, once `ready()`:
+    the thread that starts it, and the list that then holds it."""
+    joiner: list[subprocess.Popen] = []
+
+    def start() -> None:
+        wait_for(ready, f"{run} to join")
+        joiner.append(subprocess.Popen([sys.executable, "-m", "lowcomm", "join", str(run)], text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    return thread, joiner

@@ -21,6 +21,7 @@ class Found:
     step: int
     world: int
     replicated: bool
+    per_replica: int = 1  # processes a replica of the run that wrote it (absent before replica runs checkpointed)
 
 
 class WorldSizeError(UsageError):
@@ -68,7 +69,8 @@ def _check_files(path: Path, files: dict) -> None:
 
 
 def _found(path: Path, manifest: dict) -> Found:
-    return Found(Path(path), int(manifest["step"]), int(manifest["world"]), bool(manifest.get("replicated")))
+    return Found(Path(path), int(manifest["step"]), int(manifest["world"]), bool(manifest.get("replicated")),
+                 int(manifest.get("per_replica", 1)))
 
 
 def check_world(found: Found, strategy: str, world: int) -> None:

@@ -23,8 +23,12 @@ def name_of(step: int) -> str:
 
 
 def config_hash(cfg: C.RunConfig) -> str:
-    """What a checkpoint's steps depend on: the resolved config without the SAFE_KEYS."""
+    """What a checkpoint's steps depend on: the resolved config without the SAFE_KEYS. An elastic
+    run's replicas come and go as its workers do (it resumes on those it finds); what its state
+    depends on is their size, which the manifest records apart (`per_replica`, resume.py checks it)."""
     d = {k: v for k, v in C.to_dict(cfg).items() if k not in SAFE_KEYS}
+    if cfg.elastic:
+        d["replicas"] = 0  # as in a flat run's config, whose checkpoints hash so already
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

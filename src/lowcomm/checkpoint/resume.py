@@ -10,7 +10,8 @@ from pathlib import Path
 from .. import config as C
 from ..errors import UsageError
 from .storage import write_text_atomic
-from .choose import latest
+from .choose import Found, latest
+from ..config.nodes import per_replica, under_torchrun
 from .layout import SAFE_KEYS
 
 
@@ -32,6 +33,8 @@ def resume_config(args, apply_flags) -> C.RunConfig:
     C.validate(cfg)
     after = _flat(C.to_dict(cfg))
     for key in sorted(before.keys() | after.keys()):
+        if key == "replicas" and cfg.elastic:  # its replicas are those it finds, of the size it had
+            continue
         if key.split(".")[0] not in SAFE_KEYS and before.get(key) != after.get(key):
             raise UsageError(f"--resume: {key} cannot change on a resumed run (it is {before.get(key)!r} in "
                              f"{run / 'config.toml'}, given {after.get(key)!r}); only --steps, --stop-at, "
@@ -66,16 +69,43 @@ def prepare_resume(cfg: C.RunConfig, create: bool) -> Path | None:
         return None
     if cfg.steps < found.step:
         raise UsageError(f"--steps {cfg.steps} is below the checkpoint's step {found.step} ({found.path})")
-    if found.world != cfg.workers:
-        what = ("an elastic run goes on with the workers it finds (a worker the checkpoint has no state for "
-                "takes worker 0's)" if cfg.elastic else "the replicated state is loaded")
-        print(f"warning: {found.path} was written by {found.world} workers, resuming on {cfg.workers}: {what}, "
-              f"each worker's data order starts anew", file=sys.stderr, flush=True)
+    if cfg.elastic and per_replica(cfg) != found.per_replica:  # its replicas come and go, their size stays
+        raise UsageError(_replica_size_changed(found, cfg))
+    if found.world != cfg.workers and not (cfg.elastic and under_torchrun()):  # there: the quorum's replicas
+        print(f"warning: {found.path} was written by {_other_membership(found, cfg)}, each worker's data order "
+              f"starts anew", file=sys.stderr, flush=True)
     cfg.resume_from = str(found.path)
     if create:  # the checkpoint taken, said once (the lead: a torchrun job's rank 0)
         print(f"lowcomm: resuming from {found.path} (step {found.step} of {cfg.steps})", file=sys.stderr, flush=True)
         write_text_atomic(out / "config.toml", C.to_toml(cfg))
     return out
+
+
+def _other_membership(found: Found, cfg: C.RunConfig) -> str:
+    """How a checkpoint of another number of workers is taken (UsageError where it cannot be:
+    choose.check_world)."""
+    if not cfg.elastic:
+        return f"{found.world} workers, resuming on {cfg.workers}: the replicated state is loaded"
+    K = per_replica(cfg)
+    if K == 1:
+        return (f"{found.world} workers, resuming on {cfg.workers}: an elastic run goes on with the workers it finds "
+                f"(a worker the checkpoint has no state for takes worker 0's)")
+    return (f"{found.world // K} replica(s) of {K} processes, resuming on {cfg.workers // K}: an elastic run goes on "
+            f"with the replicas it finds (a replica the checkpoint has no state for takes replica 0's, position by "
+            f"position)")
+
+
+def _replica_size_changed(found: Found, cfg: C.RunConfig) -> str:
+    """An elastic run resumes on the replicas it finds, each of as many processes as wrote the
+    checkpoint: a process's state is its position's in its replica (its tensors, its FSDP shard)."""
+    was, now = found.per_replica, per_replica(cfg)
+    fix = (f"start each torchrun job with --nproc-per-node {was}" if under_torchrun() else
+           "drop --replicas" if was == 1 else f"pass --replicas {cfg.workers // was}" if cfg.workers % was == 0 else
+           f"pass --workers {was}·N --replicas N")
+    given = f"--workers {cfg.workers}" + (f" --replicas {cfg.replicas}" if cfg.replicas else "")
+    has = f"jobs of {now} process(es) (torchrun's)" if under_torchrun() else f"{given}, replicas of {now}"
+    return (f"--resume: {found.path} was written by replicas of {was} process(es), which a resumed elastic run keeps "
+            f"(each process holds its position's state); this run has {has}: {fix}")
 
 
 def restart_from(cfg: C.RunConfig, out: Path, error: Exception, attempt: int) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import config as C
+from ..config.nodes import per_replica
 from ..errors import RunError
 from .storage import disk_full, first_failure, write_text_atomic
 from ..contract.context import tensor_bytes
@@ -104,7 +105,8 @@ def _refuse_nonfinite(trainer) -> None:
 
 def _write_manifest(tmp: Path, trainer, replicated: bool, t0: float) -> None:
     manifest = {"format": FORMAT, "step": trainer.step, "strategy": trainer.cfg.strategy,
-                "world": trainer.world, "replicated": replicated, "config_hash": config_hash(trainer.cfg),
+                "world": trainer.world, "per_replica": per_replica(trainer.cfg), "replicated": replicated,
+                "config_hash": config_hash(trainer.cfg),
                 "torch": torch.__version__, "files": checksums(tmp),
                 "write_s": round(time.perf_counter() - t0, 4)}  # DCP + checksums, as rank 0 saw it
     with open(tmp / MANIFEST, "w") as f:

@@ -26,6 +26,14 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
+def per_replica(cfg: C.RunConfig) -> int:
+    """Processes a replica (K): W/R, 1 in a flat run. Under torchrun an elastic run's job is one
+    replica of its WORLD_SIZE processes (cfg.workers there: launcher.prepare)."""
+    if cfg.elastic and under_torchrun():
+        return cfg.workers
+    return cfg.workers // (cfg.replicas or cfg.workers)
+
+
 def node_shape(env: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
     """(nodes, processes per node) of a torchrun world spanning more than one node, else None.
     None too when the world is not a whole number of equal nodes (no replica per node then)."""

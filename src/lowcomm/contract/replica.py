@@ -32,6 +32,12 @@ class ReplicaPart:
         return self.inside is not None and self.owns_tensors
 
     @property
+    def model_reusable(self) -> bool:
+        """Whether a run on another group (a new elastic membership) can be built on this model:
+        not once the engine inside reshaped it for this group (fsdp's fully_shard)."""
+        return self.inside is None or not self.inside.reshapes_model
+
+    @property
     def data_parallel_ranks(self) -> int:
         """Every process of the run: the cross-replica group's R ranks times K per replica."""
         return self.comm.world * (self.inside.comm.world if self.inside is not None else 1)

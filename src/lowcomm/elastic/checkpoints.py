@@ -13,15 +13,22 @@ continues with the membership it finds: a member whose rank the checkpoint does 
 rank 0's as a joiner takes a peer's (its local state fresh; a sharded optimizer state is first
 put together from every rank's shard and cut anew: the strategy's whole_from_shards and
 member_state), and the data position follows from the step and the new membership
-(train/elastic.py's loader_for), as after any change of membership.
+(train/elastic.py's loader_for), as after any change of membership. A run of replicas of K
+processes resumes on the replicas it finds, of K processes each (checkpoint/resume.py refuses
+another K): what is said above of ranks holds position by position -- a process takes the
+state of its position in its own replica, or in replica 0 for a replica the checkpoint has not,
+a sharded state put together from the shards of its position's ranks across the replicas.
 """
 from __future__ import annotations
 
+import socket
 from itertools import islice
 from pathlib import Path
 
+import torch.distributed as dist
+
 from ..checkpoint import read, read_state, save
-from ..errors import UsageError
+from ..errors import RunError, UsageError
 
 
 # Checkpoint steps checked against the commit points: the strategies' commit points repeat with
@@ -52,8 +59,27 @@ def check(cfg, is_commit) -> None:
 
 
 def write(worker, wall_s: float) -> None:
-    """Collective over the current members: the checkpoint of this commit point."""
-    save(worker.t, worker.out_dir, worker.cfg.keep, wall_s=wall_s)
+    """Collective over the current members: the checkpoint of this commit point, beside the
+    quorum's records."""
+    save(worker.t, run_dir(worker), worker.cfg.keep, wall_s=wall_s)
+
+
+def run_dir(worker) -> Path:
+    """The directory of the quorum's records (worker.lead_log, 'HOST:PATH' of its steps.jsonl),
+    where every member writes its part of a checkpoint: one directory, as a checkpoint is. It is
+    the run's --out, but under torchrun each job has its own --out and this is the lead job's,
+    which every member must reach at that path (one machine, or a filesystem every node sees);
+    the members agree on that first, so that none waits in a write the others do not start."""
+    host, _, steps = (worker.lead_log or "").partition(":")
+    folder = Path(steps).parent
+    reached = [None] * worker.view.world
+    dist.all_gather_object(reached, bool(steps) and (host == socket.gethostname() or folder.is_dir()))
+    if not all(reached):
+        away = [worker.view.slots[r] for r, ok in enumerate(reached) if not ok]
+        raise RunError(f"cannot write a checkpoint into {folder} on {host}, beside the run's records: process(es) "
+                       f"{', '.join(map(str, away))} do not see it; every member's machine must see that directory at "
+                       f"that path (a shared filesystem; under torchrun, for the --out of each job)")
+    return folder
 
 
 def load(worker, view) -> float:
@@ -61,16 +87,20 @@ def load(worker, view) -> float:
     Returns the wall seconds of the run's earlier parts."""
     t, found = worker.t, read(Path(worker.cfg.resume_from))
     same = found.world == view.world
-    rank = view.rank if view.rank < found.world else 0
+    # Ranks are numbered replica by replica (K a replica, as when the checkpoint was written: a
+    # resume keeps K), so the checkpoint's ranks at this position are position, position + K, ...
+    K = view.size()
+    at_position = range(view.rank % K, found.world, K)
+    rank = view.rank if view.rank < found.world else at_position[0]
     state = read_state(found, None if found.replicated and not same else rank)
     s = t.run.strategy
     if same:  # step, strategy, data position and RNG: as if never stopped
         t.load_state_dict(state)
-    else:  # this rank's state (rank 0's for a rank it has not: as a joiner's); sharded: put together
+    else:  # this rank's state (replica 0's for a rank it has not: as a joiner's); sharded: put together
         whole = state["strategy"]
-        if s.sharded_state:
+        if s.sharded_state:  # sharded across the replicas at this position
             whole = s.whole_from_shards([whole if r == rank else read_state(found, r)["strategy"]
-                                         for r in range(found.world)])
+                                         for r in at_position])
         joiner = view.rank >= found.world
         t.run.load_state_dict(s.member_state(s.as_joiner(whole) if joiner else whole))
         if joiner:

@@ -40,8 +40,6 @@ def check(cfg) -> None:
     if not 0 <= cfg.member_timeout <= cfg.timeout:
         raise UsageError(f"--member-timeout must be positive and at most --timeout ({cfg.timeout:g} s), "
                          f"got {cfg.member_timeout:g}")
-    if cfg.replicas and cfg.replicas != cfg.workers and not under_torchrun():  # a slot: a replica of W/R processes
-        check_replicas(cfg, "with --replicas")
     from .checkpoints import check as check_checkpoints
     check_checkpoints(cfg, commit_points(cfg))
     from .lighthouse import require_torchft
@@ -63,18 +61,6 @@ def check_torchrun(cfg) -> None:
     if cfg.max_restarts:
         raise UsageError("--max-restarts is torchrun's under torchrun (it restarts the whole replica): pass it to "
                          "torchrun, not to lowcomm train")
-    check_replicas(cfg, "under torchrun")
-
-
-def check_replicas(cfg, where: str) -> None:
-    """What elastic replica groups cannot take (`where`: under torchrun, or with --replicas)."""
-    if cfg.inside != "ddp":
-        raise UsageError(f"--elastic {where} runs --inside ddp, not '{cfg.inside}': its commit points keep "
-                         f"each process's whole part of the state, which an fsdp replica shards")
-    for flag, value in (("--checkpoint-every", cfg.checkpoint_every), ("--stop-at", cfg.stop_at),
-                        ("--resume", cfg.resume_from)):
-        if value:
-            raise UsageError(f"{flag} does not run with --elastic {where} yet")
 
 
 def commit_points(cfg) -> Callable[[int], bool]:

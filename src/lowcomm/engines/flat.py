@@ -253,16 +253,11 @@ class ShardedStrategy(Strategy):
 
     # --elastic (contract/elastic.py): θ, the optimizer state and the master copy are replicated once
     # gathered whole at a commit (flat_reshard.py) and re-cut for each membership; the flat gradient
-    # buffer is this worker's own, zero at every step's start.
+    # buffer is this worker's own, zero at every step's start. Across replica groups the same holds
+    # for each position's tensors, sharded across the replicas at that position.
     local_state = ("extra.grads",)
     sharded_state = True
     flat_buffers: tuple[str, ...] = ()  # extra_state() keys of flat, unsharded buffers (re-padded by member_state)
-
-    @classmethod
-    def elastic_refusal(cls, options, across_replicas):
-        if across_replicas:
-            return "its commit points gather the shards over one worker a replica (run it with one worker a replica)"
-        return None
 
     def commit_state(self, sd: dict) -> dict:
         return flat_reshard.gathered(sd, self)

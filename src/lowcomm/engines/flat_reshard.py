@@ -9,6 +9,12 @@ a checkpoint's W shards are put together the same way for a resume on another nu
 workers. The flat gradient buffer is this world's and zero at a step's start: left out of the
 whole, rebuilt as zeros.
 
+Across replica groups (--replicas R) the strategy runs on the whole tensors its position owns,
+on the cross group of its position: the flat buffer is those tensors, sharded across the R
+replicas. The same gather, over that group, makes each position's whole state, held alike by
+its R ranks; a replica behind takes it from the same position of a donor (elastic/transfer.py),
+and it is cut anew for any number of replicas (K, and so each position's tensors, stay).
+
 The cost, stated: the gather moves (W-1)/W of the optimizer state at each commit -- for AdamW in
 fp32, 8 bytes a parameter, as much as zero1's own reduce-scatter and all-gather at fp32 (not in
 steps.jsonl's wire bytes: it runs between steps) -- and each member holds the whole optimizer

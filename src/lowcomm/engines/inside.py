@@ -36,6 +36,7 @@ class InsideDDP:
     """Data parallel inside a replica: the replica's gradients averaged, its parameters shared."""
 
     name = "ddp"
+    reshapes_model = False  # the model stays the user's: another run may be built on it
 
     def __init__(self, comm: Comm):
         self.comm = comm
@@ -174,7 +175,7 @@ def check_layout(workers: int, replicas: int, inside: str, strategy: str, suppor
     """UsageError (one line) unless `replicas` replicas of `workers` processes, `inside` inside
     each and `strategy` across them fit together; `spell(name, value)` names a setting as the
     caller's user wrote it (the CLI's flags, or lowcomm.wrap's keywords). `one_replica`: the
-    processes are one replica of an elastic run (elastic/support.py rules on --inside there)."""
+    processes are one replica of an elastic run (a torchrun job), `inside` inside it."""
     if replicas < 0:
         raise UsageError(f"replicas must be at least 1 (0: one per worker), got {replicas}")
     R = replicas or workers
@@ -189,6 +190,9 @@ def check_layout(workers: int, replicas: int, inside: str, strategy: str, suppor
     if R < workers and strategy not in supported:
         raise UsageError(f"strategy '{strategy}' does not run across replica groups yet ({spell('replicas', R)} of "
                          f"{spell('workers', workers)}; with {spell('inside', inside)}: {', '.join(supported)})")
+    if one_replica and workers > 1 and strategy not in supported:
+        raise UsageError(f"strategy '{strategy}' does not run with {spell('inside', inside)} inside a replica (with "
+                         f"it: {', '.join(supported)})")
     if R == workers and (intra_link or inside != "ddp" and not one_replica):  # else ignored without a word
         what = spell("intra_link") if intra_link else spell("inside", inside)
         raise UsageError(f"{what} needs replica groups: {spell('replicas')} fewer than {spell('workers')} ({workers})")

@@ -81,6 +81,9 @@ class InsideFSDP:
     """FSDP2 inside a replica: this rank holds its shard of every tensor (see the module docstring)."""
 
     name = "fsdp"
+    # fully_shard turns the model into FSDP's, bound to this replica's mesh: a run on another
+    # group (an elastic membership) needs a model of its own.
+    reshapes_model = True
 
     def __init__(self, comm: Comm):
         self.comm = comm

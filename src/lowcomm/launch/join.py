@@ -183,6 +183,9 @@ def join(args: argparse.Namespace) -> int:
     cfg, where = find_run(run)
     store = connect(run, where)
     check_lighthouse(where["lighthouse"], f"the run in '{run}' is not reachable: its lighthouse")
+    if cfg.replicas and cfg.replicas != cfg.workers:  # a run of replica groups takes a replica
+        from .join_replica import join_replica
+        return join_replica(run, cfg, where, store, args.quiet)
     slot = cfg.workers + int(store.add(NEXT_SLOT, 1)) - 1
     del store
     if not args.quiet:

@@ -55,15 +55,15 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resu
         require(cfg)
     tokens, label = load_bytes(cfg.data.source, quiet=True)
     check_sizes(tokens, cfg.data.val_fraction, cfg.model.seq_len, cfg.workers, label)
+    default = not cfg.out
+    if cfg.elastic and not default and under_torchrun() and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return Path(cfg.out)  # a replica torchrun restarted: it rejoins with the live state, not a checkpoint
     if resume:
         from ..checkpoint import prepare_resume
         out = prepare_resume(cfg, create)
         if out is not None:
             return out
         overwrite = True  # a torchrun restart before the first checkpoint: the run starts over
-    default = not cfg.out
-    if cfg.elastic and not default and under_torchrun() and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return Path(cfg.out)  # a replica torchrun restarted: it rejoins the run, its --out is its own still
     out = Path(cfg.out or rundir.default_name(cfg.strategy, cfg.workers))
     rundir.check(out, overwrite, default)
     if create:

@@ -87,6 +87,7 @@ class ElasticWorker:
         self.cfg, self.slot, self.m, self.out_dir, self.quiet = cfg, slot, membership, out_dir, quiet
         self.device = pick_device(cfg, "gloo", 0)
         self.model = build_model(cfg, self.device)  # θ0 from the seed: alike on every worker, no collective
+        self.model_reusable = True  # False once a run reshaped the model for its group (fsdp inside)
         tokens, self.source = load_bytes(cfg.data.source, quiet=True)
         self.train_tokens, self.val_tokens = split(tokens, cfg.data.val_fraction)
         self.t: Trainer | None = None
@@ -122,7 +123,9 @@ class ElasticWorker:
         if self.snapshot is not None:
             self._load(self.snapshot)
         else:  # the run's start: every member takes its snapshot (collective when sharded)
-            if self.cfg.resume_from and not joining:  # the first quorum of a resumed run
+            # The first quorum of a resumed run. A member that comes to a later one (a replica that
+            # missed the first: under torchrun they start apart) is behind its peers: it heals.
+            if self.cfg.resume_from and not joining and max(view.steps) <= 0:
                 self.progress.t_start -= checkpoints.load(self, view)
             self.snapshot = self._take_snapshot()
         healed = transfer.heal(view, lambda: self.snapshot, self._resume, self.t.run.levels[0].group)
@@ -139,11 +142,15 @@ class ElasticWorker:
         if self.t is not None:
             self.t.run.release()
         cfg = self.cfg
+        if not self.model_reusable:  # θ0 again (the RNG left as it was): the state is loaded next
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                self.model = build_model(cfg, self.device)
         seat = Seat(view.rank, ReplicaLayout(view.world, view.world // view.size()), view.slots[view.rank])
         comm, levels = connect(cfg, seat, self.flight, member_timeout=support.member_timeout(cfg))
         run = strategy_run(cfg, self.model, comm, levels, seat, self.flight, self.tracer, self.device,
                            options=support.strategy_options(cfg), fault_rank=self.slot)
         support.configure(run, cfg)
+        self.model_reusable = run.strategy.model_reusable
         self.view = view
         self.t = Trainer(cfg, view.rank, view.world, self.device, "gloo", comm, self.model, run,
                          loader_for(cfg, self.train_tokens, view, self.step), val_for(cfg, self.val_tokens, view),

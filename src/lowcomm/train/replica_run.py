@@ -41,14 +41,21 @@ def run_job(cfg, out: Path | None, quiet: bool) -> str | None:
 
 
 def slot_entry(local: int, slot: int, cfg, store_port: int, lighthouse: str, out_dir: str | None, quiet: bool,
-               joining: bool, attempt: int) -> None:
+               joining: bool, attempt: int, store_host: str = "127.0.0.1") -> None:
     """Entry of a process of a replica slot that the launcher started (`lowcomm train --elastic
-    --replicas R`): the launcher's store is the replica's job store, under this launch's prefix."""
+    --replicas R`), or `lowcomm join` (launch/join_replica.py, from the store's `store_host`): the
+    launcher's store is the replica's job store, under this launch's prefix."""
     size = cfg.workers // cfg.replicas
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=300))
-    job = dist.PrefixStore(f"lowcomm/elastic/slot{slot}.{attempt}/", store)
+    store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=300))
+    job = slot_store(store, slot, attempt)
     run_replica(cfg, local, size, job, lighthouse, Path(out_dir) if out_dir else None, quiet, joining,
                 slot * size + local, name=f"{slot:05d}")
+
+
+def slot_store(store: dist.Store, slot: int, attempt: int) -> dist.Store:
+    """A launch of a replica slot's job store, on the launcher's store (its process 0 puts its
+    replica id there: ReplicaLeader)."""
+    return dist.PrefixStore(f"lowcomm/elastic/slot{slot}.{attempt}/", store)
 
 
 def run_replica(cfg, local: int, size: int, job: dist.Store, lighthouse: str, out: Path | None, quiet: bool,
