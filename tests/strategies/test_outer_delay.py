@@ -3,14 +3,12 @@ each strategy against a single-process transcription of the algorithm, bytes = p
 taken with a reduction in flight continues bit-identically, and delay 0 is today's algorithm."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-import lowcomm
 from dist_utils import flat_params, rel_err
-from local_sgd import ACCUM, adamw, batch, build, check_counted_bytes, count_bytes, diloco_h4, make_model, train
+from local_sgd import (adamw, build, check_counted_bytes, count_bytes, diloco_h4, inner_step, outer_sgd,
+                       reference_workers, train)
 from lowcomm.contract.context import flat_of, write_flat
 
 H, STEPS = 2, 9  # four periods and a final one that ends mid-period (the final drain)
@@ -24,17 +22,9 @@ def delayed_reference(world: int, steps: int, every: int, outer_lr=0.7, outer_mo
     started from; the mean issued a period ago (if any) takes the outer step; every worker
     restarts from θ. The run's last step is a final sync (lowcomm's, not the script's, which
     drops the last mean): this period's Δ, then both means in order."""
-    torch.manual_seed(1234)
-    first = make_model()
-    workers = [copy.deepcopy(first) for _ in range(world)]
-    inner = [adamw(m.parameters()) for m in workers]
+    first, workers, inner = reference_workers(world)
     theta = torch.nn.Parameter(flat_of(first.parameters()).float().clone(), requires_grad=False)
-    outer = torch.optim.SGD([theta], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
-
-    def outer_step(delta):
-        theta.grad = delta
-        outer.step()
-        theta.grad = None
+    outer_step = outer_sgd(theta, outer_lr, outer_momentum, nesterov)
 
     def mean_delta():
         return sum(theta.detach() - flat_of(m.parameters()).float() for m in workers) / world
@@ -45,11 +35,7 @@ def delayed_reference(world: int, steps: int, every: int, outer_lr=0.7, outer_mo
 
     previous = None
     for t in range(1, steps + 1):
-        for r, (m, opt) in enumerate(zip(workers, inner)):
-            for micro in range(ACCUM):
-                (lowcomm.lm_loss(m, batch(t - 1, r, micro)) / ACCUM).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        inner_step(workers, inner, t)
         if t == steps:
             last = mean_delta()
             if previous is not None:
@@ -152,18 +138,17 @@ def test_counted_bytes_equal_plan(local_sgd_runs):
     check_counted_bytes(local_sgd_runs(2), "diloco", BYTE_CASES, "delay_bytes")
 
 
-def test_the_run_says_when_it_starts_how_pccl_runs_the_delay_and_elastic_is_refused(tmp_path, data_file, monkeypatch,
-                                                                                   capfd):
+def test_the_run_says_when_it_starts_how_pccl_runs_the_delay(tmp_path, data_file, monkeypatch, capfd):
     """With outer momentum the delayed mean overshoots: the launch says so in one line (diloco's
-    default momentum 0.9; sparseloco has none: nothing said); streaming says which of its flags
-    the delay replaces; --elastic is refused in one line, exit 2, nothing written."""
+    default momentum 0.9; sparseloco has none, and eager updates are run with it: nothing said);
+    streaming says which of its flags the delay replaces."""
     import lowcomm.launch.launcher
     from lowcomm.cli.main import main
 
     monkeypatch.setattr(lowcomm.launch.launcher, "launch", lambda *a, **k: None)  # no training here
     said = {}
     for argv in (["--strategy", "diloco"], ["--strategy", "sparseloco"], ["--strategy", "streaming_diloco"],
-                 ["--strategy", "diloco", "--outer-momentum", "0"]):
+                 ["--strategy", "diloco", "--outer-momentum", "0"], ["--strategy", "diloco", "--eager"]):
         out = tmp_path / f"run{len(said)}"
         assert main(["train", *argv, "--outer-delay", "1", "--data", str(data_file), "--out", str(out)]) == 0
         said[" ".join(argv)] = [line for line in capfd.readouterr().err.splitlines() if line.startswith("note:")]
@@ -171,13 +156,7 @@ def test_the_run_says_when_it_starts_how_pccl_runs_the_delay_and_elastic_is_refu
             "async DiLoCo runs it with --outer-momentum 0 (docs/strategies.md)")
     assert said["--strategy diloco"] == [f"note: {pccl}"]
     assert said["--strategy sparseloco"] == said["--strategy diloco --outer-momentum 0"] == []
+    assert said["--strategy diloco --eager"] == []
     assert said["--strategy streaming_diloco"] == [
         "note: --outer-delay 1: each fragment's mean takes its outer step at the fragment's next sync, a period "
         f"later, and the next period starts from θ_global: --fragment-delay and --merge-alpha do not apply; {pccl}"]
-    out = tmp_path / "elastic"
-    assert main(["train", "--strategy", "diloco", "--outer-delay", "1", "--elastic", "--data", str(data_file),
-                 "--out", str(out)]) == 2
-    assert capfd.readouterr().err.strip().splitlines() == [
-        "error: --outer-delay 1 does not run with --elastic yet: a mean in flight at a membership change is not "
-        "re-issued by the survivors (use --outer-delay 0)"]
-    assert not out.exists()
