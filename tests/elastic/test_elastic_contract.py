@@ -10,7 +10,10 @@ checked over the registry: a strategy is covered the moment it stops refusing --
   with equal replicated states again;
 - a no-fault `lowcomm train --elastic` run equals the plain run bit for bit (every step's loss,
   the final validation loss and parameters).
-All strategies share one W=2 spawn for the first two; the CLI pair is two short runs each.
+Besides each strategy at its defaults, the local-SGD family's outer step a period late (a mean in
+flight at every commit point, kept as each member's part of it and re-issued after a change of
+membership, a joiner's part empty) and with eager updates (each member's stand-in its own) are
+variants of their own. All share one W=2 spawn for the first two; the CLI pair is two short runs each.
 """
 from __future__ import annotations
 
@@ -40,6 +43,9 @@ SHORT = {"diloco": {"sync_every": 2}, "sparseloco": {"sync_every": 2},
          "powersgd": {"start": 2}, "onebit_adam": {"freeze_variance_after": 2}, "dpu": {"warmup_steps": 2}}
 ELASTIC = [n for n in available()
            if get(n).elastic_refusal(get(n).Options(**SHORT.get(n, {})).validate(n), False) is None]
+# Variants, by name: "<strategy> <variant>" runs the strategy with these options besides its SHORT ones.
+VARIANTS = {"delayed": {"outer_delay": 1}, "eager": {"outer_delay": 1, "eager": True}}
+CASES = ELASTIC + ["diloco delayed", "diloco eager", "sparseloco eager", "streaming_diloco eager"]
 SEQ, MICRO = 16, 2
 
 
@@ -47,18 +53,20 @@ def test_the_strategies_that_run_elastically():
     assert set(available()) == set(ELASTIC)
 
 
-def options(name: str) -> dict:
-    values = {**get(name).reproducible_options, **SHORT.get(name, {})}
+def options(case: str) -> dict:
+    name, _, variant = case.partition(" ")
+    values = {**get(name).reproducible_options, **SHORT.get(name, {}), **VARIANTS.get(variant, {})}
     if "outer_weights" in {f for f in get(name).Options.__dataclass_fields__}:
         values["outer_weights"] = "tokens"  # as --elastic runs the local-SGD family
     return values
 
 
-def build(name: str, seed: int):
+def build(case: str, seed: int):
     torch.manual_seed(seed)
     model = lowcomm.GPT(vocab_size=256, seq_len=SEQ, n_layer=2, n_head=2, d_model=16)
-    return make_run(name, model, lowcomm.Comm(), lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-                    accum=2, schedule=lambda step: 1e-2, **options(name))
+    return make_run(case.partition(" ")[0], model, lowcomm.Comm(),
+                    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), accum=2,
+                    schedule=lambda step: 1e-2, **options(case))
 
 
 def to_commit(run, rank: int, after: int) -> int:
@@ -127,7 +135,7 @@ def _join_life(rank, world, names):
 
 @pytest.fixture(scope="module")
 def joined():
-    return run_dist(_join_life, 2, ELASTIC, timeout=600)
+    return run_dist(_join_life, 2, CASES, timeout=600)
 
 
 def zero_everywhere(value) -> bool:
@@ -141,7 +149,7 @@ def zero_everywhere(value) -> bool:
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("name", ELASTIC)
+@pytest.mark.parametrize("name", CASES)
 def test_every_member_holds_the_replicated_state_alike_at_a_commit(name, joined):
     for rank in range(2):
         r = joined[rank][name]
@@ -150,7 +158,7 @@ def test_every_member_holds_the_replicated_state_alike_at_a_commit(name, joined)
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("name", ELASTIC)
+@pytest.mark.parametrize("name", CASES)
 def test_a_joiner_holds_a_fresh_workers_local_state_and_its_peers_replicated_state(name, joined):
     peer, joiner = joined[0][name], joined[1][name]
     assert joiner["joined"][1] == peer["at_commit"][0], f"{name}: the joiner's replicated state is not its peer's"
@@ -169,9 +177,10 @@ RUN = ["--workers", "2", "--n-layer", "2", "--n-head", "2", "--d-model", "16", "
        "pydoc", "--eval-every", "0", "--steps", str(STEPS), "--quiet"]
 
 
-def cli_flags(name: str) -> list[str]:
+def cli_flags(case: str) -> list[str]:
+    name = case.partition(" ")[0]
     out = ["--strategy", name]
-    for key, value in options(name).items():
+    for key, value in options(case).items():
         flag = cli_flag(get(name).Options.__dataclass_fields__[key])
         out += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
     return out
@@ -185,7 +194,7 @@ def final_params_hash(out: Path) -> str:
 
 @pytest.mark.elastic
 @pytest.mark.procs
-@pytest.mark.parametrize("name", ELASTIC)
+@pytest.mark.parametrize("name", CASES)
 def test_a_no_fault_elastic_run_equals_the_plain_run(name, tmp_path, monkeypatch):
     pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -88,9 +88,28 @@ def _resumed(rank, world):
     return flat_params(model), flat_params(resumed_model), in_flight
 
 
+def _rejoined(rank, world):
+    """diloco --outer-delay 1, token-weighted as --elastic runs it: a state taken at step 5 (step 4's
+    mean in flight) loaded by rank 0 as its own and by rank 1 as a joiner's (its part of the mean
+    fresh: nothing trained); at step 6 the reduction goes out again on the group, and the outer
+    step (lr 1, no momentum) applies rank 0's Δ alone. Returns (rank 0's part, θ_global before, after)."""
+    options = dict(total_steps=STEPS, sync_every=H, outer_delay=1, outer_weights="tokens", outer_lr=1.0,
+                   outer_momentum=0.0)
+    _, first = build("diloco", adamw, **options)
+    train(first, rank, 5)
+    state = first.state_dict()
+    first.release()
+    _, run = build("diloco", adamw, **options)
+    run.load_state_dict(run.strategy.as_joiner(state) if rank == 1 else state)
+    train(run, rank, 1)
+    after = run.strategy.sync.globals[0].detach().clone()
+    run.release()
+    return state["extra"]["in_flight"][0]["data"], state["extra"]["globals"][0], after
+
+
 def _delay0(rank, world):
     """--outer-delay 0 given explicitly: the synchronous algorithm (the shared diloco H=4 run)."""
-    model, run = build("diloco", adamw, total_steps=10, sync_every=4, outer_delay=0)
+    model, run = build("diloco", adamw, total_steps=10, sync_every=4, outer_delay=0, eager=False)
     train(run, rank, 10)
     run.close()
     return flat_params(model), diloco_h4(rank, world)
@@ -102,7 +121,7 @@ def _bytes(rank, world):
 
 LOCAL_SGD_RUNS = {"delay_diloco": (_delayed_diloco, (2,)), "delay_sparseloco": (_delayed_sparseloco, (2,)),
                   "delay_streaming": (_delayed_streaming, (2,)), "delay_resumed": (_resumed, (2,)),
-                  "delay_zero": (_delay0, (2,)), "delay_bytes": (_bytes, (2,))}
+                  "delay_zero": (_delay0, (2,)), "delay_bytes": (_bytes, (2,)), "delay_rejoined": (_rejoined, (2,))}
 
 
 @pytest.mark.procs
@@ -125,6 +144,15 @@ def test_a_state_taken_with_a_reduction_in_flight_continues_bit_identically(loca
     for straight, resumed, in_flight in (r["delay_resumed"] for r in local_sgd_runs(2)):
         assert in_flight  # the state was taken while a mean was in flight: the case is not trivial
         assert torch.equal(straight, resumed)
+
+
+@pytest.mark.procs
+def test_a_reloaded_reduction_in_flight_is_reissued_and_a_joiners_part_counts_for_nothing(local_sgd_runs):
+    ranks = local_sgd_runs(2)
+    part0, before, _ = ranks[0]["delay_rejoined"]
+    assert part0.any()
+    for r, (_, _, after) in enumerate(rank["delay_rejoined"] for rank in ranks):
+        assert torch.equal(after, before - part0), f"rank {r}"
 
 
 @pytest.mark.procs

@@ -22,6 +22,14 @@ worker's own, and a joiner starts it as a fresh worker at step 0 did: its local 
 an empty inner optimizer (AdamW at zero moments, step 0), no error-feedback residual for
 --outer-compress (zero) and nothing trained since the sync. The merge is token-weighted, so a
 joiner counts for what it trained.
+With --outer-delay 1 a mean is in flight at every commit point; the commit does not wait for it
+(that would expose what the delay hides). Each member keeps its own part of it (its Δ_r, as the
+wire carries it, and its tokens) as local state, and a run that loads the state sends the part
+again at its next step, on its own group: after a member is lost the survivors roll back and
+re-issue the reduction among themselves, token-weighted, the dead member's part lost with it; a
+joiner's part is a fresh worker's (no Δ, no tokens), so it contributes nothing to a mean already
+in flight. --eager's stand-in (offset, share standing in, the offset's momentum) is local too: a
+joiner starts with none, from θ_global.
 """
 from __future__ import annotations
 
