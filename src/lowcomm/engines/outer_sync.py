@@ -13,7 +13,9 @@ and the engine owns: the fragments (tensor groups of the model's layout, models/
 and their fp32 θ_global; the schedule (fragment f of F syncs at the trainer steps t with
 (t − ⌊f·H/F⌋) mod H = 0, t ≥ 1, so F syncs spread over each period H); the wire format
 and its error-feedback residuals; what is in flight, landed and pending; the step info
-the --sync-by time clock needs (sync_by_time.py); the state to checkpoint; and the plan.
+the --sync-by time clock needs (sync_by_time.py); --eager's stand-in offsets (eager.py); the
+state to checkpoint, where a reduction still in flight is this rank's part of it, sent again
+(`reissue`) on the group of the run that loads it; and the plan.
 
 Why not overlap.py's Background engine: its job runs the collectives on a communication
 thread, and a job still in flight when the trainer step ends races the trainer's own
