@@ -12,7 +12,10 @@ checked over the registry: a strategy is covered the moment it stops refusing --
   and validation loss, the final validation loss and every rank's parameters), at two seeds, flat
   and across replica groups (acco and dpu on --inside ddp; ddp, sparseloco and streaming_diloco on
   --inside fsdp).
-All strategies share one W=2 spawn for the first two; the CLI pair is two short runs each.
+Besides each strategy at its defaults, the local-SGD family's outer step a period late (a mean in
+flight at every commit point, kept as each member's part of it and re-issued after a change of
+membership, a joiner's part empty) and with eager updates (each member's stand-in its own) are
+variants of their own. All share one W=2 spawn for the first two; the CLI pair is two short runs each.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from lowcomm.strategies import available, get
 from dist_utils import run_dist
 from elastic_runs import ELASTIC, checkpoint_params_hashes, cli_flags, options
 
+CASES = ELASTIC + ["diloco delayed", "diloco eager", "sparseloco eager", "streaming_diloco eager"]
 SEQ, MICRO = 16, 2
 
 
@@ -40,11 +44,12 @@ def test_the_strategies_that_run_elastically():
     assert set(available()) == set(ELASTIC)
 
 
-def build(name: str, seed: int):
+def build(case: str, seed: int):
     torch.manual_seed(seed)
     model = lowcomm.GPT(vocab_size=256, seq_len=SEQ, n_layer=2, n_head=2, d_model=16)
-    return make_run(name, model, lowcomm.Comm(), lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-                    accum=2, schedule=lambda step: 1e-2, **options(name))
+    return make_run(case.partition(" ")[0], model, lowcomm.Comm(),
+                    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), accum=2,
+                    schedule=lambda step: 1e-2, **options(case))
 
 
 def to_commit(run, rank: int, after: int) -> int:
@@ -113,7 +118,7 @@ def _join_life(rank, world, names):
 
 @pytest.fixture(scope="module")
 def joined():
-    return run_dist(_join_life, 2, ELASTIC, timeout=600)
+    return run_dist(_join_life, 2, CASES, timeout=600)
 
 
 def zero_everywhere(value) -> bool:
@@ -127,7 +132,7 @@ def zero_everywhere(value) -> bool:
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("name", ELASTIC)
+@pytest.mark.parametrize("name", CASES)
 def test_every_member_holds_the_replicated_state_alike_at_a_commit(name, joined):
     for rank in range(2):
         r = joined[rank][name]
@@ -136,7 +141,7 @@ def test_every_member_holds_the_replicated_state_alike_at_a_commit(name, joined)
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("name", ELASTIC)
+@pytest.mark.parametrize("name", CASES)
 def test_a_joiner_holds_a_fresh_workers_local_state_and_its_peers_replicated_state(name, joined):
     peer, joiner = joined[0][name], joined[1][name]
     assert joiner["joined"][1] == peer["at_commit"][0], f"{name}: the joiner's replicated state is not its peer's"
@@ -168,7 +173,7 @@ REPLICAS = {**{f"{name}-replicas": (name, TWO) for name in ("acco", "dpu")},
 @pytest.mark.elastic
 @pytest.mark.procs
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("case", [*ELASTIC, *REPLICAS])
+@pytest.mark.parametrize("case", [*CASES, *REPLICAS])
 def test_a_no_fault_elastic_run_equals_the_plain_run(case, seed, tmp_path, monkeypatch):
     pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -27,18 +27,25 @@ ELASTIC = [n for n in available()
            if get(n).elastic_refusal(get(n).Options(**SHORT.get(n, {})).validate(n), False) is None]
 
 
-def options(name: str) -> dict:
-    """The strategy's options in these tests: reproducible, SHORT, merges weighted by tokens."""
-    values = {**get(name).reproducible_options, **SHORT.get(name, {})}
+# Variants, by name: "<strategy> <variant>" runs the strategy with these options besides its SHORT ones.
+VARIANTS = {"delayed": {"outer_delay": 1}, "eager": {"outer_delay": 1, "eager": True}}
+
+
+def options(case: str) -> dict:
+    """The options of a strategy, or of "<strategy> <variant>", in these tests: reproducible,
+    SHORT, the variant's, merges weighted by tokens."""
+    name, _, variant = case.partition(" ")
+    values = {**get(name).reproducible_options, **SHORT.get(name, {}), **VARIANTS.get(variant, {})}
     if "outer_weights" in {f for f in get(name).Options.__dataclass_fields__}:
         values["outer_weights"] = "tokens"  # as --elastic runs the local-SGD family
     return values
 
 
-def cli_flags(name: str) -> list[str]:
-    """`--strategy NAME` and the flags of options(name)."""
+def cli_flags(case: str) -> list[str]:
+    """`--strategy NAME` and the flags of options(case)."""
+    name = case.partition(" ")[0]
     out = ["--strategy", name]
-    for key, value in options(name).items():
+    for key, value in options(case).items():
         flag = cli_flag(get(name).Options.__dataclass_fields__[key])
         out += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
     return out

@@ -8,6 +8,8 @@ one process group per world size; `run_scenarios` is what each rank runs.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 import lowcomm
@@ -37,6 +39,35 @@ def sgd(params):
 
 def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def reference_workers(world: int):
+    """A transcription's start: (θ_0's model, `world` workers built from it, an AdamW each), every
+    worker from the seed the runs build theirs with."""
+    torch.manual_seed(1234)
+    first = make_model()
+    workers = [copy.deepcopy(first) for _ in range(world)]
+    return first, workers, [adamw(m.parameters()) for m in workers]
+
+
+def inner_step(workers, inner, t: int) -> None:
+    """Trainer step t (from 1) in a transcription: one inner step of every worker on its own batches."""
+    for r, (m, opt) in enumerate(zip(workers, inner)):
+        for micro in range(ACCUM):
+            (lowcomm.lm_loss(m, batch(t - 1, r, micro)) / ACCUM).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def outer_sgd(param, lr: float, momentum: float, nesterov: bool):
+    """(step(grad), the parameter): DiLoCo's outer SGD on one flat parameter."""
+    opt = torch.optim.SGD([param], lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+
+    def step(grad):
+        param.grad = grad
+        opt.step()
+        param.grad = None
+    return step
 
 
 def build(name, make_optimizer, total_steps=None, **options):

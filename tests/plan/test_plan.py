@@ -367,19 +367,20 @@ def test_params_without_tokens_per_step_warns_that_the_batch_is_the_presets(caps
 def test_tune_recommends_the_tuned_setting_and_its_command_plans_the_same_step(capsys):
     """With --tune the recommendation names the tuned setting (diloco's H = 64 on the slow link,
     not the default 32 the table ranks by, and its outer step a period late, which hides a third
-    of each sync, with the plain outer SGD PCCL runs it with), the fastest of every strategy's tuned setting, and its command line, planned
-    again, predicts the same step."""
+    of each sync, with the plain outer SGD PCCL runs it with and eager updates, which cost no
+    time), the fastest of every strategy's tuned setting, and its command line, planned again,
+    predicts the same step."""
     argv = [*CLUSTER, "--params", "1e6", *SLOW, "--strategies", "diloco,ddp,quantized"]
     assert main([*argv, "--tune"]) == 0
     out = json.loads(capsys.readouterr().out)
     rec = out["recommended"]
     assert (rec["strategy"], rec["replicas"], rec["knobs"]) == ("diloco", 4, {"sync_every": 64, "outer_delay": 1,
-                                                                          "outer_momentum": 0.0})
+                                                                          "eager": True, "outer_momentum": 0.0})
     assert all(rec["step_s"] <= t["tuned"]["step_s"] for t in out["tuned"])
     assert out["ranked"][0]["label"] == "diloco H=32"  # the table: the options given
-    assert out["recommendation"].startswith("use diloco H=64 delayed (tuned; the command below): ")
+    assert out["recommendation"].startswith("use diloco H=64 eager (tuned; the command below): ")
     assert out["recommendation"].endswith("\ncommand: " + rec["command"])
-    assert rec["command"] == ("lowcomm train --strategy diloco --workers 4 --sync-every 64 --outer-delay 1 "
+    assert rec["command"] == ("lowcomm train --strategy diloco --workers 4 --sync-every 64 --outer-delay 1 --eager "
                               "--outer-momentum 0")
     words = rec["command"].split()[2:]
     words[0] = "--strategies"
@@ -408,11 +409,12 @@ def test_tune_searches_the_replica_count_with_the_knobs(capsys):
     assert (t["knobs"]["sync_every"]["tuned"], t["knobs"]["outer_delay"]["tuned"], t["replicas"]) == (64, 1, 2)
     assert t["tuned"]["step_s"] == pytest.approx(by_r[2]["step_s"], rel=1e-12)
     rec = out["recommended"]
-    assert (rec["replicas"], rec["knobs"]) == (2, {"sync_every": 64, "outer_delay": 1, "outer_momentum": 0.0})
+    assert (rec["replicas"], rec["knobs"]) == (2, {"sync_every": 64, "outer_delay": 1, "eager": True,
+                                                   "outer_momentum": 0.0})
     assert rec["command"] == ("lowcomm train --strategy diloco --workers 4 --replicas 2 --inside ddp --sync-every 64 "
-                              "--outer-delay 1 --outer-momentum 0")
+                              "--outer-delay 1 --eager --outer-momentum 0")
     assert out["recommendation"].startswith("replica size (searched with the knobs): --replicas 2 (2 replicas of 2 "
-                                            "workers each) is fastest, diloco H=64 delayed at ")
+                                            "workers each) is fastest, diloco H=64 eager at ")
     assert f"{by_r[2]['tokens_per_s'] / by_r[4]['tokens_per_s']:.2f}x the tokens/s of the same setting on the flat " \
         "cluster." in out["recommendation"]
 
@@ -461,9 +463,10 @@ def test_tune_says_in_its_answer_which_settings_the_calibration_did_not_measure(
     assert main(["plan", "--calibrate", str(tmp_path), "--tune", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["recommended"]["knobs"]["sync_every"] == 8 and out["recommended"]["time_to_target_s"] is not None
-    assert ("\ncaveat: the calibration measured sync_every=8 outer_delay=0 only; sync_every=8 outer_delay=1, "
-            "sync_every=16 outer_delay=0, sync_every=16 outer_delay=1, sync_every=32 outer_delay=0, sync_every=32 "
-            "outer_delay=1, sync_every=64 outer_delay=0, sync_every=64 outer_delay=1 not ranked by time to target"
+    untimed = ", ".join(f"sync_every={h} outer_delay={d} eager={e}" for h in (8, 16, 32, 64)
+                        for d, e in ((0, False), (1, False), (1, True)) if (h, d) != (8, 0))
+    assert (f"\ncaveat: the calibration measured sync_every=8 outer_delay=0 eager=False only; {untimed} not ranked "
+            "by time to target"
             "\ncommand: lowcomm train --strategy diloco --workers 2 --sync-every 8") in out["recommendation"]
 
 

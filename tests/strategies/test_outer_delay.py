@@ -3,14 +3,12 @@ each strategy against a single-process transcription of the algorithm, bytes = p
 taken with a reduction in flight continues bit-identically, and delay 0 is today's algorithm."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-import lowcomm
 from dist_utils import flat_params, rel_err
-from local_sgd import ACCUM, adamw, batch, build, check_counted_bytes, count_bytes, diloco_h4, make_model, train
+from local_sgd import (adamw, build, check_counted_bytes, count_bytes, diloco_h4, inner_step, outer_sgd,
+                       reference_workers, train)
 from lowcomm.contract.context import flat_of, write_flat
 
 H, STEPS = 2, 9  # four periods and a final one that ends mid-period (the final drain)
@@ -24,17 +22,9 @@ def delayed_reference(world: int, steps: int, every: int, outer_lr=0.7, outer_mo
     started from; the mean issued a period ago (if any) takes the outer step; every worker
     restarts from θ. The run's last step is a final sync (lowcomm's, not the script's, which
     drops the last mean): this period's Δ, then both means in order."""
-    torch.manual_seed(1234)
-    first = make_model()
-    workers = [copy.deepcopy(first) for _ in range(world)]
-    inner = [adamw(m.parameters()) for m in workers]
+    first, workers, inner = reference_workers(world)
     theta = torch.nn.Parameter(flat_of(first.parameters()).float().clone(), requires_grad=False)
-    outer = torch.optim.SGD([theta], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
-
-    def outer_step(delta):
-        theta.grad = delta
-        outer.step()
-        theta.grad = None
+    outer_step = outer_sgd(theta, outer_lr, outer_momentum, nesterov)
 
     def mean_delta():
         return sum(theta.detach() - flat_of(m.parameters()).float() for m in workers) / world
@@ -45,11 +35,7 @@ def delayed_reference(world: int, steps: int, every: int, outer_lr=0.7, outer_mo
 
     previous = None
     for t in range(1, steps + 1):
-        for r, (m, opt) in enumerate(zip(workers, inner)):
-            for micro in range(ACCUM):
-                (lowcomm.lm_loss(m, batch(t - 1, r, micro)) / ACCUM).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        inner_step(workers, inner, t)
         if t == steps:
             last = mean_delta()
             if previous is not None:
@@ -102,9 +88,28 @@ def _resumed(rank, world):
     return flat_params(model), flat_params(resumed_model), in_flight
 
 
+def _rejoined(rank, world):
+    """diloco --outer-delay 1, token-weighted as --elastic runs it: a state taken at step 5 (step 4's
+    mean in flight) loaded by rank 0 as its own and by rank 1 as a joiner's (its part of the mean
+    fresh: nothing trained); at step 6 the reduction goes out again on the group, and the outer
+    step (lr 1, no momentum) applies rank 0's Δ alone. Returns (rank 0's part, θ_global before, after)."""
+    options = dict(total_steps=STEPS, sync_every=H, outer_delay=1, outer_weights="tokens", outer_lr=1.0,
+                   outer_momentum=0.0)
+    _, first = build("diloco", adamw, **options)
+    train(first, rank, 5)
+    state = first.state_dict()
+    first.release()
+    _, run = build("diloco", adamw, **options)
+    run.load_state_dict(run.strategy.as_joiner(state) if rank == 1 else state)
+    train(run, rank, 1)
+    after = run.strategy.sync.globals[0].detach().clone()
+    run.release()
+    return state["extra"]["in_flight"][0]["data"], state["extra"]["globals"][0], after
+
+
 def _delay0(rank, world):
     """--outer-delay 0 given explicitly: the synchronous algorithm (the shared diloco H=4 run)."""
-    model, run = build("diloco", adamw, total_steps=10, sync_every=4, outer_delay=0)
+    model, run = build("diloco", adamw, total_steps=10, sync_every=4, outer_delay=0, eager=False)
     train(run, rank, 10)
     run.close()
     return flat_params(model), diloco_h4(rank, world)
@@ -116,7 +121,7 @@ def _bytes(rank, world):
 
 LOCAL_SGD_RUNS = {"delay_diloco": (_delayed_diloco, (2,)), "delay_sparseloco": (_delayed_sparseloco, (2,)),
                   "delay_streaming": (_delayed_streaming, (2,)), "delay_resumed": (_resumed, (2,)),
-                  "delay_zero": (_delay0, (2,)), "delay_bytes": (_bytes, (2,))}
+                  "delay_zero": (_delay0, (2,)), "delay_bytes": (_bytes, (2,)), "delay_rejoined": (_rejoined, (2,))}
 
 
 @pytest.mark.procs
@@ -142,6 +147,15 @@ def test_a_state_taken_with_a_reduction_in_flight_continues_bit_identically(loca
 
 
 @pytest.mark.procs
+def test_a_reloaded_reduction_in_flight_is_reissued_and_a_joiners_part_counts_for_nothing(local_sgd_runs):
+    ranks = local_sgd_runs(2)
+    part0, before, _ = ranks[0]["delay_rejoined"]
+    assert part0.any()
+    for r, (_, _, after) in enumerate(rank["delay_rejoined"] for rank in ranks):
+        assert torch.equal(after, before - part0), f"rank {r}"
+
+
+@pytest.mark.procs
 def test_a_delay_of_zero_is_the_synchronous_algorithm_bit_for_bit(local_sgd_runs):
     for explicit, default in (r["delay_zero"] for r in local_sgd_runs(2)):
         assert torch.equal(explicit, default)
@@ -152,18 +166,17 @@ def test_counted_bytes_equal_plan(local_sgd_runs):
     check_counted_bytes(local_sgd_runs(2), "diloco", BYTE_CASES, "delay_bytes")
 
 
-def test_the_run_says_when_it_starts_how_pccl_runs_the_delay_and_elastic_is_refused(tmp_path, data_file, monkeypatch,
-                                                                                   capfd):
+def test_the_run_says_when_it_starts_how_pccl_runs_the_delay(tmp_path, data_file, monkeypatch, capfd):
     """With outer momentum the delayed mean overshoots: the launch says so in one line (diloco's
-    default momentum 0.9; sparseloco has none: nothing said); streaming says which of its flags
-    the delay replaces; --elastic is refused in one line, exit 2, nothing written."""
+    default momentum 0.9; sparseloco has none, and eager updates are run with it: nothing said);
+    streaming says which of its flags the delay replaces."""
     import lowcomm.launch.launcher
     from lowcomm.cli.main import main
 
     monkeypatch.setattr(lowcomm.launch.launcher, "launch", lambda *a, **k: None)  # no training here
     said = {}
     for argv in (["--strategy", "diloco"], ["--strategy", "sparseloco"], ["--strategy", "streaming_diloco"],
-                 ["--strategy", "diloco", "--outer-momentum", "0"]):
+                 ["--strategy", "diloco", "--outer-momentum", "0"], ["--strategy", "diloco", "--eager"]):
         out = tmp_path / f"run{len(said)}"
         assert main(["train", *argv, "--outer-delay", "1", "--data", str(data_file), "--out", str(out)]) == 0
         said[" ".join(argv)] = [line for line in capfd.readouterr().err.splitlines() if line.startswith("note:")]
@@ -171,13 +184,7 @@ def test_the_run_says_when_it_starts_how_pccl_runs_the_delay_and_elastic_is_refu
             "async DiLoCo runs it with --outer-momentum 0 (docs/strategies.md)")
     assert said["--strategy diloco"] == [f"note: {pccl}"]
     assert said["--strategy sparseloco"] == said["--strategy diloco --outer-momentum 0"] == []
+    assert said["--strategy diloco --eager"] == []
     assert said["--strategy streaming_diloco"] == [
         "note: --outer-delay 1: each fragment's mean takes its outer step at the fragment's next sync, a period "
         f"later, and the next period starts from θ_global: --fragment-delay and --merge-alpha do not apply; {pccl}"]
-    out = tmp_path / "elastic"
-    assert main(["train", "--strategy", "diloco", "--outer-delay", "1", "--elastic", "--data", str(data_file),
-                 "--out", str(out)]) == 2
-    assert capfd.readouterr().err.strip().splitlines() == [
-        "error: --outer-delay 1 does not run with --elastic yet: a mean in flight at a membership change is not "
-        "re-issued by the survivors (use --outer-delay 0)"]
-    assert not out.exists()

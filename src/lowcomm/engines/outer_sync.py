@@ -13,7 +13,9 @@ and the engine owns: the fragments (tensor groups of the model's layout, models/
 and their fp32 θ_global; the schedule (fragment f of F syncs at the trainer steps t with
 (t − ⌊f·H/F⌋) mod H = 0, t ≥ 1, so F syncs spread over each period H); the wire format
 and its error-feedback residuals; what is in flight, landed and pending; the step info
-the --sync-by time clock needs (sync_by_time.py); the state to checkpoint; and the plan.
+the --sync-by time clock needs (sync_by_time.py); --eager's stand-in offsets (eager.py); the
+state to checkpoint, where a reduction still in flight is this rank's part of it, sent again
+(`reissue`) on the group of the run that loads it; and the plan.
 
 Why not overlap.py's Background engine: its job runs the collectives on a communication
 thread, and a job still in flight when the trainer step ends races the trainer's own
@@ -32,7 +34,8 @@ import torch.nn as nn
 
 from ..comm import Comm
 from ..contract.context import flat_of, write_flat
-from .outer_wire import OuterWire, Ticket, WireFormat
+from .eager import StandIn
+from .outer_wire import Outgoing, OuterWire, Ticket, WireFormat
 from ..contract.plan import PlannedOp
 from .sync_by_time import SlotClock, calibration_op, is_calibration
 
@@ -77,7 +80,7 @@ class OuterSync:
     empty ones never sync): Δ on the wire every `every` trainer steps, merged `delay` later."""
 
     def __init__(self, params: list[nn.Parameter], groups: list[list[int]], comm: Comm, every: int,
-                 fmt: WireFormat, timed: bool = False, delay: int = 0):
+                 fmt: WireFormat, timed: bool = False, delay: int = 0, eager_outer=None):
         self.comm, self.every, self.delay = comm, every, delay
         self.clock = SlotClock() if timed else None  # --sync-by time: the step info it needs rides along
         self.count = len(groups)  # F, empty fragments included: they keep their place in the schedule
@@ -91,7 +94,10 @@ class OuterSync:
         self.landed: dict[int, torch.Tensor] = {}     # fragment i -> (τ, c) of a reduction done, not merged
         self.pending: dict[int, int] = {}             # fragment i -> trainer step its merge is due
         self.arrived: dict[int, torch.Tensor] = {}    # fragment i -> a combined Δ waiting for its outer step
+        self.resend: dict[int, Outgoing] = {}         # fragment i -> this rank's part of a reduction to re-issue
         self.syncs = 0                                # merges done (diloco: outer steps)
+        # --eager: this worker's stand-in offsets (eager.py), stepped by `eager_outer(params)`
+        self.stand_in = StandIn(self.globals, eager_outer) if eager_outer is not None else None
 
     # -- the schedule -------------------------------------------------------------
     def inner_step(self, cost: float, tokens: int = 0) -> None:
@@ -124,9 +130,10 @@ class OuterSync:
         for i in self.due(t):
             self.issue(i, t + self.delay)
 
-    def issue(self, i: int, merge_at: int) -> None:
-        """Start fragment i's sync now: Δ against θ_global as it is; it merges at `merge_at`."""
-        self._issue(i, merge_at, self._mean_cost())
+    def issue(self, i: int, merge_at: int) -> torch.Tensor:
+        """Start fragment i's sync now: Δ against where this worker started from (θ_global, plus
+        its eager stand-in); it merges at `merge_at`. Returns this rank's Δ."""
+        return self._issue(i, merge_at, self._mean_cost())
 
     def issue_all(self) -> None:
         """The final sync: every fragment now, merged at once (call merges_due(None))."""
@@ -137,17 +144,30 @@ class OuterSync:
     def _mean_cost(self) -> float:
         return self.clock.mean_cost() if self.clock is not None else 0.0
 
-    def _issue(self, i: int, merge_at: int, c: float) -> None:
+    def _issue(self, i: int, merge_at: int, c: float) -> torch.Tensor:
         f, ps = self.fragments[i]
-        delta = self.globals[i].detach() - flat_of(ps).float()
+        delta = self.start(i) - flat_of(ps).float()
         self.in_flight[i] = self.wire.issue(self.comm, f"fragment{f}", delta, self.since[i], c,
                                             [p.numel() for p in ps], self.tokens[i])
         self.since[i] = self.tokens[i] = 0
         self.pending[i] = merge_at
+        return delta
+
+    def start(self, i: int) -> torch.Tensor:
+        """Where this worker's inner steps on fragment i start from: θ_global, plus its eager offset."""
+        g = self.globals[i].detach()
+        return g if self.stand_in is None else g + self.stand_in.offsets[i].detach()
+
+    def reissue(self) -> None:
+        """Send again this rank's part of the reductions a loaded state had in flight, on the
+        current group (collective: every rank calls it at the same point; nothing to send is free)."""
+        for i in sorted(self.resend):
+            self.in_flight[i] = self.wire.send(self.comm, self.resend.pop(i))
 
     def wait(self, *fragments: int) -> list[tuple[int, torch.Tensor]]:
         """Finish the reductions in flight (of `fragments`, else all): [(i, combined Δ_i)],
         for the strategy's outer step on globals[i]."""
+        self.reissue()
         out = []
         for i in sorted(fragments or self.in_flight):
             if i in self.in_flight:
@@ -166,6 +186,7 @@ class OuterSync:
     def take_previous(self, i: int) -> torch.Tensor | None:
         """Fragment i's combined Δ of the period before (waited for if still in flight: the only
         wait left exposed), None before its first sync."""
+        self.reissue()
         if i in self.in_flight:
             self.drain(i)
         return self.arrived.pop(i, None)
@@ -180,7 +201,7 @@ class OuterSync:
         final one); `settled` False: a newer sync of fragment i is already in flight (--outer-delay 1)."""
         if settled:
             del self.pending[i]
-        ps, g = self.fragments[i][1], self.globals[i].detach()
+        ps, g = self.fragments[i][1], self.start(i)
         write_flat(g if alpha == 0.0 else alpha * flat_of(ps).float() + (1 - alpha) * g, ps)
         self.syncs += steps
         infos = self.landed.pop(i, None)  # none before --outer-delay 1's first mean has landed
@@ -202,12 +223,13 @@ class OuterSync:
 
     @torch.no_grad()
     def restart_from_globals(self) -> None:
-        """Every fragment's local θ <- θ_global: where a worker starts (a joiner too)."""
-        for (_, ps), g in zip(self.fragments, self.globals):
-            write_flat(g.detach(), ps)
+        """Every fragment's local θ <- θ_global (and its eager offset): where a worker starts (a joiner too)."""
+        for i, (_, ps) in enumerate(self.fragments):
+            write_flat(self.start(i), ps)
 
     def use_comm(self, comm: Comm) -> None:
-        """The next syncs run on `comm` (nothing may be in flight: `wait` first)."""
+        """The next syncs run on `comm` (nothing may be in flight: `wait` first; a part still
+        to re-issue goes out on `comm`)."""
         assert not self.in_flight, "the group changed while an outer sync is in flight"
         self.comm = comm
 
@@ -224,9 +246,12 @@ class OuterSync:
                 "global_copy_bytes": sum(g.numel() * g.element_size() for g in self.globals)}
 
     def state_dict(self) -> dict:
-        """Everything but what is in flight (`wait` first)."""
-        assert not self.in_flight, "state_dict() with an outer sync in flight"
+        """Everything, a reduction in flight as this rank's part of it (to re-issue when loaded)."""
+        sent = {i: t.sent.state() for i, t in self.in_flight.items()}
+        sent.update({i: out.state() for i, out in self.resend.items()})
         return {"globals": [g.detach().clone() for g in self.globals], "since": list(self.since),
+                "in_flight": {i: {k: v.clone() for k, v in part.items()} for i, part in sent.items()},
+                **({"stand_in": self.stand_in.state_dict()} if self.stand_in is not None else {}),
                 "tokens": list(self.tokens),
                 "pending": dict(self.pending), "landed": {i: v.clone() for i, v in self.landed.items()},
                 "arrived": {i: v.clone() for i, v in self.arrived.items()},
@@ -240,6 +265,12 @@ class OuterSync:
         self.tokens = list(sd.get("tokens", [0] * len(self.since)))  # a checkpoint from before tokens were kept
         self.landed = {i: v.clone() for i, v in sd["landed"].items()}
         self.arrived = {i: v.clone() for i, v in sd.get("arrived", {}).items()}
+        assert not self.in_flight, "load_state_dict() with an outer sync in flight"
+        self.resend = {i: self.wire.resume({k: v.clone() for k, v in part.items()}, f"fragment{self.fragments[i][0]}",
+                                           [p.numel() for p in self.fragments[i][1]])
+                       for i, part in sd.get("in_flight", {}).items()}
+        if self.stand_in is not None:
+            self.stand_in.load_state_dict(sd["stand_in"])
         self.wire.load_state_dict(sd.get("outer_residuals", {}))
         if self.clock is not None:
             self.clock.load_state_dict(sd)
@@ -254,3 +285,4 @@ class OuterSync:
                 except RuntimeError:  # gloo's DistBackendError: the group is broken, drop the sync
                     continue
         self.in_flight.clear()
+        self.resend.clear()

@@ -96,6 +96,21 @@ class WireFormat:
 
 
 @dataclass
+class Outgoing:
+    """One rank's contribution to a fragment's reduction, ready to send: the packed compressed
+    payload (error feedback already applied) or Δ_r itself, and its step info (tokens, or τ and
+    step cost). Kept while the reduction is in flight, so that it can be sent again on another
+    group (--outer-delay 1 under --elastic: the survivors re-issue a reduction a lost member broke)."""
+    data: torch.Tensor                     # uint8 packed payload, or Δ_r in fp32
+    info: torch.Tensor                     # float64 (tokens or τ, c)
+    key: str = ""                          # the fragment's compressor (all-gathered formats)
+    sizes: tuple[int, ...] = ()            # its tensors' sizes
+
+    def state(self) -> dict:
+        return {"data": self.data, "info": self.info}
+
+
+@dataclass
 class Ticket:
     """One fragment's reduction in flight."""
     handles: list
@@ -104,6 +119,7 @@ class Ticket:
     infos: torch.Tensor | None = None      # all-reduce under FedNova: every rank's (τ, c)
     sizes: tuple[int, int] | None = None   # all-gather: (payload bytes, Δ's numel)
     compressor: Compressor | None = None   # all-gather: the fragment's compressor
+    sent: Outgoing | None = None           # this rank's contribution (to send it again)
 
 
 class OuterWire:
@@ -126,33 +142,54 @@ class OuterWire:
         """Start reducing Δ_r (async) of a fragment of tensors of `sizes` values; `tau`, `c`:
         this rank's step info (see sync_by_time); `tokens`: what it trained since the last sync
         (its weight with --outer-weights tokens)."""
-        W, info = comm.world, step_info(tokens, 0.0) if self.by_tokens else step_info(tau, c)
+        return self.send(comm, self.prepare(key, delta, tau, c, sizes, tokens))
+
+    def prepare(self, key: str, delta: torch.Tensor, tau: int, c: float, sizes: list[int],
+                tokens: int = 0) -> Outgoing:
+        """This rank's contribution (compressed, its error feedback updated, where the format
+        compresses); nothing is sent yet."""
+        info = step_info(tokens, 0.0) if self.by_tokens else step_info(tau, c)
+        if self.compressor is None:
+            return Outgoing(delta, info, key, tuple(sizes))
+        t0 = time.perf_counter()
+        payload, _ = self.ef.compress(key, delta.reshape(-1), self._compressor(key, sizes))
+        packed = self._compressor(key, sizes).to_bytes(payload)  # e.g. codes and scales, bit-packed
+        self.compress_s += time.perf_counter() - t0
+        return Outgoing(packed, info, key, tuple(sizes))
+
+    def resume(self, state: dict, key: str, sizes: list[int]) -> Outgoing:
+        """A contribution kept in a state (Outgoing.state), to send again."""
+        return Outgoing(state["data"], state["info"], key, tuple(sizes))
+
+    def _compressor(self, key: str, sizes) -> Compressor:
+        comp = self.per_fragment.get(key)
+        if comp is None:  # built once per fragment, not at every sync
+            comp = self.per_fragment[key] = self.fmt.compressor(list(sizes))
+        return comp
+
+    def send(self, comm: Comm, out: Outgoing) -> Ticket:
+        """Start the collectives that reduce `out` with every rank's (async)."""
+        W = comm.world
         if self.compressor is not None:
-            comp = self.per_fragment.get(key)
-            if comp is None:  # built once per fragment, not at every sync
-                comp = self.per_fragment[key] = self.fmt.compressor(sizes)
-            t0 = time.perf_counter()
-            payload, _ = self.ef.compress(key, delta.reshape(-1), comp)
-            packed = comp.to_bytes(payload)  # e.g. codes and scales, bit-packed
-            self.compress_s += time.perf_counter() - t0
-            payload = torch.cat([packed, info.view(torch.uint8)])
+            payload = torch.cat([out.data, out.info.view(torch.uint8)])
             every = torch.empty(W * payload.numel(), dtype=torch.uint8)
             handle = comm.all_gather(every, payload, async_op=True)
-            return Ticket([handle], every, W, sizes=(packed.numel(), delta.numel()), compressor=comp)
+            return Ticket([handle], every, W, sizes=(out.data.numel(), sum(out.sizes)),
+                          compressor=self._compressor(out.key, out.sizes), sent=out)
         handles, infos = [], None
         if self.fednova:  # every rank sends Δ_r/τ_r, the τ_r travel beside it
             infos = torch.empty(W * 2, dtype=torch.float64)
-            handles.append(comm.all_gather(infos, info, async_op=True))
-            scale = fednova_scale(tau)
+            handles.append(comm.all_gather(infos, out.info, async_op=True))
+            scale = fednova_scale(int(out.info[0]))
         elif self.by_tokens:  # blocking: this rank's weight needs every rank's tokens
             self.last_tokens = torch.empty(W, dtype=torch.float64)
-            comm.all_gather(self.last_tokens, torch.tensor([float(tokens)], dtype=torch.float64))
+            comm.all_gather(self.last_tokens, out.info[:1].clone())
             scale = float(token_weights(self.last_tokens)[comm.rank])
         else:
             scale = 1.0 / W
-        buf = (delta * scale).to(PRECISIONS[self.fmt.precision])
+        buf = (out.data * scale).to(PRECISIONS[self.fmt.precision])
         handles.append(comm.all_reduce(buf, op="sum", async_op=True))
-        return Ticket(handles, buf, W, infos=infos)
+        return Ticket(handles, buf, W, infos=infos, sent=out)
 
     def complete(self, ticket: Ticket) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Wait -> (the combined Δ in fp32, every rank's (τ, c) under FedNova, else None)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from ..strategies import get as get_strategy
 from .planner import Prediction, named, rank, recommend
 from .replica_sizes import recommend_count
+from .tune import spelled
 
 
 def finalists(tuned: list, by_count: dict) -> list[Prediction]:
@@ -52,7 +53,7 @@ def command(best: Prediction, tuned: list, cfg) -> str:
     defaults = get_strategy(best.strategy).Options()
     for field, knob in t.knobs.items() if t is not None else ():
         if knob["tuned"] != getattr(defaults, field):
-            words += [knob["flag"], f"{knob['tuned']:g}" if isinstance(knob["tuned"], float) else str(knob["tuned"])]
+            words += spelled(knob["flag"], knob["tuned"])
     return " ".join(words)
 
 

@@ -6,7 +6,7 @@ Knobs are found by their Options field, so a strategy that declares `sync_every`
 
 - system knobs (bucket_mb, fragments) change when bytes move, not what is learned: the
   fastest setting predicted is the best one.
-- quality knobs (sync_every, topk, bits, powersgd rank, max_accum, outer_delay) trade what is learned per
+- quality knobs (sync_every, topk, bits, powersgd rank, max_accum, outer_delay, eager) trade what is learned per
   token for fewer or later bytes. Throughput alone cannot pick them: H = 256 always sends less
   than H = 64, 4 bits less than 8, so the fastest setting is always the most aggressive one.
   Without a loss-per-token measurement, the tuner keeps them inside a bound (H at most
@@ -52,6 +52,9 @@ KNOBS = (
     # an outer step a period late learns less per token; PCCL's async DiLoCo runs it without outer
     # momentum (a stale mean through momentum overshoots: docs/strategies.md)
     Knob("outer_delay", (0, 1), True, "low", runs_with=((1, {"outer_momentum": 0.0}),)),
+    # with the outer step a period late, each worker's own pseudo-gradient standing in for the mean
+    # in flight (Kale et al.) closes most of the delay's loss in their paper; it costs no byte and no time
+    Knob("eager", (False, True), True, "high"),
     Knob("bucket_mb", (1, 5, 10, 25, 50, 100), False),
 )
 
@@ -70,6 +73,13 @@ class Tuned:
 def knobs_of(name: str) -> list[Knob]:
     own = {f.name for f in fields(get_strategy(name).Options)}
     return [k for k in KNOBS if k.field in own]
+
+
+def spelled(flag: str, value) -> list[str]:
+    """A knob's value as command-line words: `--eager` / `--no-eager` for a switch."""
+    if isinstance(value, bool):
+        return [flag] if value else [f"--no-{flag[2:]}"]
+    return [flag, f"{value:g}" if isinstance(value, float) else str(value)]
 
 
 def flag_of(name: str, field_name: str) -> str:
@@ -207,7 +217,7 @@ def table(tuned: list[Tuned], workers: int = 0) -> str:
 
     def setting(t, p, which):  # its knobs, and its replica count where not flat
         grouped = f" --replicas {p.replicas}" if p.replicas not in (0, workers) else ""
-        return " ".join(f"{k['flag']} {k[which]}" for k in t.knobs.values()) + grouped
+        return " ".join(" ".join(spelled(k["flag"], k[which])) for k in t.knobs.values()) + grouped
     rows = []
     for t in sorted(tuned, key=lambda t: -t.best.tokens_per_s):
         rows.append([t.strategy, setting(t, t.default, "default"), f"{t.default.tokens_per_s:,.0f}",
@@ -215,7 +225,8 @@ def table(tuned: list[Tuned], workers: int = 0) -> str:
                      f"{t.best.tokens_per_s:,.0f}", f"{t.best.tokens_per_s / t.default.tokens_per_s:.2f}x",
                      _s(t.best.time_to_target_s) if t.best.time_to_target_s is not None else "-"])
     cols = ["strategy", "default", "tokens/s", "tuned", "step", "tokens/s", "x default", "time to target"]
-    lines = [f"tuned (--tune): each strategy's knobs over a grid; quality knobs (H, top-k, bits, rank, max-accum, outer delay) "
+    lines = [f"tuned (--tune): each strategy's knobs over a grid; quality knobs (H, top-k, bits, rank, max-accum, outer delay, "
+             f"eager) "
              f"at the most conservative setting within {SLACK:.0%} of the best tokens/s, H at most "
              f"--max-sync-every, unless the calibration's loss per token ranks them by time to target. "
              f"Throughput alone cannot pick H: a larger H is always faster.", columns(cols, rows)]

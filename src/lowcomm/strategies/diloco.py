@@ -11,7 +11,9 @@ so equal --steps means equal tokens with ddp. A run that ends mid-period syncs o
 its last step (or when closed), so the saved model is θ_global; evaluation sees θ_global.
 The syncs are the outer-sync engine's (outer_sync.py, shared with Streaming DiLoCo and
 SparseLoCo); beyond the paper, Δ may travel in bf16, int8/int4 or a compressor SPEC with
-error feedback (outer_wire.py), phases may fit each worker's speed (sync_by_time.py).
+error feedback (outer_wire.py), phases may fit each worker's speed (sync_by_time.py), and the
+outer step may come a period late (--outer-delay 1, PCCL's async DiLoCo), each worker's own Δ_r
+standing in for its share of the mean in flight (--eager, Kale et al.'s eager updates: eager.py).
 
 Under --elastic (contract/elastic.py) the commit points are the outer syncs, where every member
 holds θ_global and the outer momentum alike: that is the state a joiner receives, as a torchft
@@ -20,6 +22,14 @@ worker's own, and a joiner starts it as a fresh worker at step 0 did: its local 
 an empty inner optimizer (AdamW at zero moments, step 0), no error-feedback residual for
 --outer-compress (zero) and nothing trained since the sync. The merge is token-weighted, so a
 joiner counts for what it trained.
+With --outer-delay 1 a mean is in flight at every commit point; the commit does not wait for it
+(that would expose what the delay hides). Each member keeps its own part of it (its Δ_r, as the
+wire carries it, and its tokens) as local state, and a run that loads the state sends the part
+again at its next step, on its own group: after a member is lost the survivors roll back and
+re-issue the reduction among themselves, token-weighted, the dead member's part lost with it; a
+joiner's part is a fresh worker's (no Δ, no tokens), so it contributes nothing to a mean already
+in flight. --eager's stand-in (offset, share standing in, the offset's momentum) is local too: a
+joiner starts with none, from θ_global.
 """
 from __future__ import annotations
 
@@ -60,9 +70,17 @@ class DiLoCoOptions(Options):
                                 choices=WEIGHTS)
     outer_delay: int = option(0, "outer steps a sync's mean is applied late: 0 waits for it; 1 reduces period t's "
                               "during period t+1 and applies it at t+1's end (PCCL's async DiLoCo)", min=0, max=1)
+    eager: bool = option(False, "with --outer-delay 1: each worker's own pseudo-gradient stands in for its share of "
+                         "the mean in flight until that mean lands (Kale et al.'s eager updates)")
 
     def check(self) -> None:
         self.wire().check()
+        if self.eager and not self.outer_delay:
+            raise UsageError("--eager needs --outer-delay 1: the worker's own pseudo-gradient stands in for a mean "
+                             "in flight, and with --outer-delay 0 none is")
+        if self.eager and self.sync_by == "time":
+            raise UsageError("--eager does not run with --sync-by time: a worker's share of a FedNova mean is known "
+                             "only when the mean lands")
         if self.sync_by == "time" and self.outer_weights == "tokens":
             raise UsageError("--outer-weights tokens does not run with --sync-by time, whose FedNova averaging "
                              "already weights each worker by its inner steps")
@@ -70,12 +88,9 @@ class DiLoCoOptions(Options):
     def check_run(self, cfg) -> None:
         if self.sync_by == "time" and (cfg.replicas or cfg.workers) < cfg.workers:
             raise UsageError(f"--sync-by time does not run across replica groups (--replicas {cfg.replicas}) yet")
-        if self.outer_delay and getattr(cfg, "elastic", False):
-            raise UsageError("--outer-delay 1 does not run with --elastic yet: a mean in flight at a membership "
-                             "change is not re-issued by the survivors (use --outer-delay 0)")
 
     def run_note(self, cfg) -> str | None:
-        if self.outer_delay and self.outer_momentum > 0:
+        if self.outer_delay and self.outer_momentum > 0 and not self.eager:
             return (f"--outer-delay 1 with outer momentum {self.outer_momentum:g}: a mean a period stale through "
                     f"momentum overshoots; PCCL's async DiLoCo runs it with --outer-momentum 0 (docs/strategies.md)")
         return None
@@ -91,6 +106,11 @@ class DiLoCoOptions(Options):
         """Inner steps whose compute a sync's reduction runs behind before it is waited for."""
         return self.sync_every if self.outer_delay else self.streaming()[1]
 
+    def merge_delay(self) -> int:
+        """Trainer steps from a fragment's sync to its merge (its commit point under --elastic):
+        τ, or none with --outer-delay 1, whose syncs merge the mean of the period before at once."""
+        return 0 if self.outer_delay else self.streaming()[1]
+
 
 @register("diloco")
 class DiLoCo(Strategy):
@@ -100,11 +120,13 @@ class DiLoCo(Strategy):
 
     @classmethod
     def model_state_bytes(cls, num_params, world, options):  # θ, ∇θ, moments, θ_global, momentum (+ residual)
-        return 24 * num_params + (4 * num_params if options.outer_compress != "none" else 0)
+        # (+ --eager's offset, the share standing in and the offset's momentum)
+        return (24 + 4 * (options.outer_compress != "none") + 12 * options.eager) * num_params
 
     @classmethod
     def plan_label(cls, options):
-        return f"{cls.name} H={options.sync_every}" + (" delayed" if options.outer_delay else "")
+        return f"{cls.name} H={options.sync_every}" + (" eager" if options.eager else " delayed" if options.outer_delay
+                                                       else "")
 
     @classmethod
     def comm_plan(cls, layout, world, options):
@@ -129,24 +151,31 @@ class DiLoCo(Strategy):
         fragments, delay, self.alpha = o.streaming()
         self.inner = self.make_optimizer(self.params)
         self.sync = outer_sync.OuterSync(self.params, self.layout.fragments(fragments), self.comm,
-                                         o.sync_every, o.wire(), timed=o.sync_by == "time", delay=delay)
-        self.outer = torch.optim.SGD(self.sync.globals, lr=o.outer_lr, momentum=o.outer_momentum,
-                                     nesterov=o.outer_nesterov and o.outer_momentum > 0)
+                                         o.sync_every, o.wire(), timed=o.sync_by == "time", delay=delay,
+                                         eager_outer=self._outer_sgd if o.eager else None)
+        self.outer = self._outer_sgd(self.sync.globals)
         self.inner_steps, self.last_loss = 0, float("nan")
         self.min_contributors = 1  # --outer-weights tokens: an outer step needs this many workers that trained
 
+    def _outer_sgd(self, params):
+        o = self.options
+        return torch.optim.SGD(params, lr=o.outer_lr, momentum=o.outer_momentum,
+                               nesterov=o.outer_nesterov and o.outer_momentum > 0)
+
     # --elastic (the module docstring): the worker's own parts; θ_global, the outer momentum and the
     # syncs' schedule are replicated.
-    local_state = ("model", "optimizers.0.state", "extra.since", "extra.tokens", "extra.outer_residuals")
+    local_state = ("model", "optimizers.0.state", "optimizers.2.state", "extra.since", "extra.tokens",
+                   "extra.outer_residuals", "extra.in_flight", "extra.stand_in")
 
     @classmethod
     def commits_at(cls, options, step):
-        return outer_sync.merges_at(step, options.sync_every, *options.streaming()[:2])
+        return outer_sync.merges_at(step, options.sync_every, options.streaming()[0], options.merge_delay())
 
     @classmethod
     def redoes_last_step(cls, options):
-        # before a commit's step no sync is in flight (with τ = 0); H = 1 commits every step anyway
-        return options.streaming()[1] == 0 and options.sync_every > 1
+        # before a commit's step no merge is pending (τ = 0, or --outer-delay 1: a mean in flight
+        # is kept as each member's part and re-issued); H = 1 commits every step anyway
+        return options.merge_delay() == 0 and options.sync_every > 1
 
     @classmethod
     def elastic_refusal(cls, options, across_replicas):
@@ -171,6 +200,7 @@ class DiLoCo(Strategy):
         self.sync.restart_from_globals()
 
     def begin_step(self, ctx):
+        self.sync.reissue()  # a loaded state's reduction in flight goes out again, on this group
         ctx.lr = self.set_lr(ctx.step, [self.inner])
         # --sync-by time: a slot without an inner step for this rank (pull-style only; syncs still run)
         if ctx.pull and not self.sync.steps_this_slot():
@@ -203,12 +233,17 @@ class DiLoCo(Strategy):
         gradients): at a fragment's sync this period's Δ is issued against the θ_global the
         period started from, the mean issued a period ago (reduced behind this period's inner
         steps) takes its outer step, and the next period starts from the new θ_global. The
-        first two periods start from θ_0; every mean is applied one outer step late."""
+        first two periods start from θ_0; every mean is applied one outer step late.
+        --eager (Kale et al.'s eager updates): Δ_r/W stands in for this worker's share of the
+        mean just issued, in place of its share of the one that landed (engines/eager.py), and
+        the next period starts from θ_global plus this worker's stand-in offset."""
         for i in self.sync.due(t):
-            previous = self.sync.take_previous(i)
-            self.sync.issue(i, t + self.sync.every)
+            previous = self.sync.take_previous(i)  # Δ̄ of the period before (its wait: all that is exposed)
+            mine = self.sync.issue(i, t + self.sync.every)  # this period's Δ_r, reduced behind the next
             if previous is not None:
-                self._outer_step(ctx, i, previous)
+                self._outer_step(ctx, i, previous)  # θ_global ← OuterSGD(θ_global, Δ̄)
+            if self.sync.stand_in is not None:  # --eager: Δ_r/W stands in for this rank's share of the new mean
+                self.sync.stand_in.replace(i, mine / self.comm.world)
             self.sync.merge(i, 0.0, steps=int(previous is not None), settled=False)
 
     def _land(self, ctx, t: int | None, alpha: float) -> None:  # merges due at step t (None: all)
@@ -256,6 +291,8 @@ class DiLoCo(Strategy):
                     self._outer_step(ctx, i, delta)
             for i, delta in self.sync.wait():
                 self._outer_step(ctx, i, delta)
+                if self.sync.stand_in is not None:  # every mean has landed: no share stands in
+                    self.sync.stand_in.withdraw(i)
                 self.sync.merge(i, 0.0, steps=1 + (previous[i] is not None))
         elif rounds:
             self._land(ctx, None, self.alpha)
@@ -273,15 +310,20 @@ class DiLoCo(Strategy):
 
     @contextmanager
     def swapped_for_eval(self):
-        self._collect()
+        if not self.options.outer_delay:  # delayed: θ_global waits for no mean in flight
+            self._collect()
         with self.sync.globals_in_model():
             yield self.model
 
     def optimizers(self):
-        return [self.inner, self.outer]
+        stand_in = self.sync.stand_in
+        return [self.inner, self.outer] + ([stand_in.outer] if stand_in is not None else [])
 
     def extra_state(self) -> dict:
-        self._collect()  # a sync in flight lands first: its outer step is part of the state
+        if not self.options.outer_delay:
+            self._collect()  # a sync in flight lands first: its outer step is part of the state
+        # --outer-delay 1: a mean in flight stays in flight, kept as this rank's part of it and
+        # re-issued when the state is loaded (on the group of the run that loads it)
         return {**self.sync.state_dict(), "inner_steps": self.inner_steps, "last_loss": self.last_loss}
 
     def load_extra_state(self, sd: dict) -> None:
