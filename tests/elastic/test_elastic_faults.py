@@ -65,6 +65,13 @@ def records(path: Path) -> list[dict]:
     return jsonl(path) if path.exists() else []
 
 
+def behind_a_peer(q: dict) -> bool:
+    """Did this quorum heal only members that had committed less than a peer (a commit is not
+    atomic: a member that dropped the others mid-gather may have finished it while they did not)?"""
+    ahead = max(q["committed"])
+    return all(0 <= q["committed"][q["slots"].index(s)] < ahead for s in q["healed"])
+
+
 def lighthouse_of(launcher: int) -> int:
     """The pid of the lighthouse process the launcher runs (its child running lighthouse_serve.py)."""
     for proc in Path("/proc").iterdir():
@@ -88,9 +95,11 @@ class Faults:
         self.error: BaseException | None = None
 
     def quorum(self, after: int, slots: list[int], healed: list[int]) -> dict:
-        """The first quorum after the first `after` ones with these members, these of them healed."""
+        """The first quorum after the first `after` ones with these members, these of them healed
+        (healed=[]: any member behind a peer, as survivors that did not finish a commit a peer made)."""
         return wait_for(lambda: next((q for q in records(self.out / "membership.jsonl")[after:]
-                                      if q["slots"] == slots and q["healed"] == healed), None),
+                                      if q["slots"] == slots and (q["healed"] == healed or healed == [] and
+                                                                  behind_a_peer(q))), None),
                         f"quorum of {slots} healing {healed}")
 
     def run(self) -> None:
@@ -130,13 +139,16 @@ class Faults:
             self.joiner.kill()
 
 
-def last_commit_before(name: str, step: int) -> int:
+def last_commit_before(case: str, step: int) -> int:
     """The strategy's last commit point before `step` (0: none)."""
-    o = get(name).Options(**options(name)).validate(name)
+    name = case.partition(" ")[0]
+    o = get(name).Options(**options(case)).validate(name)
     return max((c for c in range(1, step) if get(name).commits_at(o, c)), default=0)
 
 
-@pytest.mark.parametrize("name", ELASTIC)
+# Besides each strategy: the outer step a period late with eager updates, on sparseloco's
+# compressed wire (a mean in flight at every commit point, re-issued by the survivors).
+@pytest.mark.parametrize("name", [*ELASTIC, "sparseloco eager"])
 def test_every_strategy_survives_every_fault_in_turn_with_one_state(name, tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("LOWCOMM_TEST_HOLD_FOR_JOINER", f"{JOIN_AT},{REJOIN_AT}:{tmp_path / REJOINED}")
@@ -176,7 +188,9 @@ def test_every_strategy_survives_every_fault_in_turn_with_one_state(name, tmp_pa
     assert all(len(set().union(*by_slot.values())) == 1 for by_slot in commits.values()), name
     joiner_commits = sorted(step for step, by_slot in commits.items() if 3 in by_slot)
     assert joiner_commits and len(commits[joiner_commits[0]]) >= 3, commits[joiner_commits[0]]
-    seen = [(q["slots"], q["healed"]) for q in quorums]
+    # Each quorum with the members it healed: a joiner, or (shown as []) only members behind a peer
+    # that finished a commit they did not finish before the fault.
+    seen = [(q["slots"], [] if q["slots"] == [0, 1, 2] and behind_a_peer(q) else q["healed"]) for q in quorums]
     # The survivors of the kill form a quorum of their own only when the restarted worker is late.
     alone = [([0, 2, 3], [])] if seen[2] == ([0, 2, 3], []) else []
     assert seen == [([0, 1, 2], []), ([0, 1, 2, 3], [3]), *alone, ([0, 1, 2, 3], [1]), ([0, 1, 2], []),
@@ -206,5 +220,11 @@ def test_every_strategy_survives_every_fault_in_turn_with_one_state(name, tmp_pa
     for q, nxt in zip(quorums, quorums[1:] + [None]):  # who trained which step: the quorum of the time
         until = nxt["step"] if nxt else STEPS
         assert all(r["members"] == q["slots"] for r in steps[q["step"]:until]), q
-    # each outer merge of the local-SGD family weighs what the members of the time trained
-    assert all(r["outer"]["contributors"] == len(r["members"]) for r in steps if "outer" in r)
+    # each outer merge of the local-SGD family weighs what the members of the time trained: all of
+    # them, each a whole period; with the outer step a period late, the mean issued at a sync counts
+    # only members that trained since the last (one that came in at a re-issue trained none of it)
+    outer = [(r["members"], r["outer"]) for r in steps if "outer" in r]
+    if "delay" not in name and "eager" not in name:
+        assert all(o["contributors"] == len(members) for members, o in outer)
+    assert all(o["contributors"] == sum(t > 0 for t in o["tokens_per_member"]) and
+               len(o["tokens_per_member"]) == len(members) for members, o in outer)
