@@ -1,13 +1,13 @@
 """Elastic runs under chaos: a fault every ~30 s, drawn at random, against the same run without.
 
-    python bench/chaos.py                                    # W=4, ddp and diloco, ~5 min fault-free each
+    python bench/chaos.py                                    # W=4, every strategy, ~5 min fault-free each
     python bench/chaos.py --minutes 2 --strategies diloco    # shorter
 
 For each strategy, all runs `lowcomm train --elastic --workers W --min-workers 2` on one machine:
 
 1. calibration: a short fault-free run measures the seconds a step takes; the runs below train
-   S = minutes * 60 / step_s steps (a multiple of H for diloco), so the fault-free run lasts
-   about --minutes;
+   S = minutes * 60 / step_s steps (a multiple of H for the local-SGD family: diloco, sparseloco,
+   streaming_diloco, all at --sync-every H), so the fault-free run lasts about --minutes;
 2. the fault-free run (validation every ~S/10 steps);
 3. the same run with faults: every --fault-every s (+-30 %), one drawn at random of
      kill        SIGKILL a random worker (the launcher restarts it as a joiner); while a joined
@@ -18,11 +18,14 @@ For each strategy, all runs `lowcomm train --elastic --workers W --min-workers 2
      lighthouse  SIGKILL the lighthouse (the launcher restarts it);
      join        `lowcomm join OUT`, one more worker -- only where this lowcomm has `join`
                  (otherwise this kind is skipped, and the report says so).
-Reported side by side: goodput (tokens committed per second, first quorum to last commit) and its
-ratio to the fault-free run's (the issue's targets: >= 0.9 diloco, >= 0.8 ddp); validation loss
-at equal committed tokens (the fault-free run's curve read at the faulted run's final tokens);
-the mean time from a fault to the next committed step; and from a restart (the launcher's line)
-to the joiner's first committed step.
+Reported side by side, a row a strategy: goodput (tokens committed per second, first quorum to
+last commit) and its ratio to the fault-free run's (targets: >= 0.9 for the strategies made for
+churning links -- diloco, sparseloco, streaming_diloco, demo -- >= 0.8 for the rest); validation
+loss at equal committed tokens (the fault-free run's curve read at the faulted run's final
+tokens; target within 2 %); the time a survivor spends not training per fault (the fault to the
+quorum that trains on without the member lost: a kill, a stop, the joiner killed); the mean time
+from a fault to the next committed step; and from a restart (the launcher's line) to the joiner's
+first committed step.
 """
 from __future__ import annotations
 
@@ -43,8 +46,12 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+LOCAL_SGD = ("diloco", "sparseloco", "streaming_diloco")  # commit at outer syncs: steps a multiple of H
+CHURN = LOCAL_SGD + ("demo",)  # made for churning links: the higher goodput target
+
+
 def flags(args, strategy: str, steps: int, eval_every: int) -> list[str]:
-    extra = ["--sync-every", str(args.sync_every)] if strategy == "diloco" else []
+    extra = ["--sync-every", str(args.sync_every)] if strategy in LOCAL_SGD else []
     if args.member_timeout:
         extra += ["--member-timeout", str(args.member_timeout)]
     return ["--strategy", strategy, "--workers", str(args.workers), "--elastic", "--min-workers", "2",
@@ -174,7 +181,8 @@ def measured(out: Path) -> dict:
             curve.append((tokens, r["val_loss"]))
     end = records[-1]["committed_at"]
     return {"tokens": tokens, "seconds": end - start, "goodput": tokens / (end - start), "curve": curve,
-            "records": records, "val_loss": curve[-1][1] if curve else float("nan")}
+            "records": records, "val_loss": curve[-1][1] if curve else float("nan"),
+            "quorums": jsonl(out / "membership.jsonl")}
 
 
 def loss_at(curve: list[tuple[int, float]], tokens: int) -> float:
@@ -199,17 +207,22 @@ def recoveries(m: dict, faults: list[tuple[float, str]], lines: list[tuple[float
                 to_join.append(first - t)
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     by_kind = {k: mean([s for kind, s in to_commit if kind == k]) for k in sorted({k for k, _ in to_commit})}
+    # A survivor not training: from a fault that loses a member to the quorum without it (the
+    # survivors train from there on; membership.jsonl's time is taken once the state is loaded).
+    quorums = [q["time"] for q in m["quorums"]]
+    idle = [next((q for q in quorums if q > t), t) - t for t, kind in faults if kind in ("kill", "stop", "kill-joined")]
     return {"fault_to_commit_s": mean([s for _, s in to_commit]), "by_kind": by_kind,
-            "restart_to_join_s": mean(to_join), "restarts": len(to_join)}
+            "restart_to_join_s": mean(to_join), "restarts": len(to_join),
+            "survivor_idle_s": mean(idle), "survivor_idle_max_s": max(idle, default=float("nan"))}
 
 
 def bench(strategy: str, args, root: Path, kinds: list[str]) -> dict:
     print(f"{strategy}:", flush=True)
     calib = root / f"{strategy}-calibrate"
-    steps = 3 * (args.sync_every if strategy == "diloco" else 10)
+    steps = 3 * (args.sync_every if strategy in LOCAL_SGD else 10)
     run_clean(calib, flags(args, strategy, steps, steps))
     step_s = measured(calib)["seconds"] / steps
-    unit = args.sync_every if strategy == "diloco" else 1
+    unit = args.sync_every if strategy in LOCAL_SGD else 1
     steps = max(unit, round(args.minutes * 60 / step_s / unit) * unit)
     every = max(unit, round(steps / 10 / unit) * unit)
     clean_out, chaos_out = root / f"{strategy}-clean", root / f"{strategy}-chaos"
@@ -233,19 +246,20 @@ def bench(strategy: str, args, root: Path, kinds: list[str]) -> dict:
 
 
 def report(rows: list[dict], skipped: str) -> None:
-    print(f"\n{'':>8} {'steps':>6} {'faults':>22} {'goodput tok/s':>22} {'ratio':>6} {'target':>6} "
-          f"{'val loss @ equal tokens':>26} {'fault->commit s':>16} {'restart->join s':>16}")
+    print(f"\n{'':>16} {'steps':>6} {'faults':>30} {'goodput tok/s':>20} {'ratio':>6} {'target':>6} "
+          f"{'val loss @ equal tokens':>26} {'idle/fault s':>12} {'fault->commit s':>15} {'restart->join s':>15}")
     for r in rows:
         kinds = {}
         for _, k in r["faults"]:
             kinds[k] = kinds.get(k, 0) + 1
         ratio = r["chaos"]["goodput"] / r["clean"]["goodput"]
-        target = 0.9 if r["strategy"] == "diloco" else 0.8
+        target = 0.9 if r["strategy"] in CHURN else 0.8
         val = r["chaos"]["val_loss"] / r["val_clean_at_tokens"] - 1
-        print(f"{r['strategy']:>8} {r['steps']:>6} {' '.join(f'{k}:{n}' for k, n in kinds.items()) or '-':>22} "
-              f"{r['clean']['goodput']:>10.0f} / {r['chaos']['goodput']:>9.0f} {ratio:>6.3f} {target:>6.2f} "
+        print(f"{r['strategy']:>16} {r['steps']:>6} {' '.join(f'{k}:{n}' for k, n in kinds.items()) or '-':>30} "
+              f"{r['clean']['goodput']:>9.0f} / {r['chaos']['goodput']:>8.0f} {ratio:>6.3f} {target:>6.2f} "
               f"{r['val_clean_at_tokens']:>8.4f} / {r['chaos']['val_loss']:.4f} ({100 * val:+.1f}%) "
-              f"{r['fault_to_commit_s']:>16.1f} {r['restart_to_join_s']:>16.1f}")
+              f"{r['survivor_idle_s']:>6.1f} ({r['survivor_idle_max_s']:.1f}) "
+              f"{r['fault_to_commit_s']:>15.1f} {r['restart_to_join_s']:>15.1f}")
     for r in rows:
         print(f"{r['strategy']}: fault -> next commit by kind: "
               + ", ".join(f"{k} {v:.1f} s" for k, v in r["by_kind"].items()))
@@ -255,12 +269,12 @@ def report(rows: list[dict], skipped: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--strategies", default="diloco,ddp")
+    p.add_argument("--strategies", default="all", help="comma-separated, or all: every registered strategy")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--minutes", type=float, default=5.0, help="length of the fault-free run")
     p.add_argument("--fault-every", type=float, default=30.0, help="seconds between faults (+-30 %%)")
     p.add_argument("--stop-s", type=float, default=10.0, help="how long a SIGSTOPped worker stays frozen")
-    p.add_argument("--sync-every", type=int, default=16, help="diloco's H")
+    p.add_argument("--sync-every", type=int, default=16, help="H of the local-SGD family")
     p.add_argument("--member-timeout", type=float, default=0.0,
                    help="lowcomm's --member-timeout (default: lowcomm's, 10 s): what a stop costs")
     p.add_argument("--data", default="pydoc")
@@ -278,12 +292,16 @@ def main() -> int:
     print(f"W={args.workers}, ~{args.minutes:g} min fault-free, a fault every ~{args.fault_every:g} s of "
           f"{', '.join(kinds)}; runs in {root}; load {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
+    if args.strategies == "all":
+        from lowcomm.strategies import available
+        args.strategies = ",".join(available())
     for strategy in args.strategies.split(","):
         rows.append(bench(strategy, args, root, kinds))
         # each strategy's figures on disk as soon as they exist (a later strategy may fail)
         (root / "chaos.json").write_text(json.dumps([{k: v for k, v in r.items() if k not in ("clean", "chaos")}
                                                      | {"goodput": [r["clean"]["goodput"], r["chaos"]["goodput"]],
-                                                        "val_loss": r["chaos"]["val_loss"]} for r in rows], indent=1))
+                                                        "val_loss": r["chaos"]["val_loss"],
+                                                        "load": os.getloadavg()[0]} for r in rows], indent=1))
     report(rows, skipped)
     print(f"load {os.getloadavg()[0]:.1f} at the end")
     return 0

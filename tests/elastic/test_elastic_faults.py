@@ -97,10 +97,15 @@ class Faults:
     def quorum(self, after: int, slots: list[int], healed: list[int]) -> dict:
         """The first quorum after the first `after` ones with these members, these of them healed
         (healed=[]: any member behind a peer, as survivors that did not finish a commit a peer made)."""
-        return wait_for(lambda: next((q for q in records(self.out / "membership.jsonl")[after:]
-                                      if q["slots"] == slots and (q["healed"] == healed or healed == [] and
-                                                                  behind_a_peer(q))), None),
-                        f"quorum of {slots} healing {healed}")
+        def found():
+            # a joiner that died by itself never comes back: fail now, with its last words
+            if self.joiner.poll() is not None and "killed" not in self.at:
+                raise AssertionError(f"the joiner ended with {self.joiner.returncode}: "
+                                     f"{self.log.read_text()[-2000:]}")
+            return next((q for q in records(self.out / "membership.jsonl")[after:]
+                         if q["slots"] == slots and (q["healed"] == healed or healed == [] and behind_a_peer(q))),
+                        None)
+        return wait_for(found, f"quorum of {slots} healing {healed}")
 
     def run(self) -> None:
         try:
@@ -200,18 +205,16 @@ def test_every_strategy_survives_every_fault_in_turn_with_one_state(name, tmp_pa
     assert joined["step"] >= JOIN_AT and joined["committed"][3] == -1  # a new worker, no state of its own
     # Worker 1 died inside a collective of the strategy's own traffic, from step KILL_IN on; the
     # survivors, failed in the collective (the flight recorder's record), redo from their last
-    # commit before it, once its heartbeats stop (about 2 s): sooner than the frozen joiner,
-    # measured in this run, is dropped after waiting out --member-timeout (not an absolute bound:
-    # 2.7 s was seen at load 10-19).
-    killed_at, op = (tmp_path / "killed").read_text().split()
+    # commit before it. (That they drop it by its stopped heartbeats, not after --member-timeout,
+    # is test_elastic.py's, with a member timeout long enough to tell the two apart at any load.)
+    _, op = (tmp_path / "killed").read_text().split()
     assert op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all"), op
     fault = after_kill["fault"]
     assert fault["lost"] == [1] and set(fault["in"]) == {"0", "2", "3"}, fault
     failed_at = min(e["step"] for e in fault["in"].values())
     assert failed_at >= KILL_IN and after_kill["step"] == last_commit_before(name, failed_at), (after_kill, fault)
     assert frozen["fault"]["lost"] == [3], frozen
-    dropped_killed, dropped_frozen = after_kill["time"] - float(killed_at), frozen["time"] - faults.at["frozen"]
-    assert dropped_killed < dropped_frozen, (dropped_killed, dropped_frozen)
+    dropped_frozen = frozen["time"] - faults.at["frozen"]
     assert restarted["committed"][1] == -1  # the restarted worker starts from nothing, takes the live state
     # The frozen joiner is dropped when a collective has waited --member-timeout for it (not
     # --timeout's 600 s: a tenth of that is ample at any load).
