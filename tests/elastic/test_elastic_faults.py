@@ -1,5 +1,6 @@
-"""The elastic contract under faults, for every registered strategy: each run meets every fault
-in turn -- three workers and a fourth from `lowcomm join`:
+"""The elastic contract under faults, for every registered strategy: three workers and a fourth
+from `lowcomm join`; each run meets these faults in turn (the join and the kill, whose handling
+is the strategy's, for every one; all of them for a strategy of each engine and kind of state):
 
   join         `lowcomm join RUNDIR` (another process) joins at a commit point with the live state;
   kill in a    worker 1 is SIGKILLed inside a collective of the strategy's own traffic (issued, its
@@ -88,8 +89,8 @@ class Faults:
     """The faults the test brings from outside (a thread beside the launcher), each started when
     the run's records show the previous one handled; the times they struck."""
 
-    def __init__(self, out: Path, log: Path):
-        self.out, self.log = out, log
+    def __init__(self, out: Path, log: Path, every: bool = True):
+        self.out, self.log, self.every = out, log, every  # every: False, the join and the kill only
         self.joiner: subprocess.Popen | None = None
         self.at: dict[str, float] = {}
         self.error: BaseException | None = None
@@ -122,13 +123,15 @@ class Faults:
         # Worker 1 kills itself inside a collective (LOWCOMM_TEST_KILL_IN); restarted by the launcher
         # within about a heartbeat timeout, it is often in the survivors' first quorum already.
         self.quorum(2, [0, 1, 2, 3], [1])
+        if not self.every:
+            return
         self.at["frozen"] = time.time()
         os.kill(self.joiner.pid, signal.SIGSTOP)
         self.quorum(3, [0, 1, 2], [])
         beacon = lighthouse_of(os.getpid())  # the launcher runs in this process
         os.kill(beacon, signal.SIGSTOP)  # unreachable: requests hang
         os.kill(self.joiner.pid, signal.SIGCONT)
-        time.sleep(2.0)
+        time.sleep(1.0)
         os.kill(beacon, signal.SIGKILL)  # dead: refused until the launcher has restarted it
         self.at["lighthouse"] = time.time()
         back = self.quorum(4, [0, 1, 2, 3], [3])
@@ -151,24 +154,35 @@ def last_commit_before(case: str, step: int) -> int:
     return max((c for c in range(1, step) if get(name).commits_at(o, c)), default=0)
 
 
-# Besides each strategy: the outer step a period late with eager updates, on sparseloco's
-# compressed wire (a mean in flight at every commit point, re-issued by the survivors).
+# Every fault for a strategy of each engine and state kind (replicated; sharded and re-cut; rounds
+# in flight; local θ and outer syncs, per fragment; a local momentum); the join and the kill in a
+# collective -- the faults whose handling is the strategy's -- for the rest, and for the outer step
+# a period late with eager updates on sparseloco's compressed wire (a mean in flight at every
+# commit point, re-issued by the survivors). The freeze and the lighthouse are the membership's.
+EVERY_FAULT = ("ddp", "zero1", "acco", "diloco", "sparseloco", "streaming_diloco", "demo")
+SHORT_STEPS = 30  # join and kill only: done by step ~8
+
+
 @pytest.mark.parametrize("name", [*ELASTIC, "sparseloco eager"])
 def test_every_strategy_survives_every_fault_in_turn_with_one_state(name, tmp_path, monkeypatch, capfd):
+    every = name in EVERY_FAULT
+    steps_to_run = STEPS if every else SHORT_STEPS
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("LOWCOMM_TEST_HOLD_FOR_JOINER", f"{JOIN_AT},{REJOIN_AT}:{tmp_path / REJOINED}")
     monkeypatch.setenv("LOWCOMM_TEST_KILL_IN", f"1:{KILL_IN}")  # first launch of worker 1 only
     monkeypatch.setenv("LOWCOMM_TEST_KILL_LOG", str(tmp_path / "killed"))
     monkeypatch.setenv("LOWCOMM_TEST_COMMIT_HASHES", str(tmp_path / "commits.jsonl"))
     out = tmp_path / "run"
-    faults = Faults(out, tmp_path / "joiner.log")
+    faults = Faults(out, tmp_path / "joiner.log", every)
     thread = threading.Thread(target=faults.run, daemon=True)
     thread.start()
     try:
         # In this process, so the workers' fork server stays warm across the runs.
-        code = main(["train", *TINY, "--steps", str(STEPS), "--max-restarts", "1",
+        code = main(["train", *TINY, "--steps", str(steps_to_run), "--max-restarts", "1",
                      "--member-timeout", str(MEMBER_TIMEOUT), *cli_flags(name), "--out", str(out)])
         thread.join(timeout=60)
+        if not every and faults.joiner is not None:  # it finishes the run with the others
+            faults.joiner.wait(timeout=30)
     finally:
         faults.end()
     err = capfd.readouterr().err
@@ -177,11 +191,12 @@ def test_every_strategy_survives_every_fault_in_turn_with_one_state(name, tmp_pa
     assert not thread.is_alive(), "the run ended before every fault was made"
     assert code == 0, err
     assert "worker 1 failed: killed by signal SIGKILL; the others go on; restarting it (1 of 1)" in err
-    assert "lowcomm: the lighthouse killed by SIGKILL; restarted it on port" in err
-    assert faults.joiner.wait(timeout=30) == -signal.SIGKILL
+    if every:
+        assert "lowcomm: the lighthouse killed by SIGKILL; restarted it on port" in err
+    assert faults.joiner.wait(timeout=30) == (-signal.SIGKILL if every else 0)  # killed, or finished the run
 
-    steps, summary = check_finished(out, STEPS)  # steps 1..N, each once; the same final parameters
-    assert summary["elastic"]["members"] == [0, 1, 2]
+    steps, summary = check_finished(out, steps_to_run)  # steps 1..N, each once; the same final parameters
+    assert summary["elastic"]["members"] == ([0, 1, 2] if every else [0, 1, 2, 3])
     quorums = jsonl(out / "membership.jsonl")
     for q in quorums:  # every member on the state it resumed from, that of its peers (a joiner's too)
         assert len(set(q["state_sha256"] + q["resumed_sha256"])) == 1, q
@@ -198,10 +213,10 @@ def test_every_strategy_survives_every_fault_in_turn_with_one_state(name, tmp_pa
     seen = [(q["slots"], [] if q["slots"] == [0, 1, 2] and behind_a_peer(q) else q["healed"]) for q in quorums]
     # The survivors of the kill form a quorum of their own only when the restarted worker is late.
     alone = [([0, 2, 3], [])] if seen[2] == ([0, 2, 3], []) else []
-    assert seen == [([0, 1, 2], []), ([0, 1, 2, 3], [3]), *alone, ([0, 1, 2, 3], [1]), ([0, 1, 2], []),
-                    ([0, 1, 2, 3], [3]), ([0, 1, 2], [])], seen
+    later = [([0, 1, 2], []), ([0, 1, 2, 3], [3]), ([0, 1, 2], [])] if every else []
+    assert seen == [([0, 1, 2], []), ([0, 1, 2, 3], [3]), *alone, ([0, 1, 2, 3], [1]), *later], seen
     joined, after_kill = quorums[1:3]
-    restarted, frozen, back, _ = quorums[-4:]
+    restarted = quorums[2 + len(alone)]
     assert joined["step"] >= JOIN_AT and joined["committed"][3] == -1  # a new worker, no state of its own
     # Worker 1 died inside a collective of the strategy's own traffic, from step KILL_IN on; the
     # survivors, failed in the collective (the flight recorder's record), redo from their last
@@ -213,15 +228,16 @@ def test_every_strategy_survives_every_fault_in_turn_with_one_state(name, tmp_pa
     assert fault["lost"] == [1] and set(fault["in"]) == {"0", "2", "3"}, fault
     failed_at = min(e["step"] for e in fault["in"].values())
     assert failed_at >= KILL_IN and after_kill["step"] == last_commit_before(name, failed_at), (after_kill, fault)
-    assert frozen["fault"]["lost"] == [3], frozen
-    dropped_frozen = frozen["time"] - faults.at["frozen"]
     assert restarted["committed"][1] == -1  # the restarted worker starts from nothing, takes the live state
-    # The frozen joiner is dropped when a collective has waited --member-timeout for it (not
-    # --timeout's 600 s: a tenth of that is ample at any load).
-    assert MEMBER_TIMEOUT <= dropped_frozen < 10 * MEMBER_TIMEOUT, dropped_frozen
-    assert back["time"] > faults.at["lighthouse"]  # formed by the restarted lighthouse
+    if every:
+        frozen, back = quorums[-3:-1]
+        assert frozen["fault"]["lost"] == [3], frozen
+        # The frozen joiner is dropped when a collective has waited --member-timeout for it (not
+        # --timeout's 600 s: a tenth of that is ample at any load).
+        assert MEMBER_TIMEOUT <= frozen["time"] - faults.at["frozen"] < 10 * MEMBER_TIMEOUT, frozen
+        assert back["time"] > faults.at["lighthouse"]  # formed by the restarted lighthouse
     for q, nxt in zip(quorums, quorums[1:] + [None]):  # who trained which step: the quorum of the time
-        until = nxt["step"] if nxt else STEPS
+        until = nxt["step"] if nxt else steps_to_run
         assert all(r["members"] == q["slots"] for r in steps[q["step"]:until]), q
     # each outer merge of the local-SGD family weighs what the members of the time trained: all of
     # them, each a whole period; with the outer step a period late, the mean issued at a sync counts
