@@ -505,3 +505,24 @@ def test_existing_run_is_not_overwritten(tmp_path, data_file, monkeypatch, capfd
                                             monkeypatch, capfd, "an existing run")
     assert_usage_error(code, stdout, stderr, str(out))
     assert snapshot(out) == before
+
+
+def test_nccl_takes_a_gpu_per_worker_auto_falls_back_and_asked_for_is_refused(tmp_path, data_file, capfd,
+                                                                               monkeypatch):
+    """On a machine with one GPU (faked here: this one has none), two workers cannot run NCCL
+    (two ranks on one GPU fail with "Duplicate GPU detected"): --backend auto runs them on gloo,
+    saying so; --backend nccl is refused in one line before anything is written."""
+    import torch
+    import torch.distributed as dist
+    from lowcomm.train.worker import pick_backend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert [pick_backend(C.RunConfig(workers=w)) for w in (1, 2)] == ["nccl", "gloo"]
+    work = tmp_path / "cwd"
+    work.mkdir()
+    out = tmp_path / "out"
+    argv = ["--workers", "2", "--backend", "nccl", "--steps", "2", "--data", str(data_file), "--out", str(out)]
+    code, stdout, stderr = train_in_process(argv, work, monkeypatch, capfd, "nccl on one GPU")
+    assert_usage_error(code, stdout, stderr, ("--backend nccl", "2 workers on 1 GPU"))
+    assert not out.exists()

@@ -48,6 +48,13 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resu
     backend = pick_backend(cfg)
     if (backend == "nccl" or cfg.device == "cuda") and not torch.cuda.is_available():
         raise UsageError(f"backend '{backend}' on device '{cfg.device}' needs CUDA, and no GPU is visible")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl" and cfg.local_workers > gpus:
+        raise UsageError(f"--backend nccl takes a GPU per worker: {cfg.local_workers} workers on {gpus} GPU(s) "
+                         f"here; use --backend gloo (--device cuda to share the GPUs) or at most {gpus} --workers")
+    if cfg.backend == "auto" and cfg.device == "auto" and backend == "gloo" and gpus and os.environ.get("RANK", "0") == "0":
+        print(f"note: {cfg.local_workers} workers on {gpus} GPU(s): NCCL takes a GPU per worker, so they run gloo "
+              f"on the CPU (--backend gloo --device cuda shares the GPUs)", file=sys.stderr, flush=True)
     check_fits(cfg, device_type(cfg))
     check_model(cfg)
     if cfg.tensorboard or cfg.wandb:  # optional packages: missing, the run is refused before it starts

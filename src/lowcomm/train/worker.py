@@ -35,11 +35,13 @@ START_TIMEOUT_S = 300.0  # collectives before training starts: ranks may start m
 
 
 def pick_backend(cfg: C.RunConfig) -> str:
+    """--backend auto: nccl where each of this machine's workers has a GPU of its own (NCCL takes
+    one GPU a rank: two ranks on one fail with "Duplicate GPU detected"), else gloo."""
     if cfg.backend != "auto":
         return cfg.backend
-    if cfg.device == "cpu":
+    if cfg.device == "cpu" or not (torch.cuda.is_available() and dist.is_nccl_available()):
         return "gloo"
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    return "nccl" if cfg.local_workers <= torch.cuda.device_count() else "gloo"
 
 
 def pick_device(cfg: C.RunConfig, backend: str, local_rank: int) -> torch.device:
