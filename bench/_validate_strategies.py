@@ -50,11 +50,18 @@ def lowcomm(*args: str, capture: bool = False) -> str:
 
 
 def measured_step_s(run_dir: Path, tokens_per_step: int) -> float:
-    """Summed step wall time per token, times the nominal tokens per step: the step time for
-    every strategy but adaptive acco, which computes extra micro-batches while it waits
-    (its rounds carry more tokens; per token it is compared like the others)."""
+    """The run's training time per token, times the nominal tokens per step: the step time for
+    every strategy but adaptive acco, which computes extra micro-batches while it waits (its
+    rounds carry more tokens; per token it is compared like the others). The training time is
+    the rank that took longest over all its steps (each rank's steps run back to back): not the
+    sum of each step's slowest rank, which counts twice the time ranks that do not wait for each
+    other every step (the local-SGD family between syncs) spend apart -- a fast rank's wait at a
+    sync holds the steps the slow one computed meanwhile, already counted."""
     steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines() if line.strip()]
-    return sum(r["wall_s"] for r in steps) / sum(r["tokens"] for r in steps) * tokens_per_step
+    tokens = sum(r["tokens"] for r in steps)
+    if all("wall_s" in r.get("per_rank", {}) for r in steps):
+        return max(map(sum, zip(*(r["per_rank"]["wall_s"] for r in steps)))) / tokens * tokens_per_step
+    return sum(r["wall_s"] for r in steps) / tokens * tokens_per_step  # an older log: each step's slowest
 
 
 def short_run_knobs(names: list[str], sync_every: int) -> list[str]:

@@ -108,6 +108,20 @@ def test_steps_average_a_run_with_its_final_sync(capsys):
     assert got["diloco"]["step_s"] == pytest.approx(COMPUTE + 2 * 0.052098432 / 20, rel=1e-12)
 
 
+def test_a_runs_final_sync_hides_behind_nothing(capsys):
+    # --steps 20, H=4, --outer-delay 1: the regular syncs at steps 4, 8, 12 and 16 hide behind the
+    # next period (all of each: 4 inner steps, 0.094 s, against 0.052 s); the final one at step 20
+    # has no step after it, so all of its 0.052 s is exposed, once in the run's 20 steps.
+    sync = 6 * LAT + 2 * 3 / 4 * 4 * N / BW
+    got, _ = plan(capsys, "--strategies", "diloco", "--sync-every", "4", "--outer-delay", "1", "--steps", "20")
+    assert got["diloco"]["exposed_comm_s"] == pytest.approx(sync / 20, rel=1e-12)
+    # streaming, one fragment with τ=1 step (0.0236 s) at H=4: the sync leaves 0.0285 s exposed at
+    # each of its 4 regular syncs, and all of its 0.052 s at the final one
+    got, _ = plan(capsys, "--strategies", "streaming_diloco", "--sync-every", "4", "--fragments", "1",
+                  "--fragment-delay", "1", "--steps", "20")
+    assert got["streaming_diloco"]["exposed_comm_s"] == pytest.approx((4 * (sync - COMPUTE) + sync) / 20, rel=1e-12)
+
+
 def test_slowdown_sets_compute_by_the_slowest_worker(capsys):
     got, _ = plan(capsys, "--strategies", "zero1", "--slowdown", "1,1,1,2")
     assert got["zero1"]["compute_s"] == pytest.approx(2 * COMPUTE, rel=1e-12)

@@ -70,6 +70,19 @@ def plan_occurrences(op: PlannedOp, steps: int) -> int:
     return op.occurrences(steps - 1) + 1
 
 
+def exposed_s(plan: list[PlannedOp], price, rate, hidden_s: float, steps: int | None) -> float:
+    """Seconds a step waits for the syncs of `plan` (price(op): one occurrence's time; rate(op):
+    occurrences per step): a regular sync runs behind `hidden_s` of inner steps before it is
+    waited for (τ of them, a period with --outer-delay 1, none otherwise); the final sync of a
+    run of `steps` steps (every fragment at the last step) has nothing left to hide behind, so
+    all of its time is exposed -- the fragments issued together, one after another on the link."""
+    total = 0.0
+    for op in plan:
+        final = 1 / steps if steps and not is_calibration(op) else 0.0
+        total += max(0.0, price(op) - hidden_s) * (rate(op) - final) + price(op) * final
+    return total
+
+
 def merges_at(step: int, every: int, fragments: int, delay: int) -> bool:
     """Does some fragment's sync merge at trainer step `step` (from 1): ⌊f·H/F⌋ + τ (mod H)?"""
     return any(syncs_at(step - delay, sync_offset(f, every, fragments), every) for f in range(fragments))

@@ -140,10 +140,10 @@ class DiLoCo(Strategy):
     @classmethod
     def exposed_comm_s(cls, plan, cost, options):
         # A sync's reduction runs behind the inner steps until it is waited for: τ of them
-        # (streaming), a whole period with --outer-delay 1, none otherwise.
-        hidden = options.hidden_steps() * cost.compute_s
-        return sum(max(0.0, cost.price(op.collective, op.nbytes) - hidden) * cls.plan_rate(op, options, cost.steps)
-                   for op in plan)
+        # (streaming), a whole period with --outer-delay 1, none otherwise; the final one behind none.
+        return outer_sync.exposed_s(plan, lambda op: cost.price(op.collective, op.nbytes),
+                                    lambda op: cls.plan_rate(op, options, cost.steps),
+                                    options.hidden_steps() * cost.compute_s, cost.steps)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
