@@ -1,19 +1,22 @@
-"""Communication hidden on a slow link: synchronous against one-step-delayed outer steps.
+"""Communication hidden on a slow link: synchronous, one-step-delayed and eager outer steps.
 
-    python bench/hidden_comm.py                        # W=2, H=32, 3 periods (7.4 min on 2 quiet cores)
+    python bench/hidden_comm.py                        # W=2, H=64, 4 periods, seeds 0 and 1
     python bench/hidden_comm.py --workers 4            # oversubscribes 2 cores: says so
-    python bench/hidden_comm.py --periods 2 --keep runs/hidden
+    python bench/hidden_comm.py --model small --variants diloco --seeds 0 --periods 2
 
 For ddp, diloco, streaming_diloco and sparseloco, each synchronous and (the local-SGD family)
-with `--outer-delay 1`, one pair of runs side by side: on `--link` (default 10mbit,100ms) and
-without a link, same model, micro-batch, tokens and seed. The pairs are interleaved (link,
-no link, link, ...) so the machine's load drifts over both alike. Printed per variant: the
-share of wall time exposed to communication on the link (the steps' waits over their wall
-time), and tokens/s on the link / tokens/s without it (1.0 is perfect overlap; the final
-sync of a run, which nothing can hide, is in both). And the validation loss of the delayed
-diloco against the synchronous one at equal tokens, with its outer momentum 0 (the setting
-PCCL runs it with; docs/strategies.md). Times are per-step wall times from steps.jsonl (the
-slowest rank), the start-up excluded.
+with `--outer-delay 1` and with `--outer-delay 1 --eager`, one pair of runs side by side: on
+`--link` (default 10mbit,100ms) and without a link, same model, micro-batch, tokens and seed.
+The pairs are interleaved (link, no link, link, ...) so the machine's load drifts over both
+alike. Printed per variant: the share of wall time exposed to communication on the link (the
+steps' waits over the run's training time), over the whole run and in the steady state (the
+run's last step left out: its final sync has no inner step after it to hide behind, so a run
+of P periods keeps about a P-th of one sync exposed whatever the overlap); tokens/s on the
+link / tokens/s without it (1.0 is perfect overlap), likewise; and the validation loss, each
+delayed and eager variant's relative to the synchronous diloco's of the same seed, with the
+spread over the seeds. The delayed and eager diloco variants run with `--outer-momentum 0`
+(the setting PCCL runs the delay with; docs/strategies.md). A run's training time is its
+longest rank's summed step times (steps.jsonl's per_rank), the start-up steps excluded.
 """
 from __future__ import annotations
 
@@ -25,29 +28,43 @@ from _runs import train
 
 from lowcomm.metrics.calibration import cpu_cores, load, shared_cores
 
+DELAYED, EAGER, PCCL = ("--outer-delay", "1"), ("--outer-delay", "1", "--eager"), ("--outer-momentum", "0")
 VARIANTS = [("ddp", "ddp", ()),
-            ("diloco", "diloco", ()), ("diloco delayed", "diloco", ("--outer-delay", "1", "--outer-momentum", "0")),
+            ("diloco", "diloco", ()), ("diloco delayed", "diloco", (*DELAYED, *PCCL)),
+            ("diloco eager", "diloco", (*EAGER, *PCCL)),
             ("streaming_diloco", "streaming_diloco", ()),
-            ("streaming_diloco delayed", "streaming_diloco", ("--outer-delay", "1", "--outer-momentum", "0")),
-            ("sparseloco", "sparseloco", ()), ("sparseloco delayed", "sparseloco", ("--outer-delay", "1"))]
+            ("streaming_diloco delayed", "streaming_diloco", (*DELAYED, *PCCL)),
+            ("streaming_diloco eager", "streaming_diloco", (*EAGER, *PCCL)),
+            ("sparseloco", "sparseloco", ()), ("sparseloco delayed", "sparseloco", DELAYED),
+            ("sparseloco eager", "sparseloco", EAGER)]
 SKIP = 2  # first steps: start-up, allocator warm-up
 
 
-def rates(steps: list[dict]) -> tuple[float, float]:
-    """(tokens/s, exposed share of wall time) over the steps after the start-up."""
-    kept = steps[SKIP:]
-    wall = sum(s["wall_s"] for s in kept)
+def rates(steps: list[dict], last: bool = True) -> tuple[float, float]:
+    """(tokens/s, exposed share of the training time) over the steps after the start-up (and,
+    `last` False, before the run's last step). The training time is the rank that took longest
+    over those steps: the local-SGD family's ranks do not wait for each other between syncs, so
+    the sum of each step's slowest rank would count twice the time they spend apart."""
+    kept = steps[SKIP:] if last else steps[SKIP:-1]
+    wall = max(map(sum, zip(*(s["per_rank"]["wall_s"] for s in kept))))
     return sum(s["tokens"] for s in kept) / wall, sum(s["exposed_comm_s"] for s in kept) / wall
+
+
+def spread(values: list[float]) -> str:
+    return f"{values[0]:+.1%}" if len(values) == 1 else f"{min(values):+.1%} .. {max(values):+.1%}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--sync-every", type=int, default=32)
-    ap.add_argument("--periods", type=int, default=3, help="outer periods per run (steps = periods x H)")
+    ap.add_argument("--sync-every", type=int, default=64)
+    ap.add_argument("--periods", type=int, default=4, help="outer periods per run (steps = periods x H)")
     ap.add_argument("--ddp-steps", type=int, default=8, help="ddp's steps per run (it syncs every step)")
     ap.add_argument("--link", default="10mbit,100ms")
     ap.add_argument("--model", default="tiny")
+    ap.add_argument("--seeds", default="0,1", help="the seeds each variant runs at (losses: the spread)")
+    ap.add_argument("--variants", help="comma-separated strategies (ddp, diloco, ...) whose variants run "
+                                       "(default: all)")
     ap.add_argument("--keep", help="keep the runs in this directory")
     args = ap.parse_args()
     start_load = load()
@@ -56,24 +73,40 @@ def main() -> None:
         print(f"note: {busy}: compute times include waiting for a core, and the no-link runs are slowed most")
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="lowcomm-bench-hidden-"))
     steps = str(args.periods * args.sync_every)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    wanted = set(args.variants.split(",")) if args.variants else None
+    variants = [v for v in VARIANTS if wanted is None or v[1] in wanted]
     common = ["--workers", str(args.workers), "--model", args.model, "--eval-every", "0"]
     rows = []
-    for label, strategy, flags in VARIANTS:
-        name = label.replace(" ", "-")
-        # ddp sends every step, so a few of its steps tell its rate (on 10mbit one takes seconds)
-        length = ["--steps", str(args.ddp_steps)] if strategy == "ddp" else \
-            ["--steps", steps, "--sync-every", str(args.sync_every)]
-        on = train(root / f"{name}-link", "--strategy", strategy, *common, *length, *flags, "--link", args.link)
-        off = train(root / f"{name}-nolink", "--strategy", strategy, *common, *length, *flags, "--link", "inf,0")
-        (rate_on, exposed), (rate_off, _) = rates(on.steps), rates(off.steps)
-        rows.append((label, exposed, rate_on / rate_off, on.summary["final_val_loss"]))
-        print(f"  {label}: exposed {100 * exposed:.1f} %, link / no link {rate_on / rate_off:.3f}", flush=True)
+    for label, strategy, flags in variants:
+        for seed in seeds:
+            name = f"{label.replace(' ', '-')}-seed{seed}"
+            # ddp sends every step, so a few of its steps tell its rate (on 10mbit one takes seconds)
+            length = ["--steps", str(args.ddp_steps)] if strategy == "ddp" else \
+                ["--steps", steps, "--sync-every", str(args.sync_every)]
+            run = [*common, *length, *flags, "--seed", str(seed)]
+            on = train(root / f"{name}-link", "--strategy", strategy, *run, "--link", args.link)
+            off = train(root / f"{name}-nolink", "--strategy", strategy, *run, "--link", "inf,0")
+            (rate_on, exposed), (rate_off, _) = rates(on.steps), rates(off.steps)
+            (steady_on, steady_exposed), (steady_off, _) = rates(on.steps, last=False), rates(off.steps, last=False)
+            rows.append({"label": label, "seed": seed, "exposed": exposed, "ratio": rate_on / rate_off,
+                         "steady_exposed": steady_exposed, "steady_ratio": steady_on / steady_off,
+                         "loss": on.summary["final_val_loss"]})
+            print(f"  {label} seed {seed}: exposed {100 * exposed:.1f} % ({100 * steady_exposed:.1f} % steady), "
+                  f"link / no link {rate_on / rate_off:.3f} ({steady_on / steady_off:.3f} steady)", flush=True)
     print(f"\nW={args.workers}, {args.model} model, H={args.sync_every}, {steps} steps (ddp {args.ddp_steps}), "
-          f"link {args.link}; "
+          f"link {args.link}, seeds {args.seeds}; "
           f"{cpu_cores()} cores, load {start_load:.1f} at the start, {load():.1f} at the end")
-    print(f"{'variant':28} {'exposed share':>13} {'link/no-link':>13} {'val loss':>9}")
-    for label, exposed, ratio, loss in rows:
-        print(f"{label:28} {100 * exposed:12.1f}% {ratio:13.3f} {loss:9.4f}")
+    sync = {r["seed"]: r["loss"] for r in rows if r["label"] == "diloco"}
+    print(f"{'variant':26} {'exposed':>8} {'steady':>7} {'link/no-link':>12} {'steady':>7} {'val loss':>9} "
+          f"{'vs diloco, same seed':>22}")
+    for label, _, _ in variants:
+        mine = [r for r in rows if r["label"] == label]
+        mean = lambda key: sum(r[key] for r in mine) / len(mine)  # noqa: E731
+        versus = [r["loss"] / sync[r["seed"]] - 1 for r in mine if r["seed"] in sync] if label != "diloco" else []
+        print(f"{label:26} {100 * mean('exposed'):7.1f}% {100 * mean('steady_exposed'):6.1f}% "
+              f"{mean('ratio'):12.3f} {mean('steady_ratio'):7.3f} {mean('loss'):9.4f} "
+              f"{spread(versus) if versus else '':>22}")
     print(f"runs kept in {root}" if args.keep else "")
 
 
