@@ -211,3 +211,15 @@ def test_stop_at_resume_refusals_and_restart(lives, tmp_path, monkeypatch, capsy
                                                   f"__1_0.distcp is missing; trying the previous one"]
     with pytest.raises(K.WorldSizeError, match="written by 2 workers .* cannot be resharded to 3"):
         K.latest(out, cfg, 3, warn=warned.append)
+
+
+def test_min_workers_may_change_on_resume_and_a_checkpoint_hashed_with_it_is_still_taken():
+    """An elastic run resumes on the workers it finds, so --min-workers (what its quorums need)
+    may change with --resume; a checkpoint written when the hash still held it is still taken."""
+    from lowcomm import config as C
+    from lowcomm.checkpoint.layout import FORMERLY_HASHED, SAFE_KEYS, config_hash, config_hashes
+    two, one = (C.RunConfig(elastic=True, workers=3, min_workers=m) for m in (2, 1))
+    assert "min_workers" in SAFE_KEYS and config_hash(two) == config_hash(one)
+    older = config_hash(two, FORMERLY_HASHED)  # what a checkpoint of this run carried before
+    assert older != config_hash(two) and older in config_hashes(two)
+    assert config_hash(C.RunConfig(elastic=True, workers=3, min_workers=2, seed=7)) not in config_hashes(two)

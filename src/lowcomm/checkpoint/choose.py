@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .. import config as C
 from ..errors import UsageError
-from .layout import MANIFEST, config_hash, listed, sha256
+from .layout import MANIFEST, config_hashes, listed, sha256
 
 
 @dataclass
@@ -36,7 +36,7 @@ def verify(path: Path, cfg: C.RunConfig, world: int) -> Found:
     if manifest.get("strategy") != cfg.strategy:
         raise UsageError(f"it was written by strategy '{manifest.get('strategy')}', this run uses "
                          f"'{cfg.strategy}'")
-    if manifest.get("config_hash") != config_hash(cfg):
+    if manifest.get("config_hash") not in config_hashes(cfg):
         raise UsageError("it was written with an incompatible config (model, data, optimizer or strategy "
                          "options differ)")
     return _found(path, manifest)

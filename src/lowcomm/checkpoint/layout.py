@@ -15,21 +15,30 @@ FORMAT = 1
 # (`steps` extends the run and re-sizes its lr schedule; emulation changes timing only).
 SAFE_KEYS = {"steps", "stop_at", "checkpoint_every", "keep", "max_restarts", "lighthouse", "member_timeout", "max_bad_steps",
              "out", "workers", "eval_every", "eval_batches", "log_every", "threads", "trace", "tensorboard", "wandb",
-             "link", "slowdown", "stragglers"}
+             "link", "slowdown", "stragglers", "min_workers"}  # an elastic run resumes on the workers it finds
+# Keys a checkpoint's hash held before they were safe: a checkpoint written then is still taken.
+FORMERLY_HASHED = ("min_workers",)
 
 
 def name_of(step: int) -> str:
     return f"{PREFIX}{step:06d}"
 
 
-def config_hash(cfg: C.RunConfig) -> str:
-    """What a checkpoint's steps depend on: the resolved config without the SAFE_KEYS. An elastic
-    run's replicas come and go as its workers do (it resumes on those it finds); what its state
-    depends on is their size, which the manifest records apart (`per_replica`, resume.py checks it)."""
-    d = {k: v for k, v in C.to_dict(cfg).items() if k not in SAFE_KEYS}
+def config_hash(cfg: C.RunConfig, keep: tuple[str, ...] = ()) -> str:
+    """What a checkpoint's steps depend on: the resolved config without the SAFE_KEYS (but those
+    in `keep`). An elastic run's replicas come and go as its workers do (it resumes on those it
+    finds); what its state depends on is their size, which the manifest records apart
+    (`per_replica`, resume.py checks it)."""
+    d = {k: v for k, v in C.to_dict(cfg).items() if k not in SAFE_KEYS or k in keep}
     if cfg.elastic:
         d["replicas"] = 0  # as in a flat run's config, whose checkpoints hash so already
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def config_hashes(cfg: C.RunConfig) -> set[str]:
+    """The hashes a checkpoint of this config may carry: today's, and that of the format before
+    FORMERLY_HASHED became safe to change (with the config's own values of them)."""
+    return {config_hash(cfg), config_hash(cfg, FORMERLY_HASHED)}
 
 
 def checksums(path: Path) -> dict:
