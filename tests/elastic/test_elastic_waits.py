@@ -141,3 +141,28 @@ def test_a_lighthouse_that_would_wait_for_more_members_than_the_run_has_is_refus
     with pytest.raises(UsageError, match="waits for 5 members .* and this run has 4: it would wait for ever"):
         check_lighthouse(lighthouse_page, "--lighthouse x", members=4)
     check_lighthouse(lighthouse_page, "--lighthouse x", members=5)
+
+
+def test_a_new_group_long_in_forming_on_the_launchers_store_is_said_once(member, monkeypatch, capsys):
+    """A commit never waits on the launcher's store, but forming a new quorum's group does (a
+    stopped launcher): past STORE_QUIET_S the member says so once, naming the store."""
+    monkeypatch.setattr(membership, "STORE_QUIET_S", 0.0)
+    m = member([])
+    formed, waiting = threading.Event(), threading.Event()
+
+    def slow_form(view, store, timeout_s):  # the store answers once the test has seen the line
+        waiting.set()
+        formed.wait(HANG_GUARD_S)
+    monkeypatch.setattr(membership, "form_group", slow_form)
+    forming = threading.Thread(target=m._form, args=(None,), daemon=True)
+    forming.start()
+    wait_for(lambda: waiting.is_set() and "has waited" in capsys.readouterr().err, "the line")
+    formed.set()
+    forming.join(HANG_GUARD_S)
+    assert not forming.is_alive() and capsys.readouterr().err == ""  # said once
+
+
+def test_a_new_group_formed_in_time_says_nothing(member, monkeypatch, capsys):
+    monkeypatch.setattr(membership, "form_group", lambda view, store, timeout_s: None)
+    member([])._form(None)
+    assert capsys.readouterr().err == ""

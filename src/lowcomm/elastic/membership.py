@@ -28,6 +28,8 @@ QUORUM_RPC_S = 5.0                     # one quorum request; repeated until the 
 LIGHTHOUSE_AWAY_S = 60.0               # a lighthouse unreachable this long (not restarted): the worker fails
 REANNOUNCE_S = 2.0                     # a waiting joiner announces itself again (it may have missed a quorum)
 QUORUM_QUIET_S = 60.0                  # a quorum this long in coming: the worker says what the lighthouse waits for
+STORE_QUIET_S = 20.0                   # a new group this long in forming on the launcher's store: said once
+STORE_TIMEOUT_S = 300.0                # the launcher's store unanswered this long: the worker fails
 JOINS_POLL_S = 0.2                     # how often a member reads the joiners' count (joins())
 
 
@@ -62,13 +64,14 @@ class Membership:
         self.slot, self.timeout_s, self.speaks = slot, timeout_s, speaks
         self.id = f"{slot:05d}:{uuid.uuid4().hex[:8]}"  # a restarted worker is a new member
         self.store_address = f"{store_host}:{store_port}"
-        self.store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=300))
+        self.store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
         self._start_beats(address)
         self._joins = 0
         # The joiners' count is read beside training, on a client of its own: a commit reads the
         # latest count and never waits on the launcher's store (a stopped launcher stalled every
         # commit until the store's timeout). A re-form still needs the store (form_group).
-        self._joins_store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=300))
+        self._joins_store = dist.TCPStore(store_host, store_port, is_master=False,
+                                          timeout=timedelta(seconds=STORE_TIMEOUT_S))
         threading.Thread(target=self._read_joins, name="lowcomm-joins", daemon=True).start()
 
     def _start_beats(self, address: str) -> None:
@@ -176,11 +179,29 @@ class Membership:
         view = View(f"{q.quorum_id}-{q.created.seconds}.{q.created.nanos}", ids.index(self.id), len(ids),
                     tuple(int(i.split(":")[0]) for i in ids), tuple(int(m.step) for m in members))
         leave()
-        form_group(view, self.store, self.timeout_s)
+        self._form(view)
         # Every announcement of a joiner this quorum took landed before it formed its group (above):
         # read now, every member counts them, so no later commit takes them for a new joiner.
         self._joins = max(self._joins, int(self.store.add(JOINS, 0)))
         return view
+
+    def _form(self, view: View) -> None:
+        """The quorum's group, on the launcher's store: a commit never waits on that store, but a
+        re-form does (a stopped launcher, or a member of the quorum that never arrives), so a
+        wait past STORE_QUIET_S is said once instead of lasting silently up to STORE_TIMEOUT_S."""
+        said = threading.Timer(STORE_QUIET_S, self._say_the_store_waits)
+        said.daemon = True
+        said.start()
+        try:
+            form_group(view, self.store, self.timeout_s)
+        finally:
+            said.cancel()
+
+    def _say_the_store_waits(self) -> None:
+        if self.speaks:
+            print(f"lowcomm: worker {self.slot} has waited {STORE_QUIET_S:.0f} s to form the new quorum's group on "
+                  f"the launcher's store at {self.store_address} (a stopped launcher, or a member that has not "
+                  f"arrived); it gives up after {STORE_TIMEOUT_S:.0f} s", file=sys.stderr, flush=True)
 
     def _announce(self, done: threading.Event) -> None:
         while not done.wait(0.2):
