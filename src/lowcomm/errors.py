@@ -20,10 +20,19 @@ class RunError(Exception):
         self.details = details
 
 
-class BadSteps(RunError):
+class RunFailed(RunError):
+    """The run failed, not a worker: an elastic run's launcher restarts no worker for it and ends
+    the run in its one line (exit 1)."""
+
+
+class BadSteps(RunFailed):
     """--max-bad-steps consecutive bad steps: every rank saw the same records and stops at the same
-    step. Exit 1; an elastic run's launcher does not restart a worker for it (the run, not the
-    worker, failed: a restarted one would train into the same steps)."""
+    step (a restarted worker would train into the same steps)."""
+
+
+class StateLost(RunFailed):
+    """An elastic run whose every member holding its state is gone: the workers left hold none of
+    it, and starting over would overwrite the run's records; it goes on from a checkpoint."""
 
 
 class Interrupted(Exception):

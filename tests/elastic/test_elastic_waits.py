@@ -12,6 +12,7 @@ from fake_lighthouse import status_page
 
 from lowcomm.elastic import lighthouse, membership
 from lowcomm.elastic.address import check_lighthouse, lighthouse_status, min_replicas
+from lowcomm import config as C
 from lowcomm.errors import RunError, UsageError
 
 HANG_GUARD_S = 60.0  # not a timing claim: how long a call that must not block may take before the test fails
@@ -166,3 +167,84 @@ def test_a_new_group_formed_in_time_says_nothing(member, monkeypatch, capsys):
     monkeypatch.setattr(membership, "form_group", lambda view, store, timeout_s: None)
     member([])._form(None)
     assert capsys.readouterr().err == ""
+
+
+# -- a member's re-forms (train/elastic.py's run_elastic), on a fake worker --------------------------
+
+class FakeWorker:
+    """An ElasticWorker whose memberships end as `script` says, one entry each: "commit" (it
+    commits a step, then a peer is lost), "fail" (a peer is lost before it commits), "fresh" (its
+    quorum holds no one with the run's state), "done" (the run ends)."""
+
+    def __init__(self, script: list[str]):
+        self.script, self.step, self.snapshot, self.finished = list(script), 0, {"step": 0}, False
+        self.cfg, self.t, self.outputs = C.RunConfig(elastic=True, out="runs/el"), None, None
+        self.progress = type("P", (), {"forget_after": lambda self, step: None, "t_start": 0.0})()
+
+    def form(self, joining):
+        from lowcomm.train import elastic as E
+        self.now = self.script.pop(0)
+        if self.now == "fresh":
+            raise E.NoStateHere("a quorum of 2 member(s) formed at the lighthouse, none of them holding the run's state")
+
+    def train(self):
+        if self.now == "commit":
+            self.step += 1
+            self.snapshot = {"step": self.step}
+        if self.now != "done":
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+        return type("R", (), {"stopped": False})()
+
+    def rollback(self):
+        self.step = self.snapshot["step"]
+
+    def finish(self, result):
+        self.finished = True
+
+
+@pytest.fixture
+def elastic_life(monkeypatch):
+    """elastic_life(script) -> run_elastic's worker, or the error it ended with."""
+    from lowcomm.train import elastic as E
+    monkeypatch.setattr(E, "NO_STATE_WAIT_S", 0.0)
+    monkeypatch.setattr(E, "loop", lambda t, outputs, w, progress: w.train())
+
+    def live(script):
+        worker = FakeWorker(script)
+        monkeypatch.setattr(E, "ElasticWorker", lambda *a, **k: worker)
+        monkeypatch.setattr(E.torch, "set_num_threads", lambda n: None)
+        return E.run_elastic(worker.cfg, 0, None, None, True, joining=True)
+    return live
+
+
+def test_a_long_runs_faults_each_after_progress_never_add_up_to_giving_up(elastic_life):
+    worker = elastic_life(["commit"] * 50 + ["done"])  # 50 faults, each after a committed step
+    assert worker.finished and worker.step == 50
+
+
+def test_memberships_that_commit_nothing_give_up_in_one_line_naming_the_last_error(elastic_life):
+    from lowcomm.train import elastic as E
+    with pytest.raises(RunError) as e:
+        elastic_life(["commit"] + ["fail"] * (E.MAX_REFORMS_WITHOUT_PROGRESS + 1))
+    assert str(e.value).startswith(f"the group changed {E.MAX_REFORMS_WITHOUT_PROGRESS + 1} times without "
+                                   f"committing a step (the last: [../third_party/gloo")
+    assert "Connection closed by peer); giving up" in str(e.value)
+
+
+def test_a_quorum_of_fresh_members_waits_for_the_state_and_never_starts_the_run_over(elastic_life):
+    from lowcomm.errors import StateLost
+    from lowcomm.train import elastic as E
+    assert elastic_life(["fresh"] * 3 + ["done"]).finished  # the members with the state came back
+    with pytest.raises(StateLost) as e:  # they never do: the run ends, pointing at its checkpoints
+        elastic_life(["fresh"] * (E.MAX_REFORMS_WITHOUT_PROGRESS + 1))
+    assert "every worker that held the run's state is gone" in str(e.value)
+    assert str(e.value).endswith("lowcomm train --resume runs/el")
+
+
+@pytest.mark.parametrize("error, ends_the_run", [("lowcomm.errors.StateLost", True), ("lowcomm.errors.BadSteps", True),
+                                                 ("lowcomm.errors.RunError", False), ("RuntimeError", False)])
+def test_the_launcher_ends_the_run_for_the_runs_failures_and_restarts_a_worker_for_its_own(error, ends_the_run):
+    from lowcomm.launch import supervise
+    tb = f'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n{error}: what happened\n'
+    assert supervise.failed_the_run(tb) is ends_the_run
+    assert supervise._last_line(tb) == ("what happened" if error.startswith("lowcomm") else f"{error}: what happened")

@@ -288,21 +288,16 @@ def lighthouse_away(e: BaseException) -> bool:
     return any(m in text for m in ("connect", "unavailable", "transport error", "broken pipe", "reset"))
 
 
-# Every group a membership made, kept after it was shut down. Its C++ object must never be freed
-# on a thread of its own: a Python callback that gloo runs on its worker thread (DDP's comm hooks:
-# PowerSGD) can set off a garbage collection there, and a group freed in it joins its own thread
-# ("terminate called ... Resource deadlock avoided": seen once in a joiner continued after a
-# SIGSTOP, its old group still referenced from a failed collective's frames). destroy_process_group
-# has shut each down (sockets closed, threads done) on this thread; what is kept is a few objects
-# a re-form.
-_SHUT_DOWN: list = []
-
-
 def leave() -> None:
     """Destroy this worker's group, if any (collected first: see worker.leave_group), and the
-    control groups made beside it."""
+    control groups made beside it. Collected again after: a group is freed -- its sockets closed,
+    so a survivor blocked on this member fails at once -- when its last reference goes, and that
+    must be here, on this thread: freed in a garbage collection that a Python callback sets off on
+    one of gloo's own threads (DDP's comm hooks: PowerSGD), it would join its own thread ("terminate
+    called ... Resource deadlock avoided", seen once in a joiner continued after a SIGSTOP). (Keeping
+    every group instead cost each kill the whole --member-timeout: shutdown() leaves the sockets open.)"""
     control.forget_control_groups()
     if dist.is_initialized():
         gc.collect()
-        _SHUT_DOWN.extend(dist.distributed_c10d._world.pg_map)  # torch's own registry of the groups
         dist.destroy_process_group()
+        gc.collect()

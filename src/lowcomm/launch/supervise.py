@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch.multiprocessing as mp
 
-from ..errors import DiskFull, Interrupted, RunError
+from ..errors import BadSteps, DiskFull, Interrupted, RunError, StateLost
 
 STOP_GRACE_S = 3.0          # SIGTERM -> SIGKILL: a worker stuck in C++ may not die on SIGTERM
 CHECKPOINT_GRACE_S = 60.0   # a signalled run may take this long to write its checkpoint
@@ -196,15 +196,15 @@ def _last_line(tb: str) -> str:
     """The exception line of a traceback; lowcomm's own errors without their class path."""
     last = _exception_line(tb)
     for prefix in ("lowcomm.errors.RunError: ", "lowcomm.errors.UsageError: ", "lowcomm.errors.DiskFull: ",
-                   RUN_FAILED):
+                   *RUN_FAILED):
         if last.startswith(prefix):
             return last[len(prefix):]
     return last
 
 
-# A worker's failure that is the run's (every rank meets it at the same step: --max-bad-steps):
-# an elastic launcher ends the run instead of restarting the worker into the same steps.
-RUN_FAILED = "lowcomm.errors.BadSteps: "
+# A worker's failure that is the run's (errors.RunFailed: --max-bad-steps, the run's state lost):
+# an elastic launcher ends the run instead of restarting the worker into the same failure.
+RUN_FAILED = tuple(f"lowcomm.errors.{cls.__name__}: " for cls in (BadSteps, StateLost))
 
 
 def failed_the_run(tb: str) -> bool:

@@ -41,7 +41,7 @@ from ..data import load_bytes, split, val_batches
 from ..data.loader import ShardedBatches
 from ..diagnose.postmortem import lost_in
 from ..diagnose.trace import Tracer
-from ..errors import RunError
+from ..errors import RunError, StateLost
 from ..metrics.summary import Totals
 from .assemble import Seat, connect, strategy_run
 from .faults import hold_for_joiner_if_asked, kill_if_asked, note_commit_if_asked
@@ -53,6 +53,13 @@ from .rounds import RoundState, snapshot_of
 from ..elastic.membership import Membership, View, leave
 
 MAX_REFORMS_WITHOUT_PROGRESS = 20  # re-forming again and again without a commit: give up, one line
+NO_STATE_WAIT_S = 1.0  # a quorum of fresh members only: ask again after this (times the tries, up to 5)
+
+
+class NoStateHere(Exception):
+    """The quorum's members are all fresh processes (restarted, or from `lowcomm join`): none holds
+    the run's state. The members that do may still be on their way (the lighthouse formed a
+    quorum before they asked): leave, and ask again."""
 
 
 def loader_for(cfg: C.RunConfig, train, view: View, step: int) -> ShardedBatches:
@@ -114,6 +121,9 @@ class ElasticWorker:
         """A quorum, its group, a run on it, and every member on the newest committed state."""
         committed = self.snapshot["step"] if self.snapshot is not None else (-1 if joining else 0)
         view = self.m.agree(committed, joining=joining)
+        if max(view.steps) < 0:  # only fresh processes: starting over would overwrite the run's records
+            raise NoStateHere(f"a quorum of {view.world} member(s) formed at the lighthouse, none of them "
+                              f"holding the run's state")
         if view is self.view and self.t is not None:  # the same members on the same group (replicas.py)
             self.joins_seen = self._joins_answered()
             self._open_outputs()
@@ -338,9 +348,9 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
     if not joining:
         membership.wait_for_first(cfg.workers)
     w.progress.t_start = time.perf_counter()
-    reforms = 0
+    reforms, why = 0, ""  # memberships in a row that committed no step, and why the last one ended
     while True:
-        failed = False
+        failed, committed = False, w.step
         try:
             w.form(joining)
             joining = False
@@ -349,24 +359,38 @@ def run_elastic(cfg: C.RunConfig, slot: int, membership: Membership, out_dir: Pa
             result = loop(w.t, w.outputs, w, w.progress)
             if result is not None:
                 break
-            reforms = 0 if w.step > committed else reforms + 1
+            why = "a joiner came"
+        except NoStateHere as e:  # every member is fresh: wait for one that holds the run's state
+            why = str(e)
+            w.rollback()
+            time.sleep(min(reforms + 1, 5) * NO_STATE_WAIT_S)
+            reforms += 1
+            if reforms > MAX_REFORMS_WITHOUT_PROGRESS:
+                raise StateLost(f"{e}: every worker that held the run's state is gone; go on from its last "
+                                f"checkpoint with lowcomm train --resume {w.cfg.out or 'OUT'}") from None
+            continue
         except RuntimeError as e:  # gloo: a peer closed the connection (died), or a collective timed out
             if not lost_peer(e):
                 raise
-            failed = True
+            failed, why = True, " ".join(str(e).split())[:200]
+        # A membership that committed a step ends the count: a long run meets many faults, each
+        # after progress, and none of them is a reason to give up.
+        reforms = 0 if w.snapshot is not None and w.snapshot["step"] > committed else reforms
         if failed:
             # Out of the except block: its traceback holds the broken group (DDP's reducer, c10d's
             # frames), and a group still held keeps its sockets open through destroy_process_group,
             # so a survivor blocked on this member waited --member-timeout instead of failing at once.
             w.rollback()
-            reforms += 1
+        reforms += 1  # a re-form: for a joiner, or after a failure
+        if failed:
             # Announce ourselves as a joiner would: if we were the one cut off (frozen past
             # --member-timeout, then continued), the members went on without us and ask for a
             # quorum again only when told; if we are a survivor, the announcement is in the count
             # the new quorum agrees on (_joins_answered), so it costs nothing.
             joining = True
         if reforms > MAX_REFORMS_WITHOUT_PROGRESS:
-            raise RunError(f"the group changed {reforms} times without committing a step; giving up")
+            raise RunError(f"the group changed {reforms} times without committing a step (the last: {why}); "
+                           f"giving up")
     if result.stopped:  # --stop-at, or a stop asked by a signal
         w.stop()
     else:
