@@ -186,7 +186,7 @@ def test_validation_batches_are_the_same_whatever_the_membership():
     import numpy as np
     from types import SimpleNamespace
 
-    from lowcomm.train.elastic import val_for
+    from lowcomm.train.member_data import val_for
     from lowcomm.elastic.membership import View
 
     cfg = SimpleNamespace(workers=4, micro_batch=2, eval_batches=2, model=SimpleNamespace(seq_len=8))

@@ -13,7 +13,7 @@ continues with the membership it finds: a member whose rank the checkpoint does 
 rank 0's as a joiner takes a peer's (its local state fresh; a sharded optimizer state is first
 put together from every rank's shard and cut anew: the strategy's whole_from_shards and
 member_state), and the data position follows from the step and the new membership
-(train/elastic.py's loader_for), as after any change of membership. A run of replicas of K
+(train/member_data.py's loader_for), as after any change of membership. A run of replicas of K
 processes resumes on the replicas it finds, of K processes each (checkpoint/resume.py refuses
 another K): what is said above of ranks holds position by position -- a process takes the
 state of its position in its own replica, or in replica 0 for a replica the checkpoint has not,
