@@ -73,6 +73,10 @@ def behind_a_peer(q: dict) -> bool:
     return all(0 <= q["committed"][q["slots"].index(s)] < ahead for s in q["healed"])
 
 
+def read_or_empty(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
 def lighthouse_of(launcher: int) -> int:
     """The pid of the lighthouse process the launcher runs (its child running lighthouse_serve.py)."""
     for proc in Path("/proc").iterdir():
@@ -125,6 +129,10 @@ class Faults:
         self.quorum(2, [0, 1, 2, 3], [1])
         if not self.every:
             return
+        # A strategy that commits every few steps (streaming_diloco: per fragment) may roll the
+        # joiner back past every commit it made before the kill: freeze it only once it has one.
+        wait_for(lambda: '"slot": 3' in read_or_empty(self.log.parent / "commits.jsonl"),
+                 "the joiner's first commit")
         self.at["frozen"] = time.time()
         os.kill(self.joiner.pid, signal.SIGSTOP)
         self.quorum(3, [0, 1, 2], [])
