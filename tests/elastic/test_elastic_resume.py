@@ -11,7 +11,11 @@ inside heals a restarted replica shard by shard, and its checkpoint resumes bit 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +24,7 @@ import torch
 pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
 
 from lowcomm.cli.main import main  # noqa: E402
-from elastic_runs import TINY, check_finished, checkpoint_params_hashes, join_once, jsonl  # noqa: E402
+from elastic_runs import TINY, check_finished, checkpoint_params_hashes, join_once, jsonl, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.elastic
 
@@ -98,6 +102,32 @@ def test_an_elastic_run_resumes_bit_for_bit_and_with_the_workers_it_finds(flags,
     assert [r["members"] for r in jsonl(more / "steps.jsonl")] == [[0, 1]] * 4 + [[0, 1, 2]] * 4  # to 8 only
     assert json.loads((more / "ckpt-000008" / "manifest.json").read_text())["world"] == 3
     assert not (more / "summary.json").exists()  # a part of the run: the part that reaches --steps writes it
+
+
+def test_a_signalled_elastic_run_checkpoints_at_its_next_commit_point_and_resumes(tmp_path):
+    # What a preempted batch job does: SIGTERM to the launcher alone. With --checkpoint-on-signal the
+    # members write a checkpoint at their next commit point (diloco: an outer sync) and stop cleanly;
+    # the launcher says so, and the run resumes from it with every step logged once.
+    out, every = tmp_path / "run", 4
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lowcomm", "train", *TINY, "--workers", "2", "--strategy", "diloco", "--sync-every",
+         str(every), "--schedule", "constant", "--warmup", "0", "--steps", "100000", "--checkpoint-on-signal",
+         "--out", str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)  # its own session: the signal reaches the launcher alone
+    try:
+        wait_for(lambda: (out / "steps.jsonl").exists() and (out / "steps.jsonl").stat().st_size, "a step")
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert ("interrupted by SIGTERM: every worker stopped; the workers wrote a checkpoint first"
+            in err.strip().splitlines()[-1]), err
+    last = len(jsonl(out / "steps.jsonl"))
+    assert last % every == 0 and sorted(p.name for p in out.glob("ckpt-*"))[-1] == f"ckpt-{last:06d}"
+    assert main(["train", "--resume", str(out), "--steps", str(last + every), "--quiet"]) == 0
+    check_finished(out, last + every)
 
 
 # -- replica groups: a launcher's slot of K = 2 processes is one replica -----------------------------

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
-from ..errors import Interrupted, RunError
+from ..errors import RunError
 from . import supervise
 from ..elastic import lighthouse, support
 from ..elastic.address import UsedLighthouse, lighthouse_status
@@ -84,7 +83,8 @@ class Slots:
         done_at = None
         while self.live:
             if received:
-                raise Interrupted(received[0], f"interrupted by {signal.Signals(received[0]).name}: every worker stopped")
+                raise supervise.interrupted([p for ctx in self.live.values() for p in ctx.processes], received,
+                                            ask_first=self.cfg.checkpoint_on_signal)
             sentinels = [p.sentinel for ctx in self.live.values() for p in ctx.processes if p.exitcode is None]
             multiprocessing.connection.wait(sentinels, timeout=supervise.POLL_S)
             # Every slot with an ended process, not just those whose sentinel woke the wait: reading

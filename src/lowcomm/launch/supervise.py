@@ -114,22 +114,29 @@ def _watch(ctx, received: list[int], ask_first: bool, watch: Callable | None = N
 
 
 def _interrupt(ctx, received: list[int], ask_first: bool) -> None:
-    signum = received[0]
     at = time.perf_counter()  # when the run was interrupted, for a post-mortem of a hung run
-    note = ""
-    if ask_first:
-        for p in ctx.processes:
-            _send(p, signal.SIGTERM)
-        deadline = time.monotonic() + CHECKPOINT_GRACE_S
-        while len(received) == 1 and time.monotonic() < deadline and any(p.is_alive() for p in ctx.processes):
-            time.sleep(POLL_S)
-        clean = all(not p.is_alive() and p.exitcode == 0 for p in ctx.processes)
-        note = ("; the workers wrote a checkpoint first" if clean else
-                "; the workers were stopped before they could write a checkpoint")
-    stop(ctx.processes)
-    error = Interrupted(signum, f"interrupted by {signal.Signals(signum).name}: every worker stopped{note}")
+    error = interrupted(ctx.processes, received, ask_first)
     error.at = at
     raise error
+
+
+def interrupted(processes, received: list[int], ask_first: bool) -> Interrupted:
+    """Stop every worker after the signal in `received`: with --checkpoint-on-signal (`ask_first`)
+    each is asked first (SIGTERM: a checkpoint at its next commit point, then a clean exit) and
+    given CHECKPOINT_GRACE_S, unless a second signal comes. The error says which happened."""
+    signum = received[0]
+    note = ""
+    if ask_first:
+        for p in processes:
+            _send(p, signal.SIGTERM)
+        deadline = time.monotonic() + CHECKPOINT_GRACE_S
+        while len(received) == 1 and time.monotonic() < deadline and any(p.is_alive() for p in processes):
+            time.sleep(POLL_S)
+        clean = all(not p.is_alive() and p.exitcode == 0 for p in processes)
+        note = ("; the workers wrote a checkpoint first" if clean else
+                "; the workers were stopped before they could write a checkpoint")
+    stop(processes)
+    return Interrupted(signum, f"interrupted by {signal.Signals(signum).name}: every worker stopped{note}")
 
 
 def stop(processes, grace: float = STOP_GRACE_S) -> None:
