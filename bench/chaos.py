@@ -8,7 +8,8 @@ For each strategy, all runs `lowcomm train --elastic --workers W --min-workers 2
 1. calibration: a short fault-free run measures the seconds a step takes; the runs below train
    S = minutes * 60 / step_s steps (a multiple of H for the local-SGD family: diloco, sparseloco,
    streaming_diloco, all at --sync-every H), so the fault-free run lasts about --minutes;
-2. the fault-free run (validation every ~S/10 steps);
+2. the fault-free run (validation every ~S/10 steps; acco with --deterministic rounds, so that
+   the two runs differ by the faults only, not by the timing its adaptive rounds follow);
 3. the same run with faults: every --fault-every s (+-30 %), one drawn at random of
      kill        SIGKILL a random worker (the launcher restarts it as a joiner); while a joined
                  worker has made the run one larger than W, the joined one instead (not
@@ -47,11 +48,16 @@ def jsonl(path: Path) -> list[dict]:
 
 
 LOCAL_SGD = ("diloco", "sparseloco", "streaming_diloco")  # commit at outer syncs: steps a multiple of H
+# Flags that make a strategy's run depend on its inputs only, so that the fault-free and the faulted
+# run differ by the faults: ACCO's adaptive rounds follow the timing (two fault-free runs of its
+# default once parted at a loss spike at step 19, ending 13 % apart at equal tokens).
+SAME_RUN_TWICE = {"acco": ["--deterministic"]}
 CHURN = LOCAL_SGD + ("demo",)  # made for churning links: the higher goodput target
 
 
 def flags(args, strategy: str, steps: int, eval_every: int) -> list[str]:
     extra = ["--sync-every", str(args.sync_every)] if strategy in LOCAL_SGD else []
+    extra += SAME_RUN_TWICE.get(strategy, [])
     if args.member_timeout:
         extra += ["--member-timeout", str(args.member_timeout)]
     return ["--strategy", strategy, "--workers", str(args.workers), "--elastic", "--min-workers", "2",
