@@ -67,6 +67,23 @@ def test_a_pick_that_ends_well_above_the_lowest_final_loss_is_said_to(tmp_path):
     assert "mind where it ends" not in answer_of(report_of(tmp_path / "b", close)[0])
 
 
+def test_a_run_that_ends_above_its_starting_loss_sets_no_target_and_is_named(tmp_path):
+    """A diverged run's final loss as the target would make every run "reach" it at once."""
+    def with_start(run: Path, start: float) -> Path:  # the first steps' training loss, as a run logs it
+        records = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
+        (run / "steps.jsonl").write_text("".join(json.dumps({**r, "loss": start}) + "\n" for r in records))
+        return run
+    runs = [with_start(fake_run(tmp_path, "ddp", [(1, 100e6, 4.0), (2, 200e6, 3.0)]), 5.5),
+            with_start(fake_run(tmp_path, "zero1", [(1, 100e6, 4.2), (2, 200e6, 3.2)]), 5.5),
+            with_start(fake_run(tmp_path, "onebit_adam", [(1, 10e6, 4.5), (2, 20e6, 10.1)]), 5.5)]
+    report_md, report = report_of(tmp_path, runs)
+    assert report["target_loss"] == 3.2  # not onebit_adam's 10.1
+    text = answer_of(report_md)
+    assert "First to reach it: **ddp**" in text and "**onebit_adam**" not in text
+    assert ("Ended above the loss it started at (diverged), so left out of the target and this answer: "
+            "onebit_adam (10.1000, from 5.5000).") in text
+
+
 def test_no_run_reaching_the_target_says_so(tmp_path):
     runs = [fake_run(tmp_path, "ddp", [(1, 1e6, 4.0), (2, 2e6, 3.5)])]
     text = answer_of(report_of(tmp_path, runs, target=3.0)[0])

@@ -14,7 +14,7 @@ FINAL_LOSS_GAP = 0.02
 
 def answer(rows: list[dict], target: float | None, setting: str) -> str:
     """`rows`: table.row() dicts, with 'comparable' set; `setting`: the measured setup in words."""
-    ok = [r for r in rows if r["status"] == "ok" and r.get("comparable", True)]
+    ok = [r for r in rows if r["status"] == "ok" and r.get("comparable", True) and not r.get("diverged")]
     notes = _caveats(rows)
     if not ok:
         return " ".join(["**Answer.** No run finished, so there is nothing to recommend.", *notes])
@@ -79,6 +79,11 @@ def _caveats(rows: list[dict]) -> list[str]:
     if apart:
         out.append(f"Not comparable with the others, so left out of this answer: {', '.join(apart)} "
                    f"(marked † in the table).")
+    worse = [r for r in rows if r["status"] == "ok" and r.get("diverged")]
+    if worse:
+        out.append("Ended above the loss it started at (diverged), so left out of the target and this answer: "
+                   + ", ".join(f"{r['label']} ({r['final_val_loss']:.4f}, from {r['starting_loss']:.4f})"
+                               for r in worse) + ".")
     more = [r for r in rows if r["status"] == "ok" and r.get("tokens_planned") and r["tokens"] > r["tokens_planned"]]
     if more:
         out.append("Trained more tokens than planned (their steps computed extra micro-batches: see each "

@@ -36,10 +36,24 @@ def exposed_per_outer_sync(entry) -> float | None:
     return sum(rec["exposed_comm_s"] for rec in entry.steps) / syncs
 
 
+def starting_loss(entry) -> float | None:
+    """The untrained model's loss: the run's first step's training loss (None where not logged)."""
+    first = entry.steps[0].get("loss") if entry.steps else None
+    return first if first is not None and math.isfinite(first) else None
+
+
+def diverged(entry) -> bool:
+    """Did the run end above the loss it started at? Its final loss then says nothing about how
+    fast the strategy reaches a target, and as the target it would make every run "reach" it."""
+    start, final = starting_loss(entry), entry.summary["final_val_loss"]
+    return start is not None and not final < start
+
+
 def default_target(entries: list) -> float | None:
-    """The worst (highest) final validation loss of the runs that finished: every run reaches it."""
+    """The worst (highest) final validation loss of the runs that finished and did not diverge:
+    every one of them reaches it."""
     finals = [e.summary["final_val_loss"] for e in entries if isinstance(e, RecordedRun)
-              and math.isfinite(e.summary["final_val_loss"])]
+              and math.isfinite(e.summary["final_val_loss"]) and not diverged(e)]
     return max(finals) if finals else None
 
 
@@ -55,7 +69,7 @@ def row(entry, target: float | None, apart: list[str] | None = None, levels: boo
         "label": entry.label, "status": "ok", "strategy": s["strategy"], "path": str(entry.path),
         "workers": s["workers"], "steps": s["steps"], "tokens": s["tokens"], "tokens_planned": setup_of(entry).tokens,
         "comparable": not apart, "not_comparable": apart or [], "wall_s": s["wall_s"],
-        "final_val_loss": s["final_val_loss"],
+        "final_val_loss": s["final_val_loss"], "diverged": diverged(entry), "starting_loss": starting_loss(entry),
         "time_to_target_s": to_time,
         "mb_to_target": to_bytes / 1e6 if to_bytes is not None else None,
         "tokens_per_s": s["tokens_per_s"],
