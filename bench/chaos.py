@@ -2,6 +2,7 @@
 
     python bench/chaos.py                                    # W=4, every strategy, ~5 min fault-free each
     python bench/chaos.py --minutes 2 --strategies diloco    # shorter
+    python bench/chaos.py --seeds 0,1 --strategies diloco    # two seeds: the mean, the spread, the noise floor
 
 For each strategy, all runs `lowcomm train --elastic --workers W --min-workers 2` on one machine:
 
@@ -57,14 +58,14 @@ SAME_RUN_TWICE = {"acco": ["--deterministic"]}
 CHURN = LOCAL_SGD + ("demo",)  # made for churning links: the higher goodput target
 
 
-def flags(args, strategy: str, steps: int, eval_every: int) -> list[str]:
+def flags(args, strategy: str, steps: int, eval_every: int, seed: int) -> list[str]:
     extra = ["--sync-every", str(args.sync_every)] if strategy in LOCAL_SGD else []
     extra += SAME_RUN_TWICE.get(strategy, [])
     if args.member_timeout:
         extra += ["--member-timeout", str(args.member_timeout)]
     return ["--strategy", strategy, "--workers", str(args.workers), "--elastic", "--min-workers", "2",
             "--max-restarts", "1000", "--steps", str(steps), "--eval-every", str(eval_every),
-            "--eval-batches", "2", "--seed", str(args.seed), "--data", args.data, "--quiet", *extra]
+            "--eval-batches", "2", "--seed", str(seed), "--data", args.data, "--quiet", *extra]
 
 
 def launch(out: Path, run_flags: list[str]) -> subprocess.Popen:
@@ -224,20 +225,22 @@ def recoveries(m: dict, faults: list[tuple[float, str]], lines: list[tuple[float
             "survivor_idle_s": mean(idle), "survivor_idle_max_s": max(idle, default=float("nan"))}
 
 
-def bench(strategy: str, args, root: Path, kinds: list[str]) -> dict:
-    print(f"{strategy}:", flush=True)
-    calib = root / f"{strategy}-calibrate"
+def bench(strategy: str, seed: int, args, root: Path, kinds: list[str]) -> dict:
+    """The fault-free and the faulted run of `strategy` at `seed` (the training's and the faults')."""
+    name = strategy if len(args.seeds) == 1 else f"{strategy}-seed{seed}"
+    print(f"{name}:", flush=True)
+    calib = root / f"{name}-calibrate"
     steps = 3 * (args.sync_every if strategy in LOCAL_SGD else 10)
-    run_clean(calib, flags(args, strategy, steps, steps))
+    run_clean(calib, flags(args, strategy, steps, steps, seed))
     step_s = measured(calib)["seconds"] / steps
     unit = args.sync_every if strategy in LOCAL_SGD else 1
     steps = max(unit, round(args.minutes * 60 / step_s / unit) * unit)
     every = max(unit, round(steps / 10 / unit) * unit)
-    clean_out, chaos_out = root / f"{strategy}-clean", root / f"{strategy}-chaos"
-    run_clean(clean_out, flags(args, strategy, steps, every))
-    proc = launch(chaos_out, flags(args, strategy, steps, every))
+    clean_out, chaos_out = root / f"{name}-clean", root / f"{name}-chaos"
+    run_clean(clean_out, flags(args, strategy, steps, every, seed))
+    proc = launch(chaos_out, flags(args, strategy, steps, every, seed))
     lines = read_stderr(proc)
-    chaos = Chaos(proc, chaos_out, args, random.Random(args.seed), kinds)
+    chaos = Chaos(proc, chaos_out, args, random.Random(seed), kinds)
     try:
         chaos.run()
     finally:
@@ -248,29 +251,47 @@ def bench(strategy: str, args, root: Path, kinds: list[str]) -> dict:
                 joiner.kill()
     finish(proc, lines)
     clean, faulted = measured(clean_out), measured(chaos_out)
-    return {"strategy": strategy, "steps": steps, "clean": clean, "chaos": faulted, "faults": chaos.faults,
+    return {"strategy": strategy, "seed": seed, "steps": steps, "clean": clean, "chaos": faulted, "faults": chaos.faults,
             **recoveries(faulted, chaos.faults, lines),
             "val_clean_at_tokens": loss_at(clean["curve"], faulted["tokens"])}
 
 
+def ratio_and_loss(r: dict) -> tuple[float, float]:
+    """Goodput faulted / fault-free, and the faulted run's validation loss relative to the
+    fault-free run's at the same committed tokens."""
+    return r["chaos"]["goodput"] / r["clean"]["goodput"], r["chaos"]["val_loss"] / r["val_clean_at_tokens"] - 1
+
+
 def report(rows: list[dict], skipped: str) -> None:
-    print(f"\n{'':>16} {'steps':>6} {'faults':>30} {'goodput tok/s':>20} {'ratio':>6} {'target':>6} "
+    print(f"\n{'':>22} {'steps':>6} {'faults':>30} {'goodput tok/s':>20} {'ratio':>6} {'target':>6} "
           f"{'val loss @ equal tokens':>26} {'idle/fault s':>12} {'fault->commit s':>15} {'restart->join s':>15}")
+    seeds = {r["seed"] for r in rows}
     for r in rows:
         kinds = {}
         for _, k in r["faults"]:
             kinds[k] = kinds.get(k, 0) + 1
-        ratio = r["chaos"]["goodput"] / r["clean"]["goodput"]
+        ratio, val = ratio_and_loss(r)
         target = 0.9 if r["strategy"] in CHURN else 0.8
-        val = r["chaos"]["val_loss"] / r["val_clean_at_tokens"] - 1
-        print(f"{r['strategy']:>16} {r['steps']:>6} {' '.join(f'{k}:{n}' for k, n in kinds.items()) or '-':>30} "
+        label = r["strategy"] if len(seeds) == 1 else f"{r['strategy']} seed {r['seed']}"
+        print(f"{label:>22} {r['steps']:>6} {' '.join(f'{k}:{n}' for k, n in kinds.items()) or '-':>30} "
               f"{r['clean']['goodput']:>9.0f} / {r['chaos']['goodput']:>8.0f} {ratio:>6.3f} {target:>6.2f} "
               f"{r['val_clean_at_tokens']:>8.4f} / {r['chaos']['val_loss']:.4f} ({100 * val:+.1f}%) "
               f"{r['survivor_idle_s']:>6.1f} ({r['survivor_idle_max_s']:.1f}) "
               f"{r['fault_to_commit_s']:>15.1f} {r['restart_to_join_s']:>15.1f}")
     for r in rows:
-        print(f"{r['strategy']}: fault -> next commit by kind: "
-              + ", ".join(f"{k} {v:.1f} s" for k, v in r["by_kind"].items()))
+        print(f"{r['strategy']}{'' if len(seeds) == 1 else ' seed ' + str(r['seed'])}: fault -> next commit by "
+              f"kind: " + ", ".join(f"{k} {v:.1f} s" for k, v in r["by_kind"].items()))
+    if len(seeds) > 1:
+        print("\nover the seeds (mean, min..max); the noise floor of the loss: the fault-free runs of two seeds "
+              "at equal tokens, apart by")
+        for strategy in dict.fromkeys(r["strategy"] for r in rows):
+            mine = [r for r in rows if r["strategy"] == strategy]
+            ratios, vals = zip(*map(ratio_and_loss, mine))
+            tokens = min(r["clean"]["tokens"] for r in mine)
+            clean = [loss_at(r["clean"]["curve"], tokens) for r in mine]
+            print(f"{strategy:>22}: goodput ratio {sum(ratios) / len(ratios):.3f} ({min(ratios):.3f}..{max(ratios):.3f}), "
+                  f"loss {100 * sum(vals) / len(vals):+.1f} % ({100 * min(vals):+.1f}..{100 * max(vals):+.1f}); "
+                  f"fault-free runs apart by {100 * (max(clean) / min(clean) - 1):.1f} %")
     if skipped:
         print(skipped)
 
@@ -289,9 +310,11 @@ def main() -> int:
     # they learned; on the 0.47 MB pydoc text (the figures of 2026-12-05) they made ~11 passes, where
     # another data order (a re-formed membership's) moved the loss by +-3 % either way.
     p.add_argument("--data", default="shakespeare")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0", help="comma-separated: each strategy runs at each seed (the "
+                   "training's and the faults'), and the report gives the mean and the spread")
     p.add_argument("--keep", help="keep the runs under this directory (default: a temporary one)")
     args = p.parse_args()
+    args.seeds = [int(x) for x in args.seeds.split(",")]
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="lowcomm-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     kinds, skipped = ["kill", "stop", "lighthouse"], ""
@@ -307,7 +330,8 @@ def main() -> int:
         from lowcomm.strategies import available
         args.strategies = ",".join(available())
     for strategy in args.strategies.split(","):
-        rows.append(bench(strategy, args, root, kinds))
+        for seed in args.seeds:
+            rows.append(bench(strategy, seed, args, root, kinds))
         # each strategy's figures on disk as soon as they exist (a later strategy may fail)
         (root / "chaos.json").write_text(json.dumps([{k: v for k, v in r.items() if k not in ("clean", "chaos")}
                                                      | {"goodput": [r["clean"]["goodput"], r["chaos"]["goodput"]],
