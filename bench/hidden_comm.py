@@ -3,6 +3,7 @@
     python bench/hidden_comm.py                        # W=2, H=64, 4 periods, seeds 0 and 1
     python bench/hidden_comm.py --workers 4            # oversubscribes 2 cores: says so
     python bench/hidden_comm.py --model small --variants diloco --seeds 0 --periods 2
+    python bench/hidden_comm.py --variants diloco,streaming_diloco --loss-periods 16 --loss-only   # losses, longer runs
 
 For ddp, diloco, streaming_diloco and sparseloco, each synchronous and (the local-SGD family)
 with `--outer-delay 1` and with `--outer-delay 1 --eager`, one pair of runs side by side: on
@@ -14,7 +15,9 @@ run's last step left out: its final sync has no inner step after it to hide behi
 of P periods keeps about a P-th of one sync exposed whatever the overlap); tokens/s on the
 link / tokens/s without it (1.0 is perfect overlap), likewise; and the validation loss, each
 delayed and eager variant's relative to the synchronous diloco's of the same seed, with the
-spread over the seeds. The delayed and eager diloco variants run with `--outer-momentum 0`
+spread over the seeds; with `--loss-periods N`, the losses are those of one more run per variant and
+seed, without a link, N periods long (the delay's cost is front-loaded: its first two periods
+both start from θ_0, a half of a 4-period run's outer steps). The delayed and eager diloco variants run with `--outer-momentum 0`
 (the setting PCCL runs the delay with; docs/strategies.md). A run's training time is its
 longest rank's summed step times (steps.jsonl's per_rank), the start-up steps excluded.
 """
@@ -65,8 +68,14 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1", help="the seeds each variant runs at (losses: the spread)")
     ap.add_argument("--variants", help="comma-separated strategies (ddp, diloco, ...) whose variants run "
                                        "(default: all)")
+    ap.add_argument("--loss-periods", type=int, default=0,
+                    help="take the validation losses from one more no-link run of this many periods per "
+                         "local-SGD variant and seed (0: from the timed runs)")
+    ap.add_argument("--loss-only", action="store_true", help="with --loss-periods: only those runs, no timed pairs")
     ap.add_argument("--keep", help="keep the runs in this directory")
     args = ap.parse_args()
+    if args.loss_only and not args.loss_periods:
+        ap.error("--loss-only needs --loss-periods N")
     start_load = load()
     busy = shared_cores(args.workers, cpu_cores(), start_load)  # the check `lowcomm plan` names it by
     if busy:
@@ -81,31 +90,42 @@ def main() -> None:
     for label, strategy, flags in variants:
         for seed in seeds:
             name = f"{label.replace(' ', '-')}-seed{seed}"
-            # ddp sends every step, so a few of its steps tell its rate (on 10mbit one takes seconds)
-            length = ["--steps", str(args.ddp_steps)] if strategy == "ddp" else \
-                ["--steps", steps, "--sync-every", str(args.sync_every)]
-            run = [*common, *length, *flags, "--seed", str(seed)]
-            on = train(root / f"{name}-link", "--strategy", strategy, *run, "--link", args.link)
-            off = train(root / f"{name}-nolink", "--strategy", strategy, *run, "--link", "inf,0")
-            (rate_on, exposed), (rate_off, _) = rates(on.steps), rates(off.steps)
-            (steady_on, steady_exposed), (steady_off, _) = rates(on.steps, last=False), rates(off.steps, last=False)
-            rows.append({"label": label, "seed": seed, "exposed": exposed, "ratio": rate_on / rate_off,
-                         "steady_exposed": steady_exposed, "steady_ratio": steady_on / steady_off,
-                         "loss": on.summary["final_val_loss"]})
-            print(f"  {label} seed {seed}: exposed {100 * exposed:.1f} % ({100 * steady_exposed:.1f} % steady), "
-                  f"link / no link {rate_on / rate_off:.3f} ({steady_on / steady_off:.3f} steady)", flush=True)
-    print(f"\nW={args.workers}, {args.model} model, H={args.sync_every}, {steps} steps (ddp {args.ddp_steps}), "
+            row = {"label": label, "seed": seed}
+            if not args.loss_only:
+                # ddp sends every step, so a few of its steps tell its rate (on 10mbit one takes seconds)
+                length = ["--steps", str(args.ddp_steps)] if strategy == "ddp" else \
+                    ["--steps", steps, "--sync-every", str(args.sync_every)]
+                run = [*common, *length, *flags, "--seed", str(seed)]
+                on = train(root / f"{name}-link", "--strategy", strategy, *run, "--link", args.link)
+                off = train(root / f"{name}-nolink", "--strategy", strategy, *run, "--link", "inf,0")
+                (rate_on, exposed), (rate_off, _) = rates(on.steps), rates(off.steps)
+                (steady_on, steady_exposed), (steady_off, _) = rates(on.steps, last=False), rates(off.steps, last=False)
+                row |= {"exposed": exposed, "ratio": rate_on / rate_off, "steady_exposed": steady_exposed,
+                        "steady_ratio": steady_on / steady_off, "loss": on.summary["final_val_loss"]}
+                print(f"  {label} seed {seed}: exposed {100 * exposed:.1f} % ({100 * steady_exposed:.1f} % steady), "
+                      f"link / no link {rate_on / rate_off:.3f} ({steady_on / steady_off:.3f} steady)", flush=True)
+            if args.loss_periods and strategy != "ddp":
+                longer = ["--steps", str(args.loss_periods * args.sync_every), "--sync-every", str(args.sync_every)]
+                row["loss"] = train(root / f"{name}-loss", "--strategy", strategy, *common, *longer, *flags,
+                                    "--seed", str(seed), "--link", "inf,0").summary["final_val_loss"]
+                print(f"  {label} seed {seed}: val loss {row['loss']:.4f} after {args.loss_periods} periods", flush=True)
+            if "loss" in row:
+                rows.append(row)
+    losses = f"; val losses of {args.loss_periods * args.sync_every}-step runs" if args.loss_periods else ""
+    print(f"\nW={args.workers}, {args.model} model, H={args.sync_every}, {steps} steps (ddp {args.ddp_steps}){losses}, "
           f"link {args.link}, seeds {args.seeds}; "
           f"{cpu_cores()} cores, load {start_load:.1f} at the start, {load():.1f} at the end")
     sync = {r["seed"]: r["loss"] for r in rows if r["label"] == "diloco"}
     print(f"{'variant':26} {'exposed':>8} {'steady':>7} {'link/no-link':>12} {'steady':>7} {'val loss':>9} "
           f"{'vs diloco, same seed':>22}")
-    for label, _, _ in variants:
+    for label in dict.fromkeys(r["label"] for r in rows):
         mine = [r for r in rows if r["label"] == label]
-        mean = lambda key: sum(r[key] for r in mine) / len(mine)  # noqa: E731
+        mean = lambda key, scale=1, width=7, f=".3f", unit="": (  # noqa: E731  a column's mean, or - if not run
+            f"{scale * sum(r[key] for r in mine) / len(mine):{width}{f}}{unit}" if key in mine[0]
+            else f"{'-':>{width + len(unit)}}")
         versus = [r["loss"] / sync[r["seed"]] - 1 for r in mine if r["seed"] in sync] if label != "diloco" else []
-        print(f"{label:26} {100 * mean('exposed'):7.1f}% {100 * mean('steady_exposed'):6.1f}% "
-              f"{mean('ratio'):12.3f} {mean('steady_ratio'):7.3f} {mean('loss'):9.4f} "
+        print(f"{label:26} {mean('exposed', 100, 7, '.1f', '%')} {mean('steady_exposed', 100, 6, '.1f', '%')} "
+              f"{mean('ratio', 1, 12)} {mean('steady_ratio')} {mean('loss', 1, 9, '.4f')} "
               f"{spread(versus) if versus else '':>22}")
     print(f"runs kept in {root}" if args.keep else "")
 
