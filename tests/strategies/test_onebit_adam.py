@@ -103,3 +103,22 @@ def test_without_error_feedback_is_measurably_worse(losses):
 def test_with_error_feedback_within_5_percent_of_ddp(losses):
     ddp, with_ef, _ = losses
     assert abs(with_ef - ddp) <= 0.05 * ddp, (with_ef, ddp)
+
+
+def test_a_default_warm_up_too_short_to_settle_is_said_when_the_run_starts(tmp_path, data_file, capfd, monkeypatch):
+    """A 12-step run warms up for 2 steps: one line says so and how to lengthen it; a long run's
+    warm-up, or one the user set, says nothing."""
+    import lowcomm.launch.launcher
+    from lowcomm.cli.main import main
+
+    monkeypatch.setattr(lowcomm.launch.launcher, "launch", lambda *a, **k: None)  # no training here
+    said = {}
+    for flags in (["--steps", "12"], ["--steps", "300"], ["--steps", "12", "--freeze-variance-after", "2"]):
+        out = tmp_path / f"run{len(said)}"
+        assert main(["train", "--strategy", "onebit_adam", *flags, "--data", str(data_file), "--out", str(out)]) == 0
+        said[" ".join(flags)] = [line for line in capfd.readouterr().err.splitlines() if line.startswith("note:")]
+    assert said["--steps 12"] == [
+        "note: onebit_adam warms up for 2 exact step(s), a fifth of --steps 12: too few for Adam's second moment "
+        "to settle before it is frozen, and the 1-bit steps after may diverge; give --freeze-variance-after N "
+        "(30 did not diverge on the corpus recipe) or more --steps"]
+    assert said["--steps 300"] == said["--steps 12 --freeze-variance-after 2"] == []

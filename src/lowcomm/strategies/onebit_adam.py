@@ -43,6 +43,7 @@ from .registry import register
 
 # The warm-up when --freeze-variance-after is left at -1: a fifth of the run (see the docstring).
 WARMUP_SHARE = 0.2
+SETTLED_WARMUP = 10  # fewer default warm-up steps than this: the launch says so (run_note)
 BITS = 1
 
 
@@ -83,6 +84,16 @@ class OneBitAdamOptions(Options):
             raise UsageError("onebit_adam warms up for a fifth of the run: give the run's length "
                              "(wrap(..., total_steps=N)) or freeze_variance_after=N")
         return max(1, int(total_steps * WARMUP_SHARE))  # Adam needs one v before it freezes
+
+    def run_note(self, cfg) -> str | None:
+        """A default warm-up too short for v to settle: said, since the 1-bit steps after it can
+        diverge without an error (12-step bench runs, 2 warm-up steps, ended at loss 10.2 from 5.6)."""
+        warmup = self.warmup_steps(cfg.steps)
+        if self.freeze_variance_after > 0 or warmup >= SETTLED_WARMUP:
+            return None
+        return (f"onebit_adam warms up for {warmup} exact step(s), a fifth of --steps {cfg.steps}: too few for "
+                f"Adam's second moment to settle before it is frozen, and the 1-bit steps after may diverge; "
+                f"give --freeze-variance-after N (30 did not diverge on the corpus recipe) or more --steps")
 
 
 @register("onebit_adam")
