@@ -5,8 +5,9 @@ checked over the registry: a strategy is covered the moment it stops refusing --
   state (what `local_state` leaves) hashes alike -- a residual left undeclared differs per
   worker and fails here;
 - a joiner that loads a peer's commit state holds a fresh worker's local state (every local
-  tensor zero; a local θ at the parameters a fresh worker starts from, the ones evaluated) and
-  the replicated state of its peer, bit for bit; and the two go on to their next commit point
+  tensor zero; a local θ at the parameters a fresh worker starts from, the ones evaluated; a
+  part declared `from_donor`, the local-SGD family's inner AdamW, its donor's) and the
+  replicated state of its peer, bit for bit; and the two go on to their next commit point
   with equal replicated states again;
 - a no-fault `lowcomm train --elastic` run equals the plain run bit for bit (every step's loss
   and validation loss, the final validation loss and every rank's parameters), at two seeds, flat
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 import lowcomm
 from lowcomm.cli.main import main
-from lowcomm.contract.elastic import replaced
+from lowcomm.contract.elastic import replaced, tensors
 from lowcomm.elastic.transfer import state_hash
 from lowcomm.run.driver import make_run
 from lowcomm.strategies import available, get
@@ -145,10 +146,16 @@ def test_every_member_holds_the_replicated_state_alike_at_a_commit(name, joined)
 def test_a_joiner_holds_a_fresh_workers_local_state_and_its_peers_replicated_state(name, joined):
     peer, joiner = joined[0][name], joined[1][name]
     assert joiner["joined"][1] == peer["at_commit"][0], f"{name}: the joiner's replicated state is not its peer's"
+    donated = get(name.split()[0]).from_donor
     for path, value in joiner["local"].items():
         if path == "model":  # a local θ: the parameters a fresh worker starts from (θ_global)
             model, start = value
             assert all(torch.equal(model[k], start[k]) for k in start), f"{name}: the joiner's local θ"
+        elif path in donated:  # a local part the joiner copies from its donor (the inner AdamW)
+            assert tensors(value).keys() == tensors(peer["local"][path]).keys(), f"{name}: {path}"
+            assert all(torch.equal(v, tensors(peer["local"][path])[k]) for k, v in tensors(value).items()), \
+                f"{name}: the joiner's {path} is not its donor's"
+            assert not zero_everywhere(value), f"{name}: the donor's {path} is still empty"
         else:
             assert zero_everywhere(value), f"{name}: the joiner's {path} is not a fresh worker's (zero)"
 

@@ -11,11 +11,16 @@ the run's (RunDriver.state_dict(): "model", "optimizers", "extra"), split in two
   rollback restores them; never hashed; and a joiner starts them as a fresh worker at that step
   holds them (zeros, as every worker at step 0), never as a copy of its donor's, which would
   apply the donor's residual twice. Each strategy's docstring says where its reference does so.
+  Except `from_donor`: local parts a joiner copies from its donor because a fresh value would
+  mislead it, not because members hold them alike (a local-SGD worker's inner AdamW moments:
+  torchft's DiLoCo heals its inner optimizer from a peer; a fresh Adam's first steps are
+  sign steps, a full lr on every coordinate).
 
 In the style of torchft's Manager.register_state_dict_fn (what a healing replica receives) and
 should_commit (where a step is kept):
 
     local_state = ("extra.residuals",)          the worker's own parts; the rest is replicated
+    from_donor = ()                             local parts a joiner copies from its donor
     commits_at(options, step)                   where every member agrees (default: every step)
     redoes_last_step(options)                   a failed commit redoes only its last step (rounds.py)
     commit_state(sd) / member_state(whole)      a commit's state as any membership can load it, and
@@ -80,6 +85,7 @@ class ElasticPart:
     """The elastic side of Strategy (see the module docstring)."""
 
     local_state: ClassVar[tuple[str, ...]] = ()
+    from_donor: ClassVar[tuple[str, ...]] = ()  # local parts a joiner takes from its donor (module docstring)
     sharded_state: ClassVar[bool] = False  # True: a commit_state() is put together from every rank's
 
     @classmethod
@@ -115,8 +121,11 @@ class ElasticPart:
 
     @classmethod
     def as_joiner(cls, peer: dict) -> dict:
-        """A peer's commit state as a joiner loads it: every local part fresh (module docstring)."""
+        """A peer's commit state as a joiner loads it: every local part fresh but those it takes
+        from its donor (module docstring)."""
         for path in cls.local_state:
+            if path in cls.from_donor:
+                continue
             peer = replaced(peer, path, lambda value, path=path: cls.fresh_local(path, value))
         return peer
 

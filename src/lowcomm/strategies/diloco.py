@@ -18,9 +18,11 @@ standing in for its share of the mean in flight (--eager, Kale et al.'s eager up
 Under --elastic (contract/elastic.py) the commit points are the outer syncs, where every member
 holds θ_global and the outer momentum alike: that is the state a joiner receives, as a torchft
 DiLoCo fragment registers exactly its global parameters and outer optimizer. The rest is each
-worker's own, and a joiner starts it as a fresh worker at step 0 did: its local θ at θ_global,
-an empty inner optimizer (AdamW at zero moments, step 0), no error-feedback residual for
---outer-compress (zero) and nothing trained since the sync. The merge is token-weighted, so a
+worker's own, and a joiner starts it as a fresh worker at step 0 did -- its local θ at θ_global,
+no error-feedback residual for --outer-compress (zero) and nothing trained since the sync --
+but for its inner optimizer, whose moments it copies from its donor, as torchft's DiLoCo
+example heals model, inner and outer optimizer from a peer (`from_donor`: a fresh AdamW's
+first steps are sign steps, each joiner's first pseudo-gradient inflated into the outer step). The merge is token-weighted, so a
 joiner counts for what it trained.
 With --outer-delay 1 a mean is in flight at every commit point; the commit does not wait for it
 (that would expose what the delay hides). Each member keeps its own part of it (its Δ_r, as the
@@ -166,6 +168,11 @@ class DiLoCo(Strategy):
     # syncs' schedule are replicated.
     local_state = ("model", "optimizers.0.state", "optimizers.2.state", "extra.since", "extra.tokens",
                    "extra.outer_residuals", "extra.in_flight", "extra.stand_in")
+    # A joiner's inner AdamW: its donor's moments, as torchft's DiLoCo heals the inner optimizer.
+    # Fresh, its first inner steps were sign steps (a full lr on every coordinate, several times a
+    # settled step): each joiner's first pseudo-gradient was inflated into the outer momentum, and
+    # a faulted streaming_diloco run's training loss drifted above the fault-free run's join by join.
+    from_donor = ("optimizers.0.state",)
 
     @classmethod
     def commits_at(cls, options, step):
