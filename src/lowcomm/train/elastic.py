@@ -12,7 +12,7 @@ discarded, never half-applied -- and asks the lighthouse for a quorum with its c
 In the new quorum the members behind the newest take its state from a peer (transfer.py), its
 local parts started as a fresh worker's (zeros: a residual is never copied from a peer), so a
 step that some member committed is kept and none is applied twice; the members then train on
-from that step, each reading the run's data stream from where the commit left it (see `loader_for`).
+from that step, each on the data its new rank and the new world size give (see `loader_for`).
 The steps themselves are trained by the run's one loop (loop.py): the worker is its membership
 policy (start, gathers_at, before_step, committed, leaves), so a plain run's bad-step guard,
 dashboards, progress view, flight recorder, --trace, pace and stop on a signal are an elastic run's.
@@ -77,7 +77,7 @@ class ElasticWorker:
         self.train_tokens, self.val_tokens = split(tokens, cfg.data.val_fraction)
         self.t: Trainer | None = None
         self.outputs: StepOutputs | None = None  # this membership's (rank 0's steps.jsonl, progress)
-        self.snapshot: dict | None = None  # the state at the last commit point: {"step", "strategy", "log", "draws"}
+        self.snapshot: dict | None = None  # the state at the last commit point: {"step", "strategy", "log"}
         self.step = 0
         self.progress = Progress(Totals(cfg.workers))  # totals per slot, the wait since the first quorum
         self.joins_seen = 0
@@ -141,8 +141,7 @@ class ElasticWorker:
         self.model_reusable = run.strategy.model_reusable
         self.view = view
         self.t = Trainer(cfg, view.rank, view.world, self.device, "gloo", comm, self.model, run,
-                         loader_for(cfg, self.train_tokens, view, self.snapshot["draws"] if self.snapshot else 0),
-                         val_for(cfg, self.val_tokens, view),
+                         loader_for(cfg, self.train_tokens, view, self.step), val_for(cfg, self.val_tokens, view),
                          self.source, self.tracer, self.flight)
 
     def _joins_answered(self) -> int:
@@ -159,8 +158,7 @@ class ElasticWorker:
         atomic. After the gather the members still (a sharded state) gather the snapshot, a
         collective; a member can finish it while the lead fails in it or dies, and the step
         the others committed would have no record."""
-        return {"step": self.step, "strategy": snapshot_of(self.t.run), "log": log or {"file": None, "records": []},
-                "draws": self.t.loader.committed}
+        return {"step": self.step, "strategy": snapshot_of(self.t.run), "log": log or {"file": None, "records": []}}
 
     def _load(self, snapshot: dict, joining: bool = False) -> None:
         """This member's state from a snapshot: its own, or (`joining`) a peer's, whose local
@@ -171,11 +169,11 @@ class ElasticWorker:
         if joining:
             run.strategy.join_from_peer()
         self.step = self.t.step = snapshot["step"]
-        self.restart_data(snapshot.get("draws", 0))
+        self.restart_data()
 
-    def restart_data(self, draws: int) -> None:
-        """This member's data from draw `draws` of the run's stream on, as its membership deals it."""
-        self.t.loader = loader_for(self.cfg, self.train_tokens, self.view, draws)
+    def restart_data(self) -> None:
+        """This member's data from self.step on, as its membership gives it."""
+        self.t.loader = loader_for(self.cfg, self.train_tokens, self.view, self.step)
 
     def _resume(self, snapshot: dict) -> None:
         """Take a peer's newer committed state (transfer.heal), as a joiner."""
@@ -260,11 +258,6 @@ class ElasticWorker:
             records[-1]["outer"] = outer
             self.contributors[self.step] = outer["contributors"]
         self.since = self.snapshot["step"]  # the last commit point before this one
-        # The stream's position: as far as the member that drew most (acco's rounds can draw
-        # unevenly; the draws of the others short of it are skipped, never read twice).
-        drawn = torch.tensor([t.loader.drawn], dtype=torch.int64)
-        dist.all_reduce(drawn, op=dist.ReduceOp.MAX)
-        t.loader.committed = t.loader.frontier(int(drawn))
         self.snapshot = self._take_snapshot({"file": self.lead_log, "records": records})
         note_commit_if_asked(self.slot, self.step, lambda: self._hash(self.snapshot))  # test-only
         if self.round is not None:
