@@ -57,6 +57,15 @@ def spread(values: list[float]) -> str:
     return f"{values[0]:+.1%}" if len(values) == 1 else f"{min(values):+.1%} .. {max(values):+.1%}"
 
 
+def column(rows: list[dict], key: str, width: int, precision: str, unit: str = "") -> str:
+    """The mean of `key` over `rows` (a share in percent where `unit` is %), or - where these runs
+    did not measure it (--loss-only)."""
+    if key not in rows[0]:
+        return f"{'-':>{width + len(unit)}}"
+    mean = sum(r[key] for r in rows) / len(rows) * (100 if unit == "%" else 1)
+    return f"{mean:{width}{precision}}{unit}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
@@ -120,12 +129,10 @@ def main() -> None:
           f"{'vs diloco, same seed':>22}")
     for label in dict.fromkeys(r["label"] for r in rows):
         mine = [r for r in rows if r["label"] == label]
-        mean = lambda key, scale=1, width=7, f=".3f", unit="": (  # noqa: E731  a column's mean, or - if not run
-            f"{scale * sum(r[key] for r in mine) / len(mine):{width}{f}}{unit}" if key in mine[0]
-            else f"{'-':>{width + len(unit)}}")
         versus = [r["loss"] / sync[r["seed"]] - 1 for r in mine if r["seed"] in sync] if label != "diloco" else []
-        print(f"{label:26} {mean('exposed', 100, 7, '.1f', '%')} {mean('steady_exposed', 100, 6, '.1f', '%')} "
-              f"{mean('ratio', 1, 12)} {mean('steady_ratio')} {mean('loss', 1, 9, '.4f')} "
+        print(f"{label:26} {column(mine, 'exposed', 7, '.1f', '%')} {column(mine, 'steady_exposed', 6, '.1f', '%')} "
+              f"{column(mine, 'ratio', 12, '.3f')} {column(mine, 'steady_ratio', 7, '.3f')} "
+              f"{column(mine, 'loss', 9, '.4f')} "
               f"{spread(versus) if versus else '':>22}")
     print(f"runs kept in {root}" if args.keep else "")
 

@@ -152,9 +152,9 @@ def test_a_joiner_holds_a_fresh_workers_local_state_and_its_peers_replicated_sta
             model, start = value
             assert all(torch.equal(model[k], start[k]) for k in start), f"{name}: the joiner's local θ"
         elif path in donated:  # a local part the joiner copies from its donor (the inner AdamW)
-            assert tensors(value).keys() == tensors(peer["local"][path]).keys(), f"{name}: {path}"
-            assert all(torch.equal(v, tensors(peer["local"][path])[k]) for k, v in tensors(value).items()), \
-                f"{name}: the joiner's {path} is not its donor's"
+            mine, donors = tensors(value), tensors(peer["local"][path])
+            assert mine.keys() == donors.keys(), f"{name}: {path}"
+            assert all(torch.equal(v, donors[k]) for k, v in mine.items()), f"{name}: the joiner's {path} is not its donor's"
             assert not zero_everywhere(value), f"{name}: the donor's {path} is still empty"
         else:
             assert zero_everywhere(value), f"{name}: the joiner's {path} is not a fresh worker's (zero)"
