@@ -96,19 +96,29 @@ def test_streaming_diloco_survivors_go_back_to_the_last_fragment_merge_and_take_
         tmp_path, monkeypatch, capfd):
     # Fragments of H=4 merge a step after their syncs: commits at steps 3, 5, 7, ... Worker 1 dies
     # inside a collective of step 6, with fragment 1's sync of that step in flight: the survivors
-    # drop it, go back to step 5's commit, and the restarted worker joins them there with their
-    # replicated state (θ_global of each fragment, the outer momentum) and a fresh local one.
-    out = tmp_path / "run"
+    # drop it, go back to step 5's commit, and the restarted worker joins them with their
+    # replicated state (θ_global of each fragment, the outer momentum) and a fresh local one:
+    # at step 5 if it is up by then, else the survivors re-form at 5 alone and take it in at the
+    # next commit point (7), where they wait for it (a loaded machine once started it after the
+    # 12 steps were done) unless the test has seen it back already (`back`, a file).
+    out, back = tmp_path / "run", tmp_path / "back"
+
+    def restarted_worker_in() -> None:
+        wait_for(lambda: (out / "membership.jsonl").exists()
+                 and any(1 in q["healed"] for q in jsonl(out / "membership.jsonl")), "the restarted worker's quorum")
+        back.touch()
+    watcher = threading.Thread(target=restarted_worker_in, daemon=True)
+    watcher.start()
     err = train(out, monkeypatch, capfd, "--strategy", "streaming_diloco", "--sync-every", "4", "--fragments", "2",
                 "--fragment-delay", "1", "--steps", "12", "--max-restarts", "1", kill_in="1:6",
-                kill_log=str(tmp_path / "killed"))
+                kill_log=str(tmp_path / "killed"), hold_for_joiner=f"7:{back}")
     assert "worker 1 failed: killed by signal SIGKILL; the others go on; restarting it (1 of 1)" in err
     records, _ = check_finished(out, 12)
     quorums = jsonl(out / "membership.jsonl")
-    # (the survivors form a quorum of their own first only when the restarted worker is late)
-    assert [q["step"] for q in quorums] in ([0, 5], [0, 5, 5]), quorums
-    back = quorums[-1]
-    assert back["slots"] == [0, 1, 2] and back["healed"] == [1] and back["committed"][1] == -1, back
+    assert [q["step"] for q in quorums] in ([0, 5], [0, 5, 5], [0, 5, 7]), quorums
+    assert quorums[1]["fault"]["lost"] == [1] and quorums[1]["step"] == 5, quorums[1]
+    joined = quorums[-1]
+    assert joined["slots"] == [0, 1, 2] and joined["healed"] == [1] and joined["committed"][1] == -1, joined
     for q in quorums:  # a joiner's replicated state equals its peers', and the state it resumed from
         assert len(set(q["state_sha256"] + q["resumed_sha256"])) == 1, q
     assert all(r["outer"]["contributors"] == len(r["members"]) for r in records if "outer" in r)
