@@ -73,6 +73,13 @@ class ShardedBatches:
 
     __call__ = next
 
+    def seek(self, draw: int) -> None:
+        """Read draw number `draw` (0: the first) next: the epochs' orders laid end to end, a
+        draw is the next micro_batch·positions windows of them."""
+        epoch, self.index = divmod(draw * self.micro_batch * self.positions, len(self.starts))
+        if epoch != self.epoch:
+            self.epoch, self._order = epoch, self._permutation(epoch)
+
     def state_dict(self) -> dict:
         """The reading position, and the seed that orders each epoch's windows."""
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
@@ -81,6 +88,55 @@ class ShardedBatches:
         self.epoch, self.index = int(sd["epoch"]), int(sd["index"])
         self.seed = int(sd.get("seed", self.seed))
         self._order = self._permutation(self.epoch)
+
+
+class StreamBatches:
+    """The run's draws as one stream, dealt to whichever members there are (an elastic run).
+
+    Draw g of the stream is draw g // shards of shard g % shards, read as ShardedBatches reads
+    it in a plain run of `shards` ranks. A membership of `members` that begins at draw `start`
+    gives its member `member` the draws start + member, start + member + members, ... So a
+    membership of the run's size from draw 0 reads what a plain run reads, rank by rank, and a
+    membership formed after a fault or a join goes on from the stream's committed position:
+    within an epoch no window is read twice whatever the memberships (a member lost mid-round
+    takes its draws with it: those windows are skipped, not read again)."""
+
+    def __init__(self, train: np.ndarray, shards: int, seq_len: int, micro_batch: int, seed: int,
+                 start: int, member: int, members: int, position: int = 0, positions: int = 1):
+        self.readers = [ShardedBatches(train, s, shards, seq_len, micro_batch, seed, position, positions)
+                        for s in range(shards)]
+        self.start, self.member, self.members, self.drawn = start, member, members, 0
+        self.committed = start  # the stream's position at the last commit point (set by the member)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.start + self.drawn * self.members + self.member
+        reader = self.readers[g % len(self.readers)]
+        reader.seek(g // len(self.readers))
+        self.drawn += 1
+        return reader.next()
+
+    __call__ = next
+
+    def frontier(self, drawn: int | None = None) -> int:
+        """The stream's next unread draw once every member has drawn `drawn` (default: as many
+        as this one has)."""
+        return self.start + (self.drawn if drawn is None else drawn) * self.members
+
+    def state_dict(self) -> dict:
+        return {"start": self.start, "drawn": self.drawn, "member": self.member, "members": self.members,
+                "committed": self.committed}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """A state saved by a StreamBatches (a plain loader's, of an older elastic checkpoint,
+        leaves the stream where it is)."""
+        if "start" in sd:
+            self.start, self.drawn, self.committed = int(sd["start"]), int(sd["drawn"]), int(sd["committed"])
+            self.member, self.members = int(sd["member"]), int(sd["members"])
+
+
+def stream_position(loader_state: dict | None) -> int:
+    """The stream's committed draw in a member's saved loader state (0: none saved)."""
+    return int(loader_state.get("committed", 0)) if loader_state else 0
 
 
 def val_batches(val: np.ndarray, rank: int, world: int, seq_len: int, micro_batch: int,

@@ -12,8 +12,8 @@ as if it had never stopped (bit for bit, a test checks it). With another number 
 continues with the membership it finds: a member whose rank the checkpoint does not have takes
 rank 0's as a joiner takes a peer's (its local state fresh; a sharded optimizer state is first
 put together from every rank's shard and cut anew: the strategy's whole_from_shards and
-member_state), and the data position follows from the step and the new membership
-(train/member_data.py's loader_for), as after any change of membership. A run of replicas of K
+member_state), and the data goes on from the stream's committed position with the new
+membership (train/member_data.py's loader_for), as after any change of membership. A run of replicas of K
 processes resumes on the replicas it finds, of K processes each (checkpoint/resume.py refuses
 another K): what is said above of ranks holds position by position -- a process takes the
 state of its position in its own replica, or in replica 0 for a replica the checkpoint has not,
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..checkpoint import read, read_state, save
+from ..data.loader import stream_position
 from ..errors import RunError, UsageError
 
 
@@ -107,6 +108,7 @@ def load(worker, view) -> float:
             s.join_from_peer()
         t.step = found.step
     worker.step = t.step
-    if not same:
-        worker.restart_data()
+    if not same:  # the stream's committed position, alike in every rank's loader state
+        loader = state.get("loader") or read_state(found, 0).get("loader")
+        worker.restart_data(stream_position(loader))
     return float(state.get("run", {}).get("wall_s", 0.0))

@@ -12,7 +12,7 @@ discarded, never half-applied -- and asks the lighthouse for a quorum with its c
 In the new quorum the members behind the newest take its state from a peer (transfer.py), its
 local parts started as a fresh worker's (zeros: a residual is never copied from a peer), so a
 step that some member committed is kept and none is applied twice; the members then train on
-from that step, each on the data its new rank and the new world size give (see `loader_for`).
+from that step, each reading the run's data stream from where the commit left it (see `loader_for`).
 The steps themselves are trained by the run's one loop (loop.py): the worker is its membership
 policy (start, gathers_at, before_step, committed, leaves), so a plain run's bad-step guard,
 dashboards, progress view, flight recorder, --trace, pace and stop on a signal are an elastic run's.
@@ -38,7 +38,7 @@ from . import run_end
 from ..comm.flight import FlightRecorder
 from ..comm.groups import ReplicaLayout
 from ..data import load_bytes, split
-from .member_data import loader_for, val_for
+from .member_data import commit_position, loader_for, val_for
 from ..diagnose.postmortem import lost_in
 from ..diagnose.trace import Tracer
 from ..errors import RunError, StateLost
@@ -77,7 +77,7 @@ class ElasticWorker:
         self.train_tokens, self.val_tokens = split(tokens, cfg.data.val_fraction)
         self.t: Trainer | None = None
         self.outputs: StepOutputs | None = None  # this membership's (rank 0's steps.jsonl, progress)
-        self.snapshot: dict | None = None  # the state at the last commit point: {"step", "strategy", "log"}
+        self.snapshot: dict | None = None  # the state at the last commit point: {"step", "strategy", "log", "draws"}
         self.step = 0
         self.progress = Progress(Totals(cfg.workers))  # totals per slot, the wait since the first quorum
         self.joins_seen = 0
@@ -141,7 +141,8 @@ class ElasticWorker:
         self.model_reusable = run.strategy.model_reusable
         self.view = view
         self.t = Trainer(cfg, view.rank, view.world, self.device, "gloo", comm, self.model, run,
-                         loader_for(cfg, self.train_tokens, view, self.step), val_for(cfg, self.val_tokens, view),
+                         loader_for(cfg, self.train_tokens, view, self.snapshot["draws"] if self.snapshot else 0),
+                         val_for(cfg, self.val_tokens, view),
                          self.source, self.tracer, self.flight)
 
     def _joins_answered(self) -> int:
@@ -158,7 +159,8 @@ class ElasticWorker:
         atomic. After the gather the members still (a sharded state) gather the snapshot, a
         collective; a member can finish it while the lead fails in it or dies, and the step
         the others committed would have no record."""
-        return {"step": self.step, "strategy": snapshot_of(self.t.run), "log": log or {"file": None, "records": []}}
+        return {"step": self.step, "strategy": snapshot_of(self.t.run), "log": log or {"file": None, "records": []},
+                "draws": self.t.loader.committed}
 
     def _load(self, snapshot: dict, joining: bool = False) -> None:
         """This member's state from a snapshot: its own, or (`joining`) a peer's, whose local
@@ -169,11 +171,11 @@ class ElasticWorker:
         if joining:
             run.strategy.join_from_peer()
         self.step = self.t.step = snapshot["step"]
-        self.restart_data()
+        self.restart_data(snapshot.get("draws", 0))
 
-    def restart_data(self) -> None:
-        """This member's data from self.step on, as its membership gives it."""
-        self.t.loader = loader_for(self.cfg, self.train_tokens, self.view, self.step)
+    def restart_data(self, draws: int) -> None:
+        """This member's data from draw `draws` of the run's stream on, as its membership deals it."""
+        self.t.loader = loader_for(self.cfg, self.train_tokens, self.view, draws)
 
     def _resume(self, snapshot: dict) -> None:
         """Take a peer's newer committed state (transfer.heal), as a joiner."""
@@ -258,6 +260,7 @@ class ElasticWorker:
             records[-1]["outer"] = outer
             self.contributors[self.step] = outer["contributors"]
         self.since = self.snapshot["step"]  # the last commit point before this one
+        commit_position(t.loader)  # the data stream's, recorded in the snapshot
         self.snapshot = self._take_snapshot({"file": self.lead_log, "records": records})
         note_commit_if_asked(self.slot, self.step, lambda: self._hash(self.snapshot))  # test-only
         if self.round is not None:

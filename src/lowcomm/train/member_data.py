@@ -1,23 +1,36 @@
-"""What a member of an elastic run reads: its training data from the step its membership began,
+"""What a member of an elastic run reads: its draws of the run's training data stream,
 and its share of the run's validation batches, the same whatever the membership."""
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
 from .. import config as C
 from ..data import val_batches
-from ..data.loader import ShardedBatches
+from ..data.loader import StreamBatches
 from ..elastic.membership import View
 
 
-def loader_for(cfg: C.RunConfig, train, view: View, step: int) -> ShardedBatches:
-    """The data of rank `view.rank` of `view.world` from `step` on: the training split is cut in
-    world shards, each read in an order drawn from (seed, step the membership began, rank). So
-    what a worker trains on is a function of the step and the live membership (membership.jsonl
-    records both); the steps a failure discarded are trained again by the new membership on its
-    own data (re-assigned, not skipped). A membership that began at step 0 reads what a plain run
-    of its workers reads, at any seed (its order seed is then the plain run's, --seed)."""
+def loader_for(cfg: C.RunConfig, train, view: View, start: int) -> StreamBatches:
+    """The data of rank `view.rank` of `view.world` from draw `start` of the run's stream on
+    (loader.StreamBatches): the draws of a plain run of the run's --workers (or --replicas)
+    ranks laid end to end, dealt round-robin to the members. So a membership that began at
+    step 0 with the run's size reads what a plain run reads, and one formed later goes on from
+    the position the last commit recorded (ElasticWorker's snapshot): the steps a failure
+    discarded are trained again on the same part of the stream, by the new membership, and no
+    window is read twice within an epoch, however often the membership changes."""
     rank, world, position, positions = view.shard()  # a replica of K processes: its shard, split K ways
-    return ShardedBatches(train, rank, world, cfg.model.seq_len, cfg.loader_micro_batch,
-                          cfg.seed + 1_000_003 * step, position, positions)
+    return StreamBatches(train, cfg.replicas or cfg.workers, cfg.model.seq_len, cfg.loader_micro_batch,
+                         cfg.seed, start, rank, world, position, positions)
+
+
+def commit_position(loader: StreamBatches) -> None:
+    """At a commit point: the stream's position, as far as the member that drew most (acco's
+    rounds can draw unevenly; the draws the others are short of it are skipped, never read
+    twice). A collective: every member calls it."""
+    drawn = torch.tensor([loader.drawn], dtype=torch.int64)
+    dist.all_reduce(drawn, op=dist.ReduceOp.MAX)
+    loader.committed = loader.frontier(int(drawn))
 
 
 def val_for(cfg: C.RunConfig, val_tokens, view: View) -> list:

@@ -38,8 +38,9 @@ class RoundState:
     def keep(self, w) -> None:
         """Before the step that ends a round (w: the ElasticWorker)."""
         if self.kept is None or self.kept["step"] != w.step:
+            # the data stream's position too: the round's last step reads on from it
             self.kept = {"step": w.step, "base": w.snapshot["step"], "pending": list(w.progress.pending),
-                         "state": {"step": w.step, "strategy": snapshot_of(w.t.run)}}
+                         "state": {"step": w.step, "strategy": snapshot_of(w.t.run), "draws": w.t.loader.frontier()}}
 
     def forget(self) -> None:
         """The round committed: its state is of no more use."""
@@ -48,20 +49,21 @@ class RoundState:
     def rejoin(self, w) -> int | None:
         """After a quorum's heal (every member on the newest commit): all members back at the
         newest round step any of them kept, or all on the commit. Returns that step, or None."""
-        mine = self.kept["step"] if self.kept is not None and self.kept["base"] == w.snapshot["step"] else None
+        kept = self.kept is not None and self.kept["base"] == w.snapshot["step"]
+        mine = (self.kept["step"], self.kept["state"]["draws"]) if kept else None
         every = [None] * w.view.world
         dist.all_gather_object(every, mine)
         steps = [s for s in every if s is not None]
         if not steps:
             self.kept = None
             return None
-        target = max(steps)
-        if mine == target:
+        target, draws = max(steps)
+        if mine is not None and mine[0] == target:
             w._load(self.kept["state"])
             w.progress.pending = list(self.kept["pending"])
         else:  # in the round from here, having trained none of it
             committed = w.snapshot
-            w._load({"step": target, "strategy": {**committed["strategy"], "steps_done": target}})
+            w._load({"step": target, "strategy": {**committed["strategy"], "steps_done": target}, "draws": draws})
             w.progress.pending = [absent_vector() for _ in range(target - committed["step"])]
             self.kept = None
         return target
