@@ -1,6 +1,6 @@
 """What an elastic run is given, checked before anything is written, in the test's process: a
 value it would override is refused or recorded as it runs; a --min-workers no membership can
-reach, and a --lighthouse where another service answers, are refused in one line; `lowcomm join`
+reach, a --stop-at between commit points, and a --lighthouse where another service answers, are refused in one line; `lowcomm join`
 says why a run cannot be joined (a store address answered by another service, a directory it may
 not read), and a joiner that arrives at the last commit point is not taken in.
 """
@@ -52,6 +52,14 @@ def test_min_workers_above_the_replicas_is_refused_before_anything_is_written(tm
     argv = ["train", *TINY, "--workers", "4", "--replicas", "2", "--min-workers", "3", "--steps", "2", "--out", str(out)]
     assert ("--min-workers must be between 1 and --replicas (2): it counts replicas, got 3"
             in refused(argv, capsys))
+    assert not out.exists()
+
+
+def test_a_stop_between_commit_points_is_refused_naming_them_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "r"
+    line = refused(["train", *DILOCO, "--steps", "8", "--stop-at", "3", "--out", str(out)], capsys)
+    assert line == ("error: --stop-at 3 with --elastic stops at a step that is not a commit point of strategy "
+                    "'diloco' (where its workers' state agrees: steps 2, 4, 6, ...)"), line
     assert not out.exists()
 
 

@@ -2,7 +2,9 @@
 members of the time; `lowcomm train --resume` continues the run bit for bit with as many workers
 as wrote the checkpoint, and with the workers it is started with otherwise (here 3 after 2,
 stopped again with --stop-at), for ddp, zero1 (its shards put together and cut anew) and
-sparseloco (a worker's own residual: the third worker's starts at zero).
+sparseloco (a worker's own residual: the third worker's starts at zero); a strategy whose commit
+points fall between the multiples of --checkpoint-every (streaming_diloco) checkpoints at the
+first commit point after each.
 
 With replica groups (a launcher's slot of 2 processes is one replica) the same holds position by
 position: zero1 across 2 replicas equals the plain run, resumes bit for bit, goes on with 1
@@ -102,6 +104,28 @@ def test_an_elastic_run_resumes_bit_for_bit_and_with_the_workers_it_finds(flags,
     assert [r["members"] for r in jsonl(more / "steps.jsonl")] == [[0, 1]] * 4 + [[0, 1, 2]] * 4  # to 8 only
     assert json.loads((more / "ckpt-000008" / "manifest.json").read_text())["world"] == 3
     assert not (more / "summary.json").exists()  # a part of the run: the part that reaches --steps writes it
+
+
+def test_checkpoints_fall_on_the_first_commit_point_after_each_multiple_and_resume_bit_for_bit(
+        tmp_path, capfd, monkeypatch):
+    # streaming_diloco's members agree only at its fragments' merges (H=4, 2 fragments merged a
+    # step after their syncs: steps 3, 5, 7, 9, 11), never on a multiple of 4: --checkpoint-every 4
+    # writes at 5 and 9, and at the end.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    flags = ["--strategy", "streaming_diloco", "--sync-every", "4", "--fragments", "2", "--fragment-delay", "1"]
+    whole = tmp_path / "whole"
+    lowcomm(capfd, "train", *TINY, "--workers", "2", *flags, "--steps", str(STEPS), "--checkpoint-every", "4",
+            "--keep", "3", "--out", str(whole))
+    assert sorted(p.name for p in whole.glob("ckpt-*")) == ["ckpt-000005", "ckpt-000009", "ckpt-000012"]
+    _, uninterrupted = check_finished(whole, STEPS)
+    resumed = tmp_path / "resumed"  # as a run stopped after step 5 would have left it
+    shutil.copytree(whole, resumed)
+    for later in ("ckpt-000009", "ckpt-000012", "summary.json"):
+        shutil.rmtree(resumed / later) if later.startswith("ckpt") else (resumed / later).unlink()
+    lowcomm(capfd, "train", "--resume", str(resumed), "--quiet")
+    _, summary = check_finished(resumed, STEPS)
+    assert summary["elastic"]["final_params_sha256"] == uninterrupted["elastic"]["final_params_sha256"]
+    assert [q["step"] for q in jsonl(resumed / "membership.jsonl")] == [0, 5]
 
 
 def test_a_signalled_elastic_run_checkpoints_at_its_next_commit_point_and_resumes(tmp_path):

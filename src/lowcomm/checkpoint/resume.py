@@ -72,8 +72,10 @@ def prepare_resume(cfg: C.RunConfig, create: bool) -> Path | None:
     if cfg.elastic and per_replica(cfg) != found.per_replica:  # its replicas come and go, their size stays
         raise UsageError(_replica_size_changed(found, cfg))
     if found.world != cfg.workers and not (cfg.elastic and under_torchrun()):  # there: the quorum's replicas
-        print(f"warning: {found.path} was written by {_other_membership(found, cfg)}, each worker's data order "
-              f"starts anew", file=sys.stderr, flush=True)
+        data = ("the data stream read on from its position there" if cfg.elastic
+                else "each worker's data order starts anew")
+        print(f"warning: {found.path} was written by {_other_membership(found, cfg)}, {data}",
+              file=sys.stderr, flush=True)
     cfg.resume_from = str(found.path)
     if create:  # the checkpoint taken, said once (the lead: a torchrun job's rank 0)
         print(f"lowcomm: resuming from {found.path} (step {found.step} of {cfg.steps})", file=sys.stderr, flush=True)

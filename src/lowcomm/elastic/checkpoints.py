@@ -2,8 +2,8 @@
 
 Written at commit points (where every member holds the same state) by the members of the
 quorum then, with the checkpoint package's own writer (DCP, every member its file, rank 0 the
-manifest, renamed into place when complete: atomic as a plain run's), at every multiple of
---checkpoint-every and at --stop-at. A run stopped at --stop-at ends without summary.json, as a
+manifest, renamed into place when complete: atomic as a plain run's), at the first commit
+point at or after each multiple of --checkpoint-every, and at --stop-at (itself a commit point). A run stopped at --stop-at ends without summary.json, as a
 plain run does, and `lowcomm train --resume RUNDIR` continues it.
 
 A resumed run loads the checkpoint at its first quorum. Each member takes the state of its own
@@ -32,9 +32,7 @@ from ..data.loader import stream_position
 from ..errors import RunError, UsageError
 
 
-# Checkpoint steps checked against the commit points: the strategies' commit points repeat with
-# their sync period, so a bad --checkpoint-every shows within its first few multiples.
-CHECKED = 10_000
+CHECKED = 10_000  # the steps searched for the first commit points a refusal names
 
 
 def end_step(cfg) -> int:
@@ -42,21 +40,14 @@ def end_step(cfg) -> int:
     return min(cfg.stop_at, cfg.steps) if cfg.stop_at else cfg.steps
 
 
-def due(cfg, step: int) -> bool:
-    every = cfg.checkpoint_every
-    return bool(every and step % every == 0) or (step == end_step(cfg) and bool(every or cfg.stop_at))
-
-
 def check(cfg, is_commit) -> None:
-    """Checkpoints and stops fall on commit points (`is_commit(step)`: the strategy's)."""
-    for flag, value in (("--checkpoint-every", cfg.checkpoint_every), ("--stop-at", cfg.stop_at)):
-        every = range(value, cfg.steps, value) if flag == "--checkpoint-every" and value else [value] if value else []
-        bad = next((step for step in islice(every, CHECKED) if not is_commit(step)), None)
-        if bad is not None:
-            first = [step for step in range(1, min(cfg.steps, 10_000)) if is_commit(step)][:4]
-            raise UsageError(f"{flag} {value} with --elastic puts a checkpoint at step {bad}, which is not a commit "
-                             f"point of strategy '{cfg.strategy}' (where its workers' state agrees: steps "
-                             f"{', '.join(map(str, first))}, ...)")
+    """--stop-at falls on a commit point (`is_commit(step)`: the strategy's). (A checkpoint of
+    --checkpoint-every N is written at the first commit point at or after each multiple of N.)"""
+    if cfg.stop_at and not is_commit(cfg.stop_at):
+        first = [step for step in range(1, min(cfg.steps, CHECKED)) if is_commit(step)][:4]
+        raise UsageError(f"--stop-at {cfg.stop_at} with --elastic stops at a step that is not a commit point of "
+                         f"strategy '{cfg.strategy}' (where its workers' state agrees: steps "
+                         f"{', '.join(map(str, first))}, ...)")
 
 
 def write(worker, wall_s: float) -> None:

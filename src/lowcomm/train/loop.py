@@ -97,7 +97,7 @@ class FixedMembers:
 
 def loop(t, outputs, members, progress: Progress) -> LoopResult | None:
     """Train up to cfg.steps (or --stop-at) steps; rank 0 logs every gathered step and shows
-    progress. Checkpoints (every --checkpoint-every steps, at the end, at --stop-at, or when asked
+    progress. Checkpoints (every --checkpoint-every steps, or the first commit point after, at the end, at --stop-at, or when asked
     through checkpoint.request()) are written at gathers, after the steps' records. Returns None
     when the membership asks to change (the caller forms the new one and calls again)."""
     cfg, run = t.cfg, t.run
@@ -106,6 +106,9 @@ def loop(t, outputs, members, progress: Progress) -> LoopResult | None:
     if (every or cfg.stop_at or cfg.checkpoint_on_signal) and not cfg.out:
         raise RunError("checkpoints need the output directory on every rank: pass --out (under torchrun too)")
     members.start(t)
+    # The next checkpoint: at the first gather at or after each multiple of --checkpoint-every (a
+    # plain run gathers at the multiple itself; an elastic run's commit points may fall between).
+    checkpoint_at = (t.step // every + 1) * every if every else 0
     stopped = False
     try:
         while t.step < end:
@@ -114,7 +117,7 @@ def loop(t, outputs, members, progress: Progress) -> LoopResult | None:
             t.step += 1
             step = t.step
             evaluate_now = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
-            checkpoint_now = bool(every and step % every == 0) or (step == end and bool(every or cfg.stop_at))
+            checkpoint_now = bool(every and step >= checkpoint_at) or (step == end and bool(every or cfg.stop_at))
             if not members.gathers_at(step, evaluate_now or checkpoint_now or step == end or step % cfg.log_every == 0):
                 if evaluate_now:  # between an elastic run's commit points: evaluated now, written at the commit
                     progress.evaluated[step] = evaluate_run(t)
@@ -132,6 +135,7 @@ def loop(t, outputs, members, progress: Progress) -> LoopResult | None:
             if checkpoint_now or asked:
                 with recorded(t.flight, "checkpoint"):
                     members.save(t, progress.elapsed())
+                checkpoint_at = (step // every + 1) * every if every else 0
             outputs.show(step, progress.totals, records[-1], progress.elapsed())
             if stop_asked and step < cfg.steps:
                 stopped = True
