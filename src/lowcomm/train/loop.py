@@ -97,9 +97,10 @@ class FixedMembers:
 
 def loop(t, outputs, members, progress: Progress) -> LoopResult | None:
     """Train up to cfg.steps (or --stop-at) steps; rank 0 logs every gathered step and shows
-    progress. Checkpoints (every --checkpoint-every steps, or the first commit point after, at the end, at --stop-at, or when asked
-    through checkpoint.request()) are written at gathers, after the steps' records. Returns None
-    when the membership asks to change (the caller forms the new one and calls again)."""
+    progress. Checkpoints (every --checkpoint-every steps, or an elastic run's first commit point
+    after each multiple; at the end, at --stop-at, or when asked through checkpoint.request())
+    are written at gathers, after the steps' records. Returns None when the membership asks to
+    change (the caller forms the new one and calls again)."""
     cfg, run = t.cfg, t.run
     end = min(cfg.stop_at, cfg.steps) if cfg.stop_at else cfg.steps
     every = cfg.checkpoint_every
