@@ -31,6 +31,7 @@ from lowcomm.cli.main import main
 from lowcomm.comm.flight import CODE, FlightRecorder, read_dir, ring_name
 from lowcomm.diagnose.postmortem import diagnose
 from lowcomm.diagnose.stalls import STALL_MIN_S, StallWatch, stopped
+from lowcomm.diagnose.stragglers import WINDOW
 from lowcomm.diagnose.trace import nesting_errors
 
 
@@ -153,7 +154,6 @@ def test_a_slowed_rank_is_flagged_as_a_straggler_during_the_run(tmp_path, data_f
     flagged = [fs for fs in stragglers if fs]
     assert flagged and stragglers[-1], stragglers  # from the window's first full step on
     assert all(fs == [fs[0]] and fs[0].startswith("straggler rank 1 x") for fs in flagged), flagged
-    from lowcomm.diagnose.stragglers import WINDOW
     # Each flag's ratio is the one the records give: rank 1's median compute over the window's
     # steps over rank 0's (the others').
     for i, fs in enumerate(stragglers):

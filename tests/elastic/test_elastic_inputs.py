@@ -1,8 +1,9 @@
 """What an elastic run is given, checked before anything is written, in the test's process: a
 value it would override is refused or recorded as it runs; a --min-workers no membership can
-reach, a --stop-at between commit points, and a --lighthouse where another service answers, are refused in one line; `lowcomm join`
-says why a run cannot be joined (a store address answered by another service, a directory it may
-not read), and a joiner that arrives at the last commit point is not taken in.
+reach, a --stop-at between commit points, and a --lighthouse where another service answers,
+are refused in one line; `lowcomm join` says why a run cannot be joined (a store address
+answered by another service, a directory it may not read), and a joiner that arrives at the
+last commit point is not taken in.
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 Written at commit points (where every member holds the same state) by the members of the
 quorum then, with the checkpoint package's own writer (DCP, every member its file, rank 0 the
 manifest, renamed into place when complete: atomic as a plain run's), at the first commit
-point at or after each multiple of --checkpoint-every, and at --stop-at (itself a commit point). A run stopped at --stop-at ends without summary.json, as a
-plain run does, and `lowcomm train --resume RUNDIR` continues it.
+point at or after each multiple of --checkpoint-every, and at --stop-at (itself a commit
+point). A run stopped at --stop-at ends without summary.json, as a plain run does, and
+`lowcomm train --resume RUNDIR` continues it.
 
 A resumed run loads the checkpoint at its first quorum. Each member takes the state of its own
 rank in it: with as many workers as wrote it, its data position and RNG too, so the run goes on
@@ -13,8 +14,8 @@ continues with the membership it finds: a member whose rank the checkpoint does 
 rank 0's as a joiner takes a peer's (its local state fresh; a sharded optimizer state is first
 put together from every rank's shard and cut anew: the strategy's whole_from_shards and
 member_state), and the data goes on from the stream's committed position with the new
-membership (train/member_data.py's loader_for), as after any change of membership. A run of replicas of K
-processes resumes on the replicas it finds, of K processes each (checkpoint/resume.py refuses
+membership (train/member_data.py's loader_for), as after any change of membership. A run of
+replicas of K processes resumes on the replicas it finds, of K processes each (checkpoint/resume.py refuses
 another K): what is said above of ranks holds position by position -- a process takes the
 state of its position in its own replica, or in replica 0 for a replica the checkpoint has not,
 a sharded state put together from the shards of its position's ranks across the replicas.
@@ -22,7 +23,6 @@ a sharded state put together from the shards of its position's ranks across the 
 from __future__ import annotations
 
 import socket
-from itertools import islice
 from pathlib import Path
 
 import torch.distributed as dist

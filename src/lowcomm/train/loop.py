@@ -109,7 +109,9 @@ def loop(t, outputs, members, progress: Progress) -> LoopResult | None:
     members.start(t)
     # The next checkpoint: at the first gather at or after each multiple of --checkpoint-every (a
     # plain run gathers at the multiple itself; an elastic run's commit points may fall between).
-    checkpoint_at = (t.step // every + 1) * every if every else 0
+    def next_checkpoint(step: int) -> int:
+        return (step // every + 1) * every if every else 0
+    checkpoint_at = next_checkpoint(t.step)
     stopped = False
     try:
         while t.step < end:
@@ -136,7 +138,7 @@ def loop(t, outputs, members, progress: Progress) -> LoopResult | None:
             if checkpoint_now or asked:
                 with recorded(t.flight, "checkpoint"):
                     members.save(t, progress.elapsed())
-                checkpoint_at = (step // every + 1) * every if every else 0
+                checkpoint_at = next_checkpoint(step)
             outputs.show(step, progress.totals, records[-1], progress.elapsed())
             if stop_asked and step < cfg.steps:
                 stopped = True
