@@ -153,5 +153,10 @@ class RunConfig:
         return self.micro_batch // registry.get(self.strategy).micro_batch_parts
 
     @property
+    def end_step(self) -> int:
+        """The step this part of the run ends at: --stop-at, else --steps."""
+        return min(self.stop_at, self.steps) if self.stop_at else self.steps
+
+    @property
     def tokens_per_step(self) -> int:
         return self.workers * self.accum * self.micro_batch * self.model.seq_len

@@ -35,11 +35,6 @@ from ..errors import RunError, UsageError
 CHECKED = 10_000  # the steps searched for the first commit points a refusal names
 
 
-def end_step(cfg) -> int:
-    """The step this part of the run ends at: --stop-at, else --steps."""
-    return min(cfg.stop_at, cfg.steps) if cfg.stop_at else cfg.steps
-
-
 def check(cfg, is_commit) -> None:
     """--stop-at falls on a commit point (`is_commit(step)`: the strategy's). (A checkpoint of
     --checkpoint-every N is written at the first commit point at or after each multiple of N.)"""

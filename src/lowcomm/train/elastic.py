@@ -276,7 +276,7 @@ class ElasticWorker:
         not taken in: there is nothing left to train (it would finish the run as a member that
         trained nothing, counted in the summary)."""
         joins = max(joins, hold_for_joiner_if_asked(step, self.m, self.joins_seen, self.since))
-        return joins > self.joins_seen and step < checkpoints.end_step(self.cfg)
+        return joins > self.joins_seen and step < self.cfg.end_step
 
     # -- faults and the end ---------------------------------------------------------------
     def rollback(self) -> None:

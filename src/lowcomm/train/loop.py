@@ -102,7 +102,7 @@ def loop(t, outputs, members, progress: Progress) -> LoopResult | None:
     are written at gathers, after the steps' records. Returns None when the membership asks to
     change (the caller forms the new one and calls again)."""
     cfg, run = t.cfg, t.run
-    end = min(cfg.stop_at, cfg.steps) if cfg.stop_at else cfg.steps
+    end = cfg.end_step
     every = cfg.checkpoint_every
     if (every or cfg.stop_at or cfg.checkpoint_on_signal) and not cfg.out:
         raise RunError("checkpoints need the output directory on every rank: pass --out (under torchrun too)")
