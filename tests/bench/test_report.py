@@ -199,3 +199,14 @@ def test_a_run_with_outer_syncs_shows_what_each_sync_left_exposed(tmp_path):
     assert "| 0.300 |" in md and "| - |" in md
     only_ddp, _ = report_of(tmp_path / "flat", [fake_run(tmp_path / "flat", "ddp", [(1, 100e6, 4.0)])])
     assert "exposed s per outer sync" not in only_ddp
+
+
+def test_runs_with_a_delayed_or_eager_outer_step_are_named_so(tmp_path):
+    runs = []
+    for name, options in (("sync", {}), ("late", {"outer_delay": 1}), ("eager", {"outer_delay": 1, "eager": True})):
+        run = fake_run(tmp_path / name, "diloco", [(2, 0, 4.5), (4, 10e6, 3.0)])
+        summary = json.loads((run / "summary.json").read_text())
+        (run / "summary.json").write_text(json.dumps({**summary, "strategy_options": {"outer_delay": 0, **options}}))
+        runs.append(run)
+    _, js = report_of(tmp_path, runs)
+    assert [r["label"] for r in js["rows"]] == ["diloco", "diloco delayed", "diloco eager"]

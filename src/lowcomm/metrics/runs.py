@@ -91,7 +91,14 @@ def load_run(path: str | Path, label: str | None = None) -> RecordedRun:
         raise UsageError(f"'{path}' is not a readable lowcomm run: {e}") from None
     if not isinstance(summary, dict) or "strategy" not in summary or "final_val_loss" not in summary:
         raise UsageError(f"'{path}' is not a lowcomm run (its summary.json has no strategy or final_val_loss)")
-    return RecordedRun(label or summary["strategy"], p, summary, steps, config)
+    return RecordedRun(label or summary["strategy"] + outer_step_variant(summary), p, summary, steps, config)
+
+
+def outer_step_variant(summary: dict) -> str:
+    """' delayed' or ' eager' for a local-SGD run whose outer step was one period late (so a
+    report of a synchronous and a delayed run tells them apart by more than their directories)."""
+    options = summary.get("strategy_options") or {}
+    return " eager" if options.get("eager") else " delayed" if options.get("outer_delay") else ""
 
 
 def is_bench(path: Path) -> bool:
