@@ -15,11 +15,13 @@ run's last step left out: its final sync has no inner step after it to hide behi
 of P periods keeps about a P-th of one sync exposed whatever the overlap); tokens/s on the
 link / tokens/s without it (1.0 is perfect overlap), likewise; and the validation loss, each
 delayed and eager variant's relative to the synchronous diloco's of the same seed, with the
-spread over the seeds; with `--loss-periods N`, the losses are those of one more run per variant and
-seed, without a link, N periods long (the delay's cost is front-loaded: its first two periods
-both start from θ_0, a half of a 4-period run's outer steps). The delayed and eager diloco variants run with `--outer-momentum 0`
-(the setting PCCL runs the delay with; docs/strategies.md). A run's training time is its
-longest rank's summed step times (steps.jsonl's per_rank), the start-up steps excluded.
+spread over the seeds; with `--loss-periods N`, the losses are those of one more run per variant
+and seed, without a link, N periods long (the delay's cost is front-loaded: its first two periods
+both start from θ_0, a half of a 4-period run's outer steps). The delayed and eager diloco
+variants run with `--outer-momentum 0` (the setting PCCL runs the delay with; docs/strategies.md),
+and "diloco momentum 0" is synchronous diloco with that outer optimizer, to tell the delay's
+effect from the optimizer's. A run's training time is its longest rank's summed step times
+(steps.jsonl's per_rank), the start-up steps excluded.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ from lowcomm.metrics.calibration import cpu_cores, load, shared_cores
 
 DELAYED, EAGER, PCCL = ("--outer-delay", "1"), ("--outer-delay", "1", "--eager"), ("--outer-momentum", "0")
 VARIANTS = [("ddp", "ddp", ()),
-            ("diloco", "diloco", ()), ("diloco delayed", "diloco", (*DELAYED, *PCCL)),
+            ("diloco", "diloco", ()), ("diloco momentum 0", "diloco", PCCL),
+            ("diloco delayed", "diloco", (*DELAYED, *PCCL)),
             ("diloco eager", "diloco", (*EAGER, *PCCL)),
             ("streaming_diloco", "streaming_diloco", ()),
             ("streaming_diloco delayed", "streaming_diloco", (*DELAYED, *PCCL)),
