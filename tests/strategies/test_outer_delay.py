@@ -168,8 +168,8 @@ def test_counted_bytes_equal_plan(local_sgd_runs):
 
 def test_the_run_says_when_it_starts_how_pccl_runs_the_delay(tmp_path, data_file, monkeypatch, capfd):
     """With outer momentum the delayed mean overshoots: the launch says so in one line (diloco's
-    default momentum 0.9; sparseloco has none, and eager updates are run with it: nothing said);
-    streaming says which of its flags the delay replaces."""
+    default momentum 0.9; sparseloco has none: nothing said), and so do eager updates, which learned
+    more without it; streaming says which of its flags the delay replaces."""
     import lowcomm.launch.launcher
     from lowcomm.cli.main import main
 
@@ -184,7 +184,8 @@ def test_the_run_says_when_it_starts_how_pccl_runs_the_delay(tmp_path, data_file
             "async DiLoCo runs it with --outer-momentum 0 (docs/strategies.md)")
     assert said["--strategy diloco"] == [f"note: {pccl}"]
     assert said["--strategy sparseloco"] == said["--strategy diloco --outer-momentum 0"] == []
-    assert said["--strategy diloco --eager"] == []
+    assert said["--strategy diloco --eager"] == ["note: --eager with outer momentum 0.9: measured here, eager "
+                                                 "updates learned more with --outer-momentum 0 (docs/strategies.md)"]
     assert said["--strategy streaming_diloco"] == [
         "note: --outer-delay 1: each fragment's mean takes its outer step at the fragment's next sync, a period "
         f"later, and the next period starts from θ_global: --fragment-delay and --merge-alpha do not apply; {pccl}"]

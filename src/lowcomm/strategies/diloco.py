@@ -92,10 +92,13 @@ class DiLoCoOptions(Options):
             raise UsageError(f"--sync-by time does not run across replica groups (--replicas {cfg.replicas}) yet")
 
     def run_note(self, cfg) -> str | None:
-        if self.outer_delay and self.outer_momentum > 0 and not self.eager:
-            return (f"--outer-delay 1 with outer momentum {self.outer_momentum:g}: a mean a period stale through "
-                    f"momentum overshoots; PCCL's async DiLoCo runs it with --outer-momentum 0 (docs/strategies.md)")
-        return None
+        if not (self.outer_delay and self.outer_momentum > 0):
+            return None
+        if self.eager:
+            return (f"--eager with outer momentum {self.outer_momentum:g}: measured here, eager updates learned more "
+                    f"with --outer-momentum 0 (docs/strategies.md)")
+        return (f"--outer-delay 1 with outer momentum {self.outer_momentum:g}: a mean a period stale through "
+                f"momentum overshoots; PCCL's async DiLoCo runs it with --outer-momentum 0 (docs/strategies.md)")
 
     def wire(self) -> WireFormat:
         return WireFormat(self.outer_precision, self.outer_compress, self.outer_ef_decay, self.outer_weights)
