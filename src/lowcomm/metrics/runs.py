@@ -18,6 +18,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from ..errors import UsageError
+from ..strategies.diloco import outer_step_suffix
 
 BENCH_FILE = "bench.json"
 
@@ -98,7 +99,7 @@ def outer_step_variant(summary: dict) -> str:
     """' delayed' or ' eager' for a local-SGD run whose outer step was one period late (so a
     report of a synchronous and a delayed run tells them apart by more than their directories)."""
     options = summary.get("strategy_options") or {}
-    return " eager" if options.get("eager") else " delayed" if options.get("outer_delay") else ""
+    return outer_step_suffix(options.get("outer_delay", 0), bool(options.get("eager")))
 
 
 def is_bench(path: Path) -> bool:

@@ -52,6 +52,11 @@ from .registry import register
 from ..engines.token_weights import WEIGHTS, contribution
 
 
+def outer_step_suffix(outer_delay: int, eager: bool) -> str:
+    """How a plan or a report names the outer step: ' eager', ' delayed' (one period late) or ''."""
+    return " eager" if eager else " delayed" if outer_delay else ""
+
+
 @dataclass
 class DiLoCoOptions(Options):
     """The local-SGD family's options (Streaming DiLoCo and SparseLoCo share the flags)."""
@@ -130,8 +135,7 @@ class DiLoCo(Strategy):
 
     @classmethod
     def plan_label(cls, options):
-        return f"{cls.name} H={options.sync_every}" + (" eager" if options.eager else " delayed" if options.outer_delay
-                                                       else "")
+        return f"{cls.name} H={options.sync_every}" + outer_step_suffix(options.outer_delay, options.eager)
 
     @classmethod
     def comm_plan(cls, layout, world, options):
