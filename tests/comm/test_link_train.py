@@ -94,7 +94,11 @@ def test_slow_worker_makes_the_fast_one_wait(runs):
     grown = slow["exposed_comm_s_per_rank"][0] - slow["exposed_comm_s_per_rank"][1]
     extra = sum(r["per_rank"]["compute_s"][1] - r["per_rank"]["compute_s"][0] for r in steps)
     assert extra > 0 and 0.6 * extra <= grown <= 1.4 * extra, (grown, extra)
-    # ... while the slow rank waits for the op alone: well under the fast rank's wait (half: on a
-    # quiet machine the op's own time was 0.31 of the fast rank's wait, the bound once 0.3).
-    assert slow["exposed_comm_s_per_rank"][1] < 0.5 * slow["exposed_comm_s_per_rank"][0]
+    # ... while the slow rank waits for the op alone: each step no longer than the modeled
+    # all-reduce plus what this test's own 1 Gbit/s run (no slow worker) exposed in its worst step
+    # (a bound in the op's time, not a share of the fast rank's wait, which is load-dependent).
+    op = _allreduce_s(slow, "1gbit")
+    fast_link = max(e for rec in runs["1gbit"][1][1:] for e in rec["per_rank"]["exposed_comm_s"])
+    for rec in steps[1:]:
+        assert rec["per_rank"]["exposed_comm_s"][1] <= op + max(0.1, 2 * fast_link), (rec, op, fast_link)
     assert math.isfinite(slow["final_train_loss"])
