@@ -122,6 +122,16 @@ def test_a_runs_final_sync_hides_behind_nothing(capsys):
     assert got["streaming_diloco"]["exposed_comm_s"] == pytest.approx((4 * (sync - COMPUTE) + sync) / 20, rel=1e-12)
 
 
+def test_a_warm_ups_syncs_wait_in_full(capsys):
+    # --steps 20, H=4, --outer-delay 1 --outer-delay-warmup 8: the syncs at steps 4 and 8 wait for
+    # their mean (0.052 s each), those at 12 and 16 hide behind the next period, the final one at 20
+    # hides behind nothing: three syncs' time exposed in the run's 20 steps
+    sync = 6 * LAT + 2 * 3 / 4 * 4 * N / BW
+    got, _ = plan(capsys, "--strategies", "diloco", "--sync-every", "4", "--outer-delay", "1",
+                  "--outer-delay-warmup", "8", "--steps", "20")
+    assert got["diloco"]["exposed_comm_s"] == pytest.approx(3 * sync / 20, rel=1e-12)
+
+
 def test_slowdown_sets_compute_by_the_slowest_worker(capsys):
     got, _ = plan(capsys, "--strategies", "zero1", "--slowdown", "1,1,1,2")
     assert got["zero1"]["compute_s"] == pytest.approx(2 * COMPUTE, rel=1e-12)

@@ -16,13 +16,15 @@ from lowcomm.engines.outer_wire import WireFormat
 
 H, STEPS, MID = 2, 9, 6  # four periods and a final one that ends mid-period; MID: a sync step
 DILOCO = dict(outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True)  # DiLoCo's outer SGD
+DILOCO_M0 = dict(outer_lr=0.7, outer_momentum=0.0, outer_nesterov=False)  # eager's measured best
 SPARSE = dict(outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)  # SparseLoCo's preset
 SPARSELOCO_WIRE = WireFormat(compress="topk:64,chunk:4096,bits:2,quant:stat", ef_decay=0.95)
 BYTE_CASES = [(dict(sync_every=3, outer_delay=1, eager=True), 7),
               (dict(sync_every=2, outer_delay=1, eager=True, outer_compress="topk:16,chunk:256,bits:2"), 5)]
 
 
-def eager_reference(world: int, outer: dict, wire: WireFormat | None = None) -> tuple[list, torch.Tensor]:
+def eager_reference(world: int, outer: dict, wire: WireFormat | None = None,
+                    warmup: int = 0) -> tuple[list, torch.Tensor]:
     """Kale et al.'s eager updates (their DiLoCo with eager outer steps), `world` workers in one
     process. Worker m trains H inner steps from its own outer parameters θ_m, sends
     Δ_m = θ_m − x_m, and without waiting steps its own outer optimizer with
@@ -30,7 +32,9 @@ def eager_reference(world: int, outer: dict, wire: WireFormat | None = None) -> 
     (Δ̄_prev: the mean sent a period ago, landed now; nothing before the first) and restarts from
     θ_m. `wire`: the mean is of the workers' compressed, error-fed Δ_m (SparseLoCo's), the stand-in
     their own Δ_m. The run's last step is lowcomm's final sync, not the paper's: every mean lands on
-    the consensus θ (the outer step on the means alone) and the stand-ins are withdrawn.
+    the consensus θ (the outer step on the means alone) and the stand-ins are withdrawn. `warmup`
+    (lowcomm's, not the paper's): the syncs up to that step take their mean's outer step at once,
+    every worker on the consensus θ, and the first eager sync after them has no earlier mean left.
     Returns (each worker's θ_m after the sync at step MID, the final θ)."""
     first, workers, inner = reference_workers(world)
     theta0 = flat_of(first.parameters()).float()
@@ -59,6 +63,12 @@ def eager_reference(world: int, outer: dict, wire: WireFormat | None = None) -> 
         if t == STEPS:
             consensus_step(mean)
             return mid, consensus.detach().clone()
+        if t <= warmup:
+            consensus_step(mean)
+            for m in range(world):
+                own[m].data.copy_(consensus.detach())
+                write_flat(own[m].detach(), list(workers[m].parameters()))
+            continue
         for m in range(world):  # the eager outer step: own fresh share in, own stale share out
             own_step[m]((previous if previous is not None else 0) + (deltas[m] - mine_before[m]) / world)
             write_flat(own[m].detach(), list(workers[m].parameters()))
@@ -88,6 +98,10 @@ def _eager_streaming(rank, world):  # one fragment: a period's mean lands at the
     return _eager_run(rank, "streaming_diloco", dict(fragments=1, fragment_delay=1, **DILOCO))
 
 
+def _eager_warm(rank, world):  # syncs at steps 2 and 4 wait for their mean, eager from step 6 (MID)
+    return _eager_run(rank, "diloco", dict(outer_delay_warmup=4, **DILOCO_M0))
+
+
 def _resumed(rank, world):
     """diloco --eager: a state taken at step 5 (period 2's mean in flight, a share standing in)
     loaded into a fresh run continues to the same parameters as the run that never stopped."""
@@ -112,17 +126,19 @@ def _bytes(rank, world):
 
 
 LOCAL_SGD_RUNS = {"eager_diloco": (_eager_diloco, (2,)), "eager_sparseloco": (_eager_sparseloco, (2,)),
-                  "eager_streaming": (_eager_streaming, (2,)), "eager_resumed": (_resumed, (2,)),
+                  "eager_streaming": (_eager_streaming, (2,)), "eager_warm": (_eager_warm, (2,)),
+                  "eager_resumed": (_resumed, (2,)),
                   "eager_bytes": (_bytes, (2,))}
 
 
 @pytest.mark.procs
 @pytest.mark.parametrize("scenario, outer, wire", [("eager_diloco", DILOCO, None),
                                                    ("eager_sparseloco", SPARSE, SPARSELOCO_WIRE),
-                                                   ("eager_streaming", DILOCO, None)])
+                                                   ("eager_streaming", DILOCO, None),
+                                                   ("eager_warm", DILOCO_M0, None)])
 def test_eager_updates_equal_the_papers_per_worker_recursion(local_sgd_runs, scenario, outer, wire):
     ranks = local_sgd_runs(2)
-    mid, final = eager_reference(2, outer, wire)
+    mid, final = eager_reference(2, outer, wire, warmup=4 if scenario == "eager_warm" else 0)
     for r, got in enumerate(ranks):
         got_mid, got_final = got[scenario]
         assert rel_err(got_mid, mid[r]) <= 1e-6, f"{scenario} rank {r} θ_m at step {MID}: {rel_err(got_mid, mid[r]):.2e}"

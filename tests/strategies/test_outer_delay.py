@@ -12,16 +12,20 @@ from local_sgd import (adamw, build, check_counted_bytes, count_bytes, diloco_h4
 from lowcomm.contract.context import flat_of, write_flat
 
 H, STEPS = 2, 9  # four periods and a final one that ends mid-period (the final drain)
+WARMUP = 4  # --outer-delay-warmup: two synchronous syncs, then two delayed ones and the final
 OUTER = dict(outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True)  # DiLoCo's outer SGD
 BYTE_CASES = [(dict(sync_every=3, outer_delay=1), 7), (dict(sync_every=2, outer_delay=1, outer_precision="int8"), 5)]
 
 
-def delayed_reference(world: int, steps: int, every: int, outer_lr=0.7, outer_momentum=0.9, nesterov=True) -> torch.Tensor:
+def delayed_reference(world: int, steps: int, every: int, outer_lr=0.7, outer_momentum=0.9, nesterov=True,
+                      warmup: int = 0) -> torch.Tensor:
     """PCCL's async DiLoCo (examples/nanogpt_diloco/async_diloco.py), transcribed for `world`
     workers in one process: at the end of each period, Δ_r = θ − x_r against the θ the period
     started from; the mean issued a period ago (if any) takes the outer step; every worker
     restarts from θ. The run's last step is a final sync (lowcomm's, not the script's, which
-    drops the last mean): this period's Δ, then both means in order."""
+    drops the last mean): this period's Δ, then both means in order. `warmup`: the syncs up to
+    that step take their own mean's outer step at once (a synchronous start), so the first sync
+    after it has no earlier mean left to apply: every mean takes one outer step, in order."""
     first, workers, inner = reference_workers(world)
     theta = torch.nn.Parameter(flat_of(first.parameters()).float().clone(), requires_grad=False)
     outer_step = outer_sgd(theta, outer_lr, outer_momentum, nesterov)
@@ -41,6 +45,9 @@ def delayed_reference(world: int, steps: int, every: int, outer_lr=0.7, outer_mo
             if previous is not None:
                 outer_step(previous)
             outer_step(last)
+            restart()
+        elif t % every == 0 and t <= warmup:
+            outer_step(mean_delta())
             restart()
         elif t % every == 0:
             delta = mean_delta()
@@ -64,6 +71,15 @@ def _delayed_diloco(rank, world):
 
 def _delayed_sparseloco(rank, world):  # its preset's outer step (lr 1, no momentum), the wire lossless
     return _delayed_run(rank, "sparseloco", dict(outer_compress="none"))
+
+
+def _warm_diloco(rank, world):  # syncs at steps 2 and 4 wait for their mean; from step 6 a period late
+    return _delayed_run(rank, "diloco", dict(outer_delay_warmup=WARMUP, **OUTER))
+
+
+def _warm_streaming(rank, world):  # the warm-up's syncs wait at once: τ = 1 and α = 0.5 do not apply
+    return _delayed_run(rank, "streaming_diloco", dict(fragments=1, fragment_delay=1, merge_alpha=0.5,
+                                                       outer_delay_warmup=WARMUP, **OUTER))
 
 
 def _delayed_streaming(rank, world):  # one fragment: a period's mean lands at the next sync, whatever τ
@@ -108,18 +124,23 @@ def _rejoined(rank, world):
 
 
 def _delay0(rank, world):
-    """--outer-delay 0 given explicitly: the synchronous algorithm (the shared diloco H=4 run)."""
-    model, run = build("diloco", adamw, total_steps=10, sync_every=4, outer_delay=0, eager=False)
-    train(run, rank, 10)
-    run.close()
-    return flat_params(model), diloco_h4(rank, world)
+    """--outer-delay 0 given explicitly, and --outer-delay 1 with a warm-up as long as the run:
+    each the synchronous algorithm (the shared diloco H=4 run)."""
+    finals = []
+    for options in (dict(outer_delay=0, eager=False), dict(outer_delay=1, eager=True, outer_delay_warmup=10)):
+        model, run = build("diloco", adamw, total_steps=10, sync_every=4, **options)
+        train(run, rank, 10)
+        run.close()
+        finals.append(flat_params(model))
+    return *finals, diloco_h4(rank, world)
 
 
 def _bytes(rank, world):
     return count_bytes(rank, "diloco", BYTE_CASES)
 
 
-LOCAL_SGD_RUNS = {"delay_diloco": (_delayed_diloco, (2,)), "delay_sparseloco": (_delayed_sparseloco, (2,)),
+LOCAL_SGD_RUNS = {"delay_diloco": (_delayed_diloco, (2,)), "delay_warm": (_warm_diloco, (2,)),
+                  "delay_warm_streaming": (_warm_streaming, (2,)), "delay_sparseloco": (_delayed_sparseloco, (2,)),
                   "delay_streaming": (_delayed_streaming, (2,)), "delay_resumed": (_resumed, (2,)),
                   "delay_zero": (_delay0, (2,)), "delay_bytes": (_bytes, (2,)), "delay_rejoined": (_rejoined, (2,))}
 
@@ -135,8 +156,20 @@ def test_a_one_step_delayed_outer_step_equals_its_transcription(local_sgd_runs, 
     for r, got in enumerate(ranks):
         assert rel_err(got[scenario], want) <= 1e-6, f"{scenario} rank {r}: {rel_err(got[scenario], want):.2e}"
     # the transcription is not the synchronous algorithm: the delay changes what is learned
-    sync, _ = ranks[0]["delay_zero"]
+    sync, _, _ = ranks[0]["delay_zero"]
     assert rel_err(sync, want) > 1e-3
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("scenario", ["delay_warm", "delay_warm_streaming"])
+def test_a_warm_up_takes_its_syncs_outer_steps_at_once_and_the_rest_a_period_late(local_sgd_runs, scenario):
+    ranks = local_sgd_runs(2)
+    want = delayed_reference(2, STEPS, H, warmup=WARMUP)
+    for r, got in enumerate(ranks):
+        assert rel_err(got[scenario], want) <= 1e-6, f"{scenario} rank {r}: {rel_err(got[scenario], want):.2e}"
+    # neither the delayed run nor the synchronous one
+    assert rel_err(ranks[0]["delay_diloco"], want) > 1e-3
+    assert rel_err(delayed_reference(2, STEPS, H, warmup=STEPS), want) > 1e-3
 
 
 @pytest.mark.procs
@@ -156,9 +189,10 @@ def test_a_reloaded_reduction_in_flight_is_reissued_and_a_joiners_part_counts_fo
 
 
 @pytest.mark.procs
-def test_a_delay_of_zero_is_the_synchronous_algorithm_bit_for_bit(local_sgd_runs):
-    for explicit, default in (r["delay_zero"] for r in local_sgd_runs(2)):
+def test_a_delay_of_zero_or_a_warm_up_as_long_as_the_run_is_the_synchronous_algorithm_bit_for_bit(local_sgd_runs):
+    for explicit, all_warm_up, default in (r["delay_zero"] for r in local_sgd_runs(2)):
         assert torch.equal(explicit, default)
+        assert torch.equal(all_warm_up, default)
 
 
 @pytest.mark.procs
@@ -189,3 +223,14 @@ def test_the_run_says_when_it_starts_how_pccl_runs_the_delay(tmp_path, data_file
     assert said["--strategy streaming_diloco"] == [
         "note: --outer-delay 1: each fragment's mean takes its outer step at the fragment's next sync, a period "
         f"later, and the next period starts from θ_global: --fragment-delay and --merge-alpha do not apply; {pccl}"]
+
+
+def test_a_warm_up_without_the_delay_is_refused_in_one_line(tmp_path, data_file, capfd):
+    from lowcomm.cli.main import main
+    out = tmp_path / "run"
+    argv = ["train", "--strategy", "diloco", "--outer-delay-warmup", "64", "--data", str(data_file), "--out", str(out)]
+    assert main(argv) == 2
+    assert capfd.readouterr().err.strip().splitlines() == [
+        "error: --outer-delay-warmup 64 needs --outer-delay 1: with --outer-delay 0 every sync waits for its mean "
+        "already"]
+    assert not out.exists()

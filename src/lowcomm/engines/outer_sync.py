@@ -70,16 +70,20 @@ def plan_occurrences(op: PlannedOp, steps: int) -> int:
     return op.occurrences(steps - 1) + 1
 
 
-def exposed_s(plan: list[PlannedOp], price, rate, hidden_s: float, steps: int | None) -> float:
+def exposed_s(plan: list[PlannedOp], price, rate, hidden_s: float, steps: int | None,
+              synchronous_until: int = 0) -> float:
     """Seconds a step waits for the syncs of `plan` (price(op): one occurrence's time; rate(op):
     occurrences per step): a regular sync runs behind `hidden_s` of inner steps before it is
-    waited for (τ of them, a period with --outer-delay 1, none otherwise); the final sync of a
+    waited for (τ of them, a period with --outer-delay 1, none otherwise), but for those up to
+    step `synchronous_until` (--outer-delay-warmup), which wait in full; the final sync of a
     run of `steps` steps (every fragment at the last step) has nothing left to hide behind, so
     all of its time is exposed -- the fragments issued together, one after another on the link."""
     total = 0.0
     for op in plan:
-        final = 1 / steps if steps and not is_calibration(op) else 0.0
-        total += max(0.0, price(op) - hidden_s) * (rate(op) - final) + price(op) * final
+        counted = steps and not is_calibration(op)
+        final = 1 / steps if counted else 0.0
+        warm = op.occurrences(min(synchronous_until, steps - 1)) / steps if counted else 0.0
+        total += max(0.0, price(op) - hidden_s) * (rate(op) - final - warm) + price(op) * (final + warm)
     return total
 
 

@@ -13,7 +13,9 @@ The syncs are the outer-sync engine's (outer_sync.py, shared with Streaming DiLo
 SparseLoCo); beyond the paper, Δ may travel in bf16, int8/int4 or a compressor SPEC with
 error feedback (outer_wire.py), phases may fit each worker's speed (sync_by_time.py), and the
 outer step may come a period late (--outer-delay 1, PCCL's async DiLoCo), each worker's own Δ_r
-standing in for its share of the mean in flight (--eager, Kale et al.'s eager updates: eager.py).
+standing in for its share of the mean in flight (--eager, Kale et al.'s eager updates: eager.py),
+after a warm-up whose syncs still wait for their mean (--outer-delay-warmup, as DiLoCo's own runs
+start from a synchronously trained model).
 
 Under --elastic (contract/elastic.py) the commit points are the outer syncs, where every member
 holds θ_global and the outer momentum alike: that is the state a joiner receives, as a torchft
@@ -79,12 +81,17 @@ class DiLoCoOptions(Options):
                               "during period t+1 and applies it at t+1's end (PCCL's async DiLoCo)", min=0, max=1)
     eager: bool = option(False, "with --outer-delay 1: each worker's own pseudo-gradient stands in for its share of "
                          "the mean in flight until that mean lands (Kale et al.'s eager updates)")
+    outer_delay_warmup: int = option(0, "with --outer-delay 1: the syncs of the first N trainer steps still wait "
+                                     "for their mean (a synchronous start); later ones are a period late", min=0)
 
     def check(self) -> None:
         self.wire().check()
         if self.eager and not self.outer_delay:
             raise UsageError("--eager needs --outer-delay 1: the worker's own pseudo-gradient stands in for a mean "
                              "in flight, and with --outer-delay 0 none is")
+        if self.outer_delay_warmup and not self.outer_delay:
+            raise UsageError(f"--outer-delay-warmup {self.outer_delay_warmup} needs --outer-delay 1: with --outer-delay "
+                             f"0 every sync waits for its mean already")
         if self.eager and self.sync_by == "time":
             raise UsageError("--eager does not run with --sync-by time: a worker's share of a FedNova mean is known "
                              "only when the mean lands")
@@ -111,6 +118,10 @@ class DiLoCoOptions(Options):
     def streaming(self) -> tuple[int, int, float]:
         """(fragments F, merge delay τ, merge weight α): one, none, θ_global (Streaming DiLoCo's vary)."""
         return 1, 0, 0.0
+
+    def delayed_at(self, t: int) -> bool:
+        """Is the sync at trainer step t (from 1) a period late: --outer-delay 1, past the warm-up?"""
+        return bool(self.outer_delay) and t > self.outer_delay_warmup
 
     def hidden_steps(self) -> int:
         """Inner steps whose compute a sync's reduction runs behind before it is waited for."""
@@ -149,10 +160,12 @@ class DiLoCo(Strategy):
     @classmethod
     def exposed_comm_s(cls, plan, cost, options):
         # A sync's reduction runs behind the inner steps until it is waited for: τ of them
-        # (streaming), a whole period with --outer-delay 1, none otherwise; the final one behind none.
+        # (streaming), a whole period with --outer-delay 1 (but for the warm-up's syncs, which
+        # wait in full), none otherwise; the final one behind none.
         return outer_sync.exposed_s(plan, lambda op: cost.price(op.collective, op.nbytes),
                                     lambda op: cls.plan_rate(op, options, cost.steps),
-                                    options.hidden_steps() * cost.compute_s, cost.steps)
+                                    options.hidden_steps() * cost.compute_s, cost.steps,
+                                    options.outer_delay_warmup if options.outer_delay else 0)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -236,8 +249,12 @@ class DiLoCo(Strategy):
         self.sync.end_slot(t, ctx.t0)
         if t == self.total_steps:
             return self.finish(1, ctx)
-        if self.options.outer_delay:
+        if self.options.delayed_at(t):
             return self._sync_late(ctx, t)
+        if self.options.outer_delay:  # a warm-up sync: waited for at once, nothing left in flight
+            for i in self.sync.due(t):
+                self.sync.issue(i, t)
+            return self._land(ctx, t, 0.0)
         self._land(ctx, t, self.alpha)  # syncs issued `delay` steps ago
         self.sync.issue_due(t)
         self._land(ctx, t, self.alpha)  # delay 0: at once
@@ -267,8 +284,8 @@ class DiLoCo(Strategy):
 
     def _collect(self, ctx=None, *fragments: int) -> None:
         """Wait for the reductions in flight (of `fragments`, else all); outer step on each
-        (--outer-delay 1: each mean is kept for its step, one period after it was issued)."""
-        if self.options.outer_delay:
+        (--outer-delay 1 past its warm-up: each mean is kept for its step, one period after it was issued)."""
+        if self.options.delayed_at(self.steps_done + 1):
             return self.sync.drain(*fragments)
         for i, delta in self.sync.wait(*fragments):
             self._outer_step(ctx, i, delta)
