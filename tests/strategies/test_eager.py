@@ -15,6 +15,7 @@ from lowcomm.contract.context import flat_of, write_flat
 from lowcomm.engines.outer_wire import WireFormat
 
 H, STEPS, MID = 2, 9, 6  # four periods and a final one that ends mid-period; MID: a sync step
+WARMUP = 4  # --outer-delay-warmup: syncs at steps 2 and 4 wait for their mean, eager from step 6 (MID)
 DILOCO = dict(outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True)  # DiLoCo's outer SGD
 DILOCO_M0 = dict(outer_lr=0.7, outer_momentum=0.0, outer_nesterov=False)  # eager's measured best
 SPARSE = dict(outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)  # SparseLoCo's preset
@@ -98,8 +99,8 @@ def _eager_streaming(rank, world):  # one fragment: a period's mean lands at the
     return _eager_run(rank, "streaming_diloco", dict(fragments=1, fragment_delay=1, **DILOCO))
 
 
-def _eager_warm(rank, world):  # syncs at steps 2 and 4 wait for their mean, eager from step 6 (MID)
-    return _eager_run(rank, "diloco", dict(outer_delay_warmup=4, **DILOCO_M0))
+def _eager_warm(rank, world):
+    return _eager_run(rank, "diloco", dict(outer_delay_warmup=WARMUP, **DILOCO_M0))
 
 
 def _resumed(rank, world):
@@ -132,13 +133,13 @@ LOCAL_SGD_RUNS = {"eager_diloco": (_eager_diloco, (2,)), "eager_sparseloco": (_e
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("scenario, outer, wire", [("eager_diloco", DILOCO, None),
-                                                   ("eager_sparseloco", SPARSE, SPARSELOCO_WIRE),
-                                                   ("eager_streaming", DILOCO, None),
-                                                   ("eager_warm", DILOCO_M0, None)])
-def test_eager_updates_equal_the_papers_per_worker_recursion(local_sgd_runs, scenario, outer, wire):
+@pytest.mark.parametrize("scenario, outer, wire, warmup", [("eager_diloco", DILOCO, None, 0),
+                                                           ("eager_sparseloco", SPARSE, SPARSELOCO_WIRE, 0),
+                                                           ("eager_streaming", DILOCO, None, 0),
+                                                           ("eager_warm", DILOCO_M0, None, WARMUP)])
+def test_eager_updates_equal_the_papers_per_worker_recursion(local_sgd_runs, scenario, outer, wire, warmup):
     ranks = local_sgd_runs(2)
-    mid, final = eager_reference(2, outer, wire, warmup=4 if scenario == "eager_warm" else 0)
+    mid, final = eager_reference(2, outer, wire, warmup)
     for r, got in enumerate(ranks):
         got_mid, got_final = got[scenario]
         assert rel_err(got_mid, mid[r]) <= 1e-6, f"{scenario} rank {r} θ_m at step {MID}: {rel_err(got_mid, mid[r]):.2e}"

@@ -142,10 +142,11 @@ class OuterSync:
         return [i for i, (f, _) in enumerate(self.fragments) if syncs_at(t, sync_offset(f, self.every, self.count),
                                                                           self.every)]
 
-    def issue_due(self, t: int) -> None:
-        """Start the syncs due at trainer step t (from 1); each merges at t + delay."""
+    def issue_due(self, t: int, delay: int | None = None) -> None:
+        """Start the syncs due at trainer step t (from 1); each merges at t + delay (the engine's τ
+        unless given: --outer-delay-warmup's syncs merge at once)."""
         for i in self.due(t):
-            self.issue(i, t + self.delay)
+            self.issue(i, t + (self.delay if delay is None else delay))
 
     def issue(self, i: int, merge_at: int) -> torch.Tensor:
         """Start fragment i's sync now: Δ against where this worker started from (θ_global, plus

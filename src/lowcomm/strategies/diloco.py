@@ -252,8 +252,7 @@ class DiLoCo(Strategy):
         if self.options.delayed_at(t):
             return self._sync_late(ctx, t)
         if self.options.outer_delay:  # a warm-up sync: waited for at once, nothing left in flight
-            for i in self.sync.due(t):
-                self.sync.issue(i, t)
+            self.sync.issue_due(t, delay=0)
             return self._land(ctx, t, 0.0)
         self._land(ctx, t, self.alpha)  # syncs issued `delay` steps ago
         self.sync.issue_due(t)
