@@ -109,6 +109,7 @@ class InsideFSDP:
             raise UsageError(f"--inside fsdp cannot shard the 0-d parameter '{scalars[0]}' (FSDP2 shards dim 0): "
                              "give it shape (1,) or use --inside ddp")
         self._originals = trainable(model)  # the user's parameters, until the optimizer's groups are read
+        self._owners = [(module, name, p) for module in model.modules() for name, p in module.named_parameters(recurse=False)]
         device = next(model.parameters()).device
         mesh = DeviceMesh.from_group(self.comm.group, device.type)
         self.units = [*(block_list(model) or []), model]  # the root last: it takes what the blocks left
@@ -128,7 +129,9 @@ class InsideFSDP:
         """make_optimizer as the strategy calls it, on this rank's shards, with the param groups
         the user's make_optimizer gives the model's own parameters. FSDP replaced those, so
         groups chosen by name or identity would all miss the shards: the user's function is
-        called once on the originals, and each group rebuilt on their shards (flat.rebuilt)."""
+        called once on the originals, while the model shows them again (a function that reads
+        model.named_parameters() when called, as nanoGPT's configure_optimizers does, would
+        otherwise get FSDP's DTensors), and each group rebuilt on their shards (flat.rebuilt)."""
         read = []  # (the reference optimizer, its groups by index), once
 
         def make(params):
@@ -136,9 +139,10 @@ class InsideFSDP:
             if len(params) != len(self.local) or any(p is not q for p, q in zip(params, self.local)):
                 return make_optimizer(params)  # not the shards: nothing to map
             if not read:
-                reference = make_optimizer(self._originals)
+                with _showing(self._owners):
+                    reference = make_optimizer(self._originals)
                 read.append((reference, groups_by_index(reference, self._originals)))
-                self._originals = []  # the full tensors are FSDP's shards now: let them go
+                self._originals = self._owners = []  # the full tensors are FSDP's shards now: let them go
             return rebuilt(*read[0], self.local, make_optimizer)
         return make
 
@@ -175,6 +179,20 @@ class InsideFSDP:
         micro-batch the driver times as compute, and Comm counts them as exposed already."""
         waited, self._waited = self._waited, 0.0
         return waited
+
+
+@contextmanager
+def _showing(owners: list[tuple[nn.Module, str, nn.Parameter]]):
+    """Each (module, name, parameter) of `owners` registered on its module again, and what the
+    module holds now (FSDP's DTensor) put back after."""
+    now = [(module, name, module._parameters[name]) for module, name, _ in owners]
+    for module, name, p in owners:
+        module.register_parameter(name, p)
+    try:
+        yield
+    finally:
+        for module, name, p in now:
+            module.register_parameter(name, p)
 
 
 def shard_rows(rows: int, K: int, rank: int) -> int:
