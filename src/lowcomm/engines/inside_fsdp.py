@@ -109,7 +109,8 @@ class InsideFSDP:
             raise UsageError(f"--inside fsdp cannot shard the 0-d parameter '{scalars[0]}' (FSDP2 shards dim 0): "
                              "give it shape (1,) or use --inside ddp")
         self._originals = trainable(model)  # the user's parameters, until the optimizer's groups are read
-        self._owners = [(module, name, p) for module in model.modules() for name, p in module.named_parameters(recurse=False)]
+        self._owners = [(module, name, p) for module in model.modules()
+                        for name, p in module.named_parameters(recurse=False)]
         device = next(model.parameters()).device
         mesh = DeviceMesh.from_group(self.comm.group, device.type)
         self.units = [*(block_list(model) or []), model]  # the root last: it takes what the blocks left
