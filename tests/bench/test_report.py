@@ -84,6 +84,29 @@ def test_a_run_that_ends_above_its_starting_loss_sets_no_target_and_is_named(tmp
             "onebit_adam (10.1000, from 5.5000).") in text
 
 
+def test_a_run_that_got_worse_at_its_end_sets_no_target_and_is_named(tmp_path):
+    """diloco's last validation (4.76) is far above its own best (3.97): as the target, every other
+    run would "reach" it at its first validation point and the fastest at any load would win."""
+    runs = [fake_run(tmp_path, "ddp", [(0.5, 50e6, 5.0), (1, 100e6, 4.6), (2, 200e6, 3.0)]),
+            fake_run(tmp_path, "zero1", [(0.5, 50e6, 5.0), (1, 100e6, 4.6), (2.5, 200e6, 3.2)]),
+            fake_run(tmp_path, "diloco", [(0.5, 0, 4.5), (1, 10e6, 3.97), (1.5, 20e6, 4.76)])]
+    report_md, report = report_of(tmp_path, runs)
+    assert report["target_loss"] == 3.2  # not diloco's 4.76, which ddp and zero1 pass at 1 s
+    rows = {r["label"]: r for r in report["rows"]}
+    assert (rows["diloco"]["regressed"], rows["diloco"]["best_val_loss"], rows["diloco"]["best_val_step"]) == \
+        (True, 3.97, 2)
+    assert [r["comparable"] for r in report["rows"]] == [True] * 3
+    assert not rows["ddp"]["regressed"] and not rows["zero1"]["regressed"]
+    text = answer_of(report_md)
+    assert "First to reach it: **ddp**" in text and "**diloco**" not in text
+    assert ("Got worse at its end (final loss over 5% above its own best), so left out of the target and this "
+            "answer: diloco (4.7600 at its end, 3.9700 at step 2).") in text
+    # a run that rises a little at its end (validation noise) still sets the target
+    noisy = fake_run(tmp_path / "noisy", "diloco", [(0.5, 0, 4.5), (1, 10e6, 3.97), (1.5, 20e6, 4.05)])
+    _, again = report_of(tmp_path / "noisy", [runs[0], noisy])
+    assert again["target_loss"] == 4.05
+
+
 def test_no_run_reaching_the_target_says_so(tmp_path):
     runs = [fake_run(tmp_path, "ddp", [(1, 1e6, 4.0), (2, 2e6, 3.5)])]
     text = answer_of(report_of(tmp_path, runs, target=3.0)[0])

@@ -3,6 +3,7 @@ with the fewest bytes, and which to pick for the measured setting, and why."""
 from __future__ import annotations
 
 from .levels import level_sentence
+from .table import REGRESSED
 
 # Runs whose time to the target is within this share of the fastest count as equally fast:
 # back-to-back runs of one strategy on the shared 2-core machine differ by about this much.
@@ -14,7 +15,8 @@ FINAL_LOSS_GAP = 0.02
 
 def answer(rows: list[dict], target: float | None, setting: str) -> str:
     """`rows`: table.row() dicts, with 'comparable' set; `setting`: the measured setup in words."""
-    ok = [r for r in rows if r["status"] == "ok" and r.get("comparable", True) and not r.get("diverged")]
+    ok = [r for r in rows if r["status"] == "ok" and r.get("comparable", True) and not r.get("diverged")
+          and not r.get("regressed")]
     notes = _caveats(rows)
     if not ok:
         return " ".join(["**Answer.** No run finished, so there is nothing to recommend.", *notes])
@@ -84,6 +86,12 @@ def _caveats(rows: list[dict]) -> list[str]:
         out.append("Ended above the loss it started at (diverged), so left out of the target and this answer: "
                    + ", ".join(f"{r['label']} ({r['final_val_loss']:.4f}, from {r['starting_loss']:.4f})"
                                for r in worse) + ".")
+    late = [r for r in rows if r["status"] == "ok" and r.get("regressed") and not r.get("diverged")]
+    if late:
+        out.append(f"Got worse at its end (final loss over {100 * REGRESSED:.0f}% above its own best), so left out "
+                   "of the target and this answer: " + ", ".join(
+                       f"{r['label']} ({r['final_val_loss']:.4f} at its end, {r['best_val_loss']:.4f} at step "
+                       f"{r['best_val_step']})" for r in late) + ".")
     more = [r for r in rows if r["status"] == "ok" and r.get("tokens_planned") and r["tokens"] > r["tokens_planned"]]
     if more:
         out.append("Trained more tokens than planned (their steps computed extra micro-batches: see each "

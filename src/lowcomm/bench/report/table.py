@@ -6,7 +6,7 @@ import math
 
 from .levels import COLUMNS as LEVEL_COLUMNS
 from .levels import level_cells
-from ...metrics.runs import Failed, RecordedRun, reach
+from ...metrics.runs import Failed, Point, RecordedRun, reach
 from .setup import setup_of
 
 # (key, header, format): the Markdown shows each number in this format; report.json has it unrounded.
@@ -22,6 +22,11 @@ COLUMNS = [
     ("peak_mem_mib", "peak memory MiB", "{:.0f}"),
 ]
 
+
+# A final validation loss this far above the run's own best means it got worse at its end (a
+# late outer step that moved the model away, an instability), not the noise of validation
+# (a few batches: about 1 % between neighbouring points of a run that still improves).
+REGRESSED = 0.05
 
 # Runs with outer syncs (the local-SGD family): what each sync left exposed, on average.
 OUTER_COLUMN = ("exposed_s_per_outer_sync", "exposed s per outer sync", "{:.3f}")
@@ -49,11 +54,23 @@ def diverged(entry) -> bool:
     return start is not None and not final < start
 
 
+def best_point(entry) -> Point | None:
+    """The run's lowest validation point (None for a run that logged none)."""
+    return min(entry.curve, key=lambda p: p.val_loss, default=None)
+
+
+def regressed(entry) -> bool:
+    """Did the run get worse at its end: its final loss more than REGRESSED above its own best?
+    As the target, that final loss would be reached by every other run at once."""
+    best, final = best_point(entry), entry.summary["final_val_loss"]
+    return best is not None and not final <= best.val_loss * (1 + REGRESSED)
+
+
 def default_target(entries: list) -> float | None:
-    """The worst (highest) final validation loss of the runs that finished and did not diverge:
-    every one of them reaches it."""
+    """The worst (highest) final validation loss of the runs that finished, did not diverge and did
+    not get worse at their end: every one of them reaches it."""
     finals = [e.summary["final_val_loss"] for e in entries if isinstance(e, RecordedRun)
-              and math.isfinite(e.summary["final_val_loss"]) and not diverged(e)]
+              and math.isfinite(e.summary["final_val_loss"]) and not diverged(e) and not regressed(e)]
     return max(finals) if finals else None
 
 
@@ -62,7 +79,7 @@ def row(entry, target: float | None, apart: list[str] | None = None, levels: boo
     `levels`: with each level's bytes and waits (a run of the report has replica groups)."""
     if isinstance(entry, Failed):
         return {"label": entry.label, "status": "failed", "error": entry.error}
-    s, curve = entry.summary, entry.curve
+    s, curve, best = entry.summary, entry.curve, best_point(entry)
     to_time = reach(curve, target, "time_s") if target is not None else None
     to_bytes = reach(curve, target, "wire_bytes") if target is not None else None
     return (level_cells(entry) if levels else {}) | {
@@ -70,6 +87,8 @@ def row(entry, target: float | None, apart: list[str] | None = None, levels: boo
         "workers": s["workers"], "steps": s["steps"], "tokens": s["tokens"], "tokens_planned": setup_of(entry).tokens,
         "comparable": not apart, "not_comparable": apart or [], "wall_s": s["wall_s"],
         "final_val_loss": s["final_val_loss"], "diverged": diverged(entry), "starting_loss": starting_loss(entry),
+        "regressed": regressed(entry), "best_val_loss": best.val_loss if best else None,
+        "best_val_step": best.step if best else None,
         "time_to_target_s": to_time,
         "mb_to_target": to_bytes / 1e6 if to_bytes is not None else None,
         "tokens_per_s": s["tokens_per_s"],
