@@ -107,6 +107,78 @@ def test_a_run_that_got_worse_at_its_end_sets_no_target_and_is_named(tmp_path):
     assert again["target_loss"] == 4.05
 
 
+def test_each_runs_load_is_in_the_table_and_a_timing_dependent_run_is_marked(tmp_path):
+    """Adaptive acco's loss moves with the timing (the default bench: 3.04, 3.31, 3.30 on three
+    days): its row says so; deterministic acco's does not."""
+    runs = [fake_run(tmp_path, "ddp", [(1, 100e6, 4.0), (2, 200e6, 3.0)], load=3.14),
+            fake_run(tmp_path, "acco", [(1, 100e6, 4.0), (2, 200e6, 3.1)], load=4.0,
+                     options={"deterministic": False}),
+            fake_run(tmp_path, "acco", [(1, 100e6, 4.0), (2, 200e6, 3.1)], load=4.0,
+                     options={"deterministic": True}, name="acco-det")]
+    report_md, report = report_of(tmp_path, runs)
+    head = next(line for line in report_md.splitlines() if line.startswith("| strategy"))
+    assert head.rstrip(" |").endswith("| load at end")
+    lines = {line.split(" | ")[0]: line for line in report_md.splitlines() if line.startswith("| ")}
+    assert lines["| ddp"].endswith("| 3.1 |") and lines["| acco (acco) ‡"].endswith("| 4.0 |")
+    assert "| acco (acco-det) |" in report_md  # no mark
+    assert "Load at end: the 1-minute load average when the run ended, on 2 cores" in report_md
+    assert ("‡ Its result moves with the timing, so with the load: acco (acco): acco computes micro-batches while "
+            "it communicates") in report_md
+    assert [r["load"] for r in report["rows"]] == [3.14, 4.0, 4.0]
+
+
+def test_runs_whose_loads_differ_more_than_their_times_are_not_ranked_by_time(tmp_path):
+    """ddp timed at load 10.9 and diloco at 24.5 on 2 cores (as a default bench ran them):
+    diloco's 1.8x longer time is less than the 2.25x contention it ran under, so no ranking."""
+    def two(root, ddp_load, diloco_load):
+        return report_of(root, [fake_run(root, "ddp", [(5, 100e6, 4.0), (10, 200e6, 3.0)], load=ddp_load),
+                                fake_run(root, "diloco", [(9, 1e6, 4.0), (18, 2e6, 3.0)], load=diloco_load)])[0]
+    text = answer_of(two(tmp_path / "a", 10.9, 24.5))
+    assert ("Not ranked by time, nor picked: diloco took 1.80x ddp's time to the target but ran under 2.25x its "
+            "contention (load 24.5 on 2 cores against load 10.9 on 2 cores), so the load alone could make it "
+            "faster. Rerun on a quieter machine, or with --repeats 2") in text
+    assert "First to reach it" not in text and "Pick" not in text
+    assert "Fewest bytes to it, which the load does not move: **diloco** (2.00 MB)." in text
+    # equal loads, or loads apart by less than the times are: ranked as before
+    for root, loads in (("b", (10.9, 10.9)), ("c", (10.9, 12.0)), ("d", (24.5, 10.9))):
+        text = answer_of(two(tmp_path / root, *loads))
+        assert "First to reach it: **ddp** (10.0 s; next diloco, 18.0 s)." in text, loads
+    # a tie within the noise is no tie when the loads could hide a difference beyond it
+    tied = [fake_run(tmp_path / "e", "ddp", [(5, 100e6, 4.0), (10, 200e6, 3.0)], load=2.0),
+            fake_run(tmp_path / "e", "zero1", [(5, 100e6, 4.0), (10.2, 200e6, 3.0)], load=3.0)]
+    assert "zero1 took 1.02x ddp's time to the target but ran under 1.50x its contention" in \
+        answer_of(report_of(tmp_path / "e", tied)[0])
+
+
+def test_repeated_runs_are_compared_round_by_round(tmp_path):
+    """A bench of two interleaved rounds (ddp, diloco, then diloco, ddp) while the load climbs:
+    the answer takes each strategy once, at the median of its rounds, and checks the load against
+    the rounds' ratios, in which the climb cancels out."""
+    bench = tmp_path / "bench"
+    plan = [("ddp", 1, 4.0, 10.0), ("diloco", 1, 6.0, 15.0), ("diloco", 2, 8.0, 16.0), ("ddp", 2, 10.0, 13.0)]
+    listed = []
+    for strategy, i, load, seconds in plan:
+        fake_run(bench, strategy, [(seconds / 2, 100e6, 4.0), (seconds, 200e6, 3.0)], load=load, name=f"{strategy}/r{i}")
+        listed.append({"label": f"{strategy} r{i}", "dir": f"{strategy}/r{i}", "status": "ok", "strategy": strategy,
+                       "group": strategy, "round": i})
+    (bench / "bench.json").write_text(json.dumps({"lowcomm_bench": 1, "runs": listed}))
+    report_md, report = report_of(tmp_path, [bench])
+    assert [r["label"] for r in report["rows"]] == ["ddp r1", "diloco r1", "diloco r2", "ddp r2"]
+    text = answer_of(report_md)
+    # time ratios 1.5 and 16/13, contention ratios 1.5 and 0.8: geometric means 1.36 and 1.10
+    assert "First to reach it: **ddp** (11.5 s, median of 2 rounds; next diloco, 15.5 s, median of 2 rounds)." in text
+    assert "Not ranked" not in text
+    # the second round at loads apart by far more than the times (ddp at 4, diloco at 30): refused
+    for r in listed[2:]:
+        summary = json.loads((bench / r["dir"] / "summary.json").read_text())
+        summary["machine"]["load_at_end"] = 4.0 if r["strategy"] == "ddp" else 30.0
+        (bench / r["dir"] / "summary.json").write_text(json.dumps(summary))
+    text = answer_of(report_of(tmp_path / "again", [bench])[0])
+    assert ("Not ranked by time, nor picked: diloco took 1.36x ddp's time to the target but ran under 3.35x its "
+            "contention (load 6.0/30.0 on 2 cores against load 4.0/4.0 on 2 cores; geometric means over 2 "
+            "interleaved rounds), so the load alone could make it faster.") in text
+
+
 def test_no_run_reaching_the_target_says_so(tmp_path):
     runs = [fake_run(tmp_path, "ddp", [(1, 1e6, 4.0), (2, 2e6, 3.5)])]
     text = answer_of(report_of(tmp_path, runs, target=3.0)[0])

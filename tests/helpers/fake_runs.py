@@ -28,12 +28,14 @@ latency = "10ms"
 
 def fake_run(root: Path, strategy: str, points: list[tuple[float, int, float]], *, params: int = 120_000,
              steps: int = 0, workers: int = 2, data: str = "shakespeare", state_mb: float = 1.0,
-             extra_tokens: int = 0) -> Path:
+             extra_tokens: int = 0, load: float | None = None, cores: int = 2, options: dict | None = None,
+             name: str = "") -> Path:
     """A finished run whose validation points are (seconds, bytes, loss), one step each
-    (`steps`: what its config planned, if not that)."""
+    (`steps`: what its config planned, if not that; `load`: the load average at its end, on
+    `cores`, where it recorded one; `name`: its directory, if not the strategy's)."""
     steps = steps or len(points)
-    run = root / strategy
-    run.mkdir(parents=True)
+    run = root / (name or strategy)
+    run.mkdir(parents=True, exist_ok=True)
     per_step = workers * 4 * 32
     steps_log, t, sent = [], 0.0, 0
     for i, (time_s, nbytes, loss) in enumerate(points, 1):
@@ -49,5 +51,6 @@ def fake_run(root: Path, strategy: str, points: list[tuple[float, int, float]], 
         "wire_bytes_per_rank_per_step": sent / workers / steps, "exposed_comm_fraction": 0.1,
         "optimizer_state_bytes_per_rank": state_mb * 1e6, "peak_mem_bytes": 2**28,
         "compute_s_per_rank": [t / 2] * workers, "exposed_comm_s_per_rank": [0.1] * workers,
-        "slowdown": [1.0] * workers}))
+        "slowdown": [1.0] * workers, "strategy_options": options or {},
+        **({"machine": {"cores": cores, "threads": workers, "load_at_end": load}} if load is not None else {})}))
     return run

@@ -1,5 +1,6 @@
 """`lowcomm bench`: every chosen strategy on the same model, data order, seed, workers,
-link and slowdowns, one after the other, then one report (bench/report/).
+link and slowdowns, one after the other (with --repeats N, in N interleaved rounds), then one
+report (bench/report/).
 
 Each strategy is a normal `lowcomm train` run in OUT/<strategy> (launch.prepare +
 launch.launch); bench.json lists them, with the error of any that failed, so
@@ -77,6 +78,17 @@ def parse_strategies(text: str | None, default: list[str] | None = None) -> list
     return names
 
 
+def parse_repeats(text: str | None) -> int:
+    """--repeats N (None: not given, so 1): how many interleaved rounds of the strategies."""
+    if text is None:
+        return 1
+    from ..contract.values import convert
+    value = convert(text, "int", "--repeats")
+    if value < 1:
+        raise UsageError(f"--repeats {value} must be at least 1 (1: each strategy once)")
+    return value
+
+
 def plan_runs(base: C.RunConfig, strategies: list[str], out: Path, tokens: int | None,
               eval_every_given: bool, overwrite: bool) -> list[Planned]:
     """One validated config per strategy (UsageError before anything is written)."""
@@ -101,14 +113,31 @@ def plan_runs(base: C.RunConfig, strategies: list[str], out: Path, tokens: int |
     return planned
 
 
+def interleaved(planned: list[Planned], repeats: int) -> list[Planned]:
+    """Every run `repeats` times, in rounds whose order alternates (A B C, then C B A, ...): each
+    strategy runs next to the others in every round, a load that drifts during the bench falls on
+    them alike, and the report compares them round by round (bench/report/conditions.py). Round
+    i of a strategy runs in OUT/<strategy>/r<i>/."""
+    if repeats == 1:
+        return planned
+    out = []
+    for i in range(1, repeats + 1):
+        for p in planned if i % 2 else planned[::-1]:
+            cfg = copy.deepcopy(p.cfg)
+            cfg.out = str(Path(p.cfg.out) / f"r{i}")
+            out.append(Planned(f"{p.label} r{i}", cfg, f"{p.label}/r{i}", {"group": p.label, "round": i}))
+    return out
+
+
 def run_bench(base: C.RunConfig, strategies: list[str], tokens: int | None, target_loss: float | None,
-              eval_every_given: bool, overwrite: bool, quiet: bool) -> int:
+              eval_every_given: bool, overwrite: bool, quiet: bool, repeats: int = 1) -> int:
     out = bench_dir(base.out, overwrite)
-    planned = plan_runs(base, strategies, out, tokens, eval_every_given, overwrite)
+    planned = interleaved(plan_runs(base, strategies, out, tokens, eval_every_given, overwrite), repeats)
     preflight([p.cfg for p in planned], out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"lowcomm_bench": 1, "strategies": strategies, "tokens": tokens, "target_loss": target_loss,
-            "workers": base.workers, "machine": machine.at_start([p.cfg for p in planned]), "runs": []}
+            "workers": base.workers, "repeats": repeats, "machine": machine.at_start([p.cfg for p in planned]),
+            "runs": []}
     try:
         _run_all(planned, meta, out, quiet)
     finally:  # also when interrupted: the runs that finished are reported
@@ -161,7 +190,10 @@ def describe(meta: dict, planned: list[Planned]) -> str:
     R = cfg.replicas or cfg.workers
     where = (f"{R} replicas of {cfg.workers // R} ({cfg.inside} inside), link {spec['link']} across replicas, "
              f"intra-link {spec['intra_link']} inside" if R < cfg.workers else f"link {spec['link']}")
-    return (f"{len(planned)} strategies on {cfg.workers} workers, model {cfg.model.preset} "
+    rounds = meta.get("repeats", 1)
+    return (f"{len(meta['strategies'])} strategies"
+            + (f" in {rounds} interleaved rounds (each round in the other order)" if rounds > 1 else "")
+            + f" on {cfg.workers} workers, model {cfg.model.preset} "
             f"(seq {cfg.model.seq_len}, micro-batch {cfg.micro_batch}, accum {cfg.accum}), seed {cfg.seed}, "
             f"data {cfg.data.source}, {where}"
             f", slowdown {','.join(f'{f:g}' for f in cfg.slowdown) or 'none'}"

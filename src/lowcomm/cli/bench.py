@@ -24,6 +24,9 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--tokens", metavar="N", help=f"training tokens per strategy, e.g. 2M (k, M, B; steps "
                        f"follow from each strategy's tokens per step; adaptive ones such as acco train more) "
                        f"(default: {DEFAULT_TOKENS:,}, unless --steps is given)")
+    bench.add_argument("--repeats", metavar="N", help="run every strategy N times, in interleaved rounds "
+                       "(A B C, C B A, ...), and compare them round by round: fair on a machine other jobs share "
+                       "(default: 1)")
     target_loss_flag(bench, "the worst strategy's final loss")
     bench.add_argument("--config", metavar="FILE", help="TOML file of settings for every run; flags override it "
                        "(default: none)")
@@ -41,12 +44,13 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from .. import config as C
-    from ..bench.compare import DEFAULT_LINK, DEFAULT_TOKENS, parse_strategies, run_bench
+    from ..bench.compare import DEFAULT_LINK, DEFAULT_TOKENS, parse_repeats, parse_strategies, run_bench
 
     if args.recipe is not None:
         return _recipe(args)
     if args.check_targets:
         raise UsageError("--check-targets applies to a recipe (lowcomm bench RECIPE.toml), whose runs have targets")
+    repeats = parse_repeats(args.repeats)
     cfg = config_from_args(args)
     if args.link is None and cfg.link.bandwidth is None and not args.config:
         C.set_link(cfg, DEFAULT_LINK)
@@ -54,7 +58,8 @@ def run(args) -> int:
     if tokens is None and not given(args, "--steps"):
         tokens = DEFAULT_TOKENS
     return run_bench(cfg, parse_strategies(args.strategies), tokens, target_loss(args),
-                     eval_every_given=given(args, "--eval-every"), overwrite=args.overwrite, quiet=args.quiet)
+                     eval_every_given=given(args, "--eval-every"), overwrite=args.overwrite, quiet=args.quiet,
+                     repeats=repeats)
 
 
 def _recipe(args) -> int:
@@ -68,6 +73,9 @@ def _recipe(args) -> int:
     for key, value in vars(args).items():
         if key not in RECIPE_FLAGS and value not in (None, False):
             flag = names.get(key, "--" + key.replace("_", "-"))
+            if key == "repeats":  # not a setting: a recipe repeats its runs over seeds
+                raise UsageError(f"--repeats does not apply with a recipe: {args.recipe} repeats each run at "
+                                 f"every seed of its seeds = [...]")
             raise UsageError(f"{flag} does not apply with a recipe: set it in {args.recipe}, where it reaches every run")
     return run_recipe(load_recipe(args.recipe), args.out or "", target_loss(args), args.overwrite, args.quiet,
                       args.check_targets)

@@ -41,6 +41,8 @@ class RecordedRun:
     summary: dict
     steps: list[dict]
     config: dict
+    group: str = ""            # the strategy a run of `lowcomm bench --repeats` repeats (else its label)
+    round: int | None = None   # which of those interleaved rounds it ran in
 
     @property
     def curve(self) -> list[Point]:
@@ -118,7 +120,9 @@ def load_bench(path: str | Path) -> Bench:
     bench = Bench(p, meta)
     for r in listed:
         if r.get("status") == "ok":
-            bench.entries.append(load_run(p / r["dir"], r["label"]))
+            run = load_run(p / r["dir"], r["label"])
+            run.group, run.round = r.get("group", ""), r.get("round")
+            bench.entries.append(run)
         else:
             bench.entries.append(Failed(r["label"], r.get("error") or "failed", p / r["dir"]))
     return bench

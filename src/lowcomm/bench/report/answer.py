@@ -1,13 +1,14 @@
 """The paragraph report.md opens with: which run reached the target first in time, which
-with the fewest bytes, and which to pick for the measured setting, and why."""
+with the fewest bytes, and which to pick for the measured setting, and why -- unless the runs'
+loads differ more than their times do (conditions.py), when it says so instead of ranking by
+time. The runs of a strategy repeated by `lowcomm bench --repeats` count as one, compared with
+the others round by round."""
 from __future__ import annotations
 
+from .conditions import TIME_NOISE, combined, confounded, unrecorded
 from .levels import level_sentence
 from .table import REGRESSED
 
-# Runs whose time to the target is within this share of the fastest count as equally fast:
-# back-to-back runs of one strategy on the shared 2-core machine differ by about this much.
-TIME_NOISE = 0.05
 # A pick whose own final loss is this much above the lowest one is said to be (the default
 # target is the loss every run reached, so the pick may be the run that only just got there).
 FINAL_LOSS_GAP = 0.02
@@ -20,16 +21,24 @@ def answer(rows: list[dict], target: float | None, setting: str) -> str:
     notes = _caveats(rows)
     if not ok:
         return " ".join(["**Answer.** No run finished, so there is nothing to recommend.", *notes])
+    runs, ok = ok, combined(ok)
     reached = [r for r in ok if r["time_to_target_s"] is not None]
     if not reached:
         best = min(ok, key=lambda r: r["final_val_loss"])
         text = (f"**Answer.** No run reached the target loss {target:.4f}; the lowest final loss is "
                 f"**{best['label']}**'s ({best['final_val_loss']:.4f}). Lower --target-loss no further than that, "
                 f"or train longer (--tokens).")
-        return " ".join([text, *_by_level(ok), *notes])
+        return " ".join([text, *_by_level(runs), *notes])
     by_time = sorted(reached, key=lambda r: r["time_to_target_s"])
     fastest = by_time[0]
     fewest = min(reached, key=lambda r: (r["mb_to_target"], r["time_to_target_s"]))
+    doubt = confounded(fastest, by_time[1:])
+    if doubt:
+        return " ".join([f"**Answer.** Target loss {target:.4f}, on {setting}.",
+                         f"Not ranked by time, nor picked: {doubt}. Rerun on a quieter machine, or with --repeats 2 "
+                         f"(each strategy twice, interleaved, and compared round by round).",
+                         f"Fewest bytes to it, which the load does not move: **{fewest['label']}** "
+                         f"({fewest['mb_to_target']:,.2f} MB).", *_by_level(runs), *notes])
     tied = [r for r in by_time if r["time_to_target_s"] <= fastest["time_to_target_s"] * (1 + TIME_NOISE)]
     pick = min(tied, key=lambda r: (r["mb_to_target"], r["optimizer_state_mb_per_rank"], r["time_to_target_s"]))
 
@@ -47,7 +56,7 @@ def answer(rows: list[dict], target: float | None, setting: str) -> str:
         text.append(f"But mind where it ends: {pick['label']}'s final loss {pick['final_val_loss']:.4f} is "
                     f"{gap:.0f}% above {best['label']}'s {best['final_val_loss']:.4f}; to compare them at a lower "
                     f"loss, give --target-loss (or train longer).")
-    return " ".join(text + _by_level(ok) + notes)
+    return " ".join(text + _by_level(runs) + notes)
 
 
 def _why(pick: dict, fastest: dict, fewest: dict, tied: list[dict]) -> str:
@@ -92,6 +101,9 @@ def _caveats(rows: list[dict]) -> list[str]:
                    "of the target and this answer: " + ", ".join(
                        f"{r['label']} ({r['final_val_loss']:.4f} at its end, {r['best_val_loss']:.4f} at step "
                        f"{r['best_val_step']})" for r in late) + ".")
+    unknown = unrecorded([r for r in rows if r["status"] == "ok" and "contention" in r])
+    if unknown:
+        out.append(f"No load recorded for {', '.join(unknown)} (older runs): times compared as measured.")
     more = [r for r in rows if r["status"] == "ok" and r.get("tokens_planned") and r["tokens"] > r["tokens_planned"]]
     if more:
         out.append("Trained more tokens than planned (their steps computed extra micro-batches: see each "
@@ -102,7 +114,8 @@ def _caveats(rows: list[dict]) -> list[str]:
 
 
 def _s(row: dict) -> str:
-    return f"{row['time_to_target_s']:.1f} s"
+    rounds = len(row.get("runs", ()))
+    return f"{row['time_to_target_s']:.1f} s" + (f", median of {rounds} rounds" if rounds > 1 else "")
 
 
 def _ratio(more: float, less: float) -> str:

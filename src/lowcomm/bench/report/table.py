@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from .conditions import contention, load_of, timing_dependent
 from .levels import COLUMNS as LEVEL_COLUMNS
 from .levels import level_cells
 from ...metrics.runs import Failed, Point, RecordedRun, reach
@@ -20,7 +21,11 @@ COLUMNS = [
     ("exposed_comm_pct", "exposed comm %", "{:.1f}"),
     ("optimizer_state_mb_per_rank", "optimizer state MB/rank", "{:.2f}"),
     ("peak_mem_mib", "peak memory MiB", "{:.0f}"),
+    ("load", "load at end", "{:.1f}"),
 ]
+# What a cell shows where its figure is missing: a target not reached, or a figure not recorded.
+MISSING = {"time_to_target_s": "not reached", "mb_to_target": "not reached"}
+TIMING_MARK = " ‡"  # beside a run whose own result moves with the timing (conditions.timing_dependent)
 
 
 # A final validation loss this far above the run's own best means it got worse at its end (a
@@ -80,10 +85,13 @@ def row(entry, target: float | None, apart: list[str] | None = None, levels: boo
     if isinstance(entry, Failed):
         return {"label": entry.label, "status": "failed", "error": entry.error}
     s, curve, best = entry.summary, entry.curve, best_point(entry)
+    load, cores = load_of(s) or (None, None)
     to_time = reach(curve, target, "time_s") if target is not None else None
     to_bytes = reach(curve, target, "wire_bytes") if target is not None else None
     return (level_cells(entry) if levels else {}) | {
         "label": entry.label, "status": "ok", "strategy": s["strategy"], "path": str(entry.path),
+        "group": entry.group or entry.label, "round": entry.round,
+        "load": load, "cores": cores, "contention": contention(s), "timing": timing_dependent(s),
         "workers": s["workers"], "steps": s["steps"], "tokens": s["tokens"], "tokens_planned": setup_of(entry).tokens,
         "comparable": not apart, "not_comparable": apart or [], "wall_s": s["wall_s"],
         "final_val_loss": s["final_val_loss"], "diverged": diverged(entry), "starting_loss": starting_loss(entry),
@@ -110,14 +118,32 @@ def markdown(rows: list[dict], target: float | None) -> str:
             error = r["error"].replace("|", "\\|").replace("\n", " ")
             lines.append(f"| {r['label']} | failed: {error} |" + " |" * (len(columns) - 1))
             continue
-        cells = [fmt.format(r[k]) if r[k] is not None else ("-" if k == OUTER_COLUMN[0] else "not reached")
-                 for k, _, fmt in columns]
-        lines.append("| " + " | ".join([r["label"] + ("" if r["comparable"] else " †")] + cells) + " |")
+        cells = [fmt.format(r[k]) if r.get(k) is not None else MISSING.get(k, "-") for k, _, fmt in columns]
+        mark = ("" if r["comparable"] else " †") + (TIMING_MARK if r.get("timing") else "")
+        lines.append("| " + " | ".join([r["label"] + mark] + cells) + " |")
     note = (f"Target loss {target:.4f}" if target is not None else "No run finished, so no target loss") + \
         (": time and bytes when the validation loss first reached it (interpolated between validation "
          "points; time = summed step wall time, evaluation excluded)." if target is not None else ".")
+    note += _load_note(rows)
     apart = [f"{r['label']}: {'; '.join(r['not_comparable'])}" for r in rows if not r.get("comparable", True)]
     if apart:
         note += "\n\n† Not comparable with the other runs (different model, data, tokens or workers): " + \
             ". ".join(apart) + "."
+    timing: dict[str, list[str]] = {}
+    for r in rows:
+        if r.get("timing"):
+            timing.setdefault(r["timing"], []).append(r["label"])
+    if timing:
+        note += "\n\n‡ Its result moves with the timing, so with the load: " + \
+            "; ".join(f"{', '.join(labels)}: {why}" for why, labels in timing.items()) + "."
     return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def _load_note(rows: list[dict]) -> str:
+    """What the load column holds, with the cores it is measured against."""
+    cores = sorted({r["cores"] for r in rows if r.get("cores")})
+    if not cores:
+        return ""
+    return (f" Load at end: the 1-minute load average when the run ended, on {'/'.join(map(str, cores))} cores "
+            f"(the run's own workers count in it); runs timed at different loads are compared in the answer only "
+            f"where the load cannot explain their difference.")
