@@ -7,11 +7,14 @@ the plan at both levels, the optimizer state per rank is 1/K of a flat run's, a 
 and resumed ends where the uninterrupted one does, and a strategy that does not run on shards
 is refused in one line. Seven tiny CLI runs (W <= 4, 4 steps). Through wrap(), param groups
 chosen by identity reach the shards' optimizer, and a 0-d parameter is refused in one line
-(one W=2 spawn).
+(one W=2 spawn). nanoGPT's configure_optimizers (two groups, read from model.named_parameters()
+when called, by name or by id) trains as one process does on the global batch, and an optimizer
+leaving out tensors is named in one line: a warning, refused when it leaves out all (one W=2 spawn).
 """
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -135,26 +138,45 @@ def _grouped_model_and_optimizer():
     return model, make, [name.endswith("bias") for name, _ in model.named_parameters()]
 
 
+def _batch(step, rank):
+    seq = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(100 * step + rank))
+    return seq[:, :-1], seq[:, 1:]
+
+
+def _trained(model, make, rank, inside, steps):
+    """`model`'s tensors, whole (FSDP's shards gathered), after `steps` steps of ddp over one
+    replica of every rank with `inside` inside."""
+    with lowcomm.wrap(model, make, "ddp", replicas=1, inside=inside) as run:
+        for step in range(steps):
+            run.backward(lowcomm.lm_loss(run.model, _batch(step, rank)))
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+
+
+def _outcome(call) -> str:
+    """"accepted", or the exception `call()` raised as "Type: message"."""
+    try:
+        call()
+        return "accepted"
+    except Exception as e:  # noqa: BLE001 -- each test says which it expects
+        return f"{type(e).__name__}: {e}"
+
+
+def _joined(tensors):
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
 def _groups_through_wrap(rank, world):
     out = {}
     for inside in ("fsdp", "ddp"):
         model, make, is_bias = _grouped_model_and_optimizer()
         start = [p.detach().clone() for p in model.parameters()]
-        with lowcomm.wrap(model, make, "ddp", replicas=1, inside=inside) as run:
-            for step in range(10):
-                g = torch.Generator().manual_seed(100 * step + rank)
-                seq = torch.randint(0, 256, (2, 17), generator=g)
-                run.backward(lowcomm.lm_loss(run.model, (seq[:, :-1], seq[:, 1:])))
-        whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
-        out[inside] = {"params": torch.cat([p.detach().reshape(-1) for p in whole]),
+        whole = _trained(model, make, rank, inside, steps=10)
+        out[inside] = {"params": _joined(whole),
                        "biases_moved": [not torch.equal(w.detach(), s) for w, s, b in zip(whole, start, is_bias) if b]}
     scalar = torch.nn.Sequential(torch.nn.Linear(4, 4))
     scalar.register_parameter("temperature", torch.nn.Parameter(torch.tensor(1.0)))
-    try:
-        lowcomm.wrap(scalar, lambda p: torch.optim.AdamW(p), "ddp", replicas=1, inside="fsdp")
-        out["scalar"] = "accepted"
-    except Exception as e:  # noqa: BLE001 -- its test says which
-        out["scalar"] = f"{type(e).__name__}: {e}"
+    out["scalar"] = _outcome(lambda: lowcomm.wrap(scalar, lambda p: torch.optim.AdamW(p), "ddp", replicas=1,
+                                                  inside="fsdp"))
     return out
 
 
@@ -180,3 +202,80 @@ def test_a_scalar_parameter_under_fsdp_is_refused_in_one_line(through_wrap):
     for r in through_wrap:
         assert r["scalar"].startswith("UsageError: ") and "0-d parameter 'temperature'" in r["scalar"], r["scalar"]
         assert "\n" not in r["scalar"]
+
+
+# -- an optimizer that reads the model when it is called (nanoGPT's configure_optimizers) ----------
+
+def _configure_optimizers(model, by: str, weight_decay=0.1, lr=1e-2):
+    """make_optimizer in nanoGPT's configure_optimizers idiom: weight decay on the tensors with
+    dim >= 2, none on the rest, the groups read from model.named_parameters() when it is called,
+    by name ("name": the params it is given are not looked at) or by identity ("id": those
+    params filtered by the ids read then)."""
+    def make(params):
+        named = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        decay = [p for p in named.values() if p.dim() >= 2]
+        no_decay = [p for p in named.values() if p.dim() < 2]
+        if by == "id":
+            params = list(params)
+            decay, no_decay = ([p for p in params if id(p) in {id(q) for q in chosen}] for chosen in (decay, no_decay))
+        return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+    return make
+
+
+def _gpt():
+    torch.manual_seed(5)
+    return lowcomm.GPT(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=16)
+
+
+def _configure_optimizers_runs(rank, world, steps=6):
+    """Each idiom trained under fsdp inside one replica of `world` ranks, and the one-process
+    reference: the same two groups (built the same way) on the global batch, every rank's
+    micro-batch; then a make_optimizer whose groups leave out one tensor."""
+    reference = _gpt()
+    out = {"start": _joined(reference.parameters())}
+    optimizer = _configure_optimizers(reference, "name")(reference.parameters())
+    for step in range(steps):
+        batches = [_batch(step, r) for r in range(world)]
+        optimizer.zero_grad()
+        lowcomm.lm_loss(reference, tuple(torch.cat(part) for part in zip(*batches))).backward()
+        optimizer.step()
+    out["reference"] = _joined(reference.parameters())
+    for by in ("name", "id"):
+        model = _gpt()
+        out[by] = _joined(_trained(model, _configure_optimizers(model, by), rank, "fsdp", steps))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        lowcomm.wrap(_gpt(), lambda params: torch.optim.AdamW(list(params)[1:]), "ddp", replicas=1,
+                     inside="fsdp").close()
+    out["partial"] = [str(w.message) for w in said if "param groups" in str(w.message)]
+    out["none"] = _outcome(lambda: lowcomm.wrap(_gpt(), lambda params: torch.optim.AdamW([{"params": []}]), "ddp",
+                                                replicas=1, inside="fsdp"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def configure_optimizers_runs():
+    return run_dist(_configure_optimizers_runs, 2, timeout=300)
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("by", ["name", "id"])
+def test_groups_read_from_the_model_at_call_time_train_as_one_process_does(configure_optimizers_runs, by):
+    """FSDP replaced the model's parameters by DTensors: make_optimizer is called while the model
+    shows its own parameters again, so groups read from it by name or id are the user's groups
+    (decay on the 2-D tensors only), and the run equals one process on the global batch."""
+    for r in configure_optimizers_runs:
+        moved, err = rel_err(r[by], r["start"]), rel_err(r[by], r["reference"])
+        assert moved > 1e-3, f"by {by}: the model did not move ({moved:.1e})"
+        assert err <= 1e-5, f"by {by}: fsdp inside differs from the one-process two-group reference by {err:.1e}"
+
+
+@pytest.mark.procs
+def test_an_optimizer_leaving_out_tensors_is_named_in_one_line(configure_optimizers_runs):
+    """Leaving out some of the model's tensors is a warning naming the first; all of them refused."""
+    for r in configure_optimizers_runs:
+        assert len(r["partial"]) == 1 and "leave out 1 of the 20 trainable tensors" in r["partial"][0], r["partial"]
+        assert "'tok_emb.weight'" in r["partial"][0] and "\n" not in r["partial"][0]
+        assert r["none"].startswith("UsageError: ") and "leave out 20 of the 20" in r["none"], r["none"]
+        assert "\n" not in r["none"]

@@ -1,11 +1,39 @@
-"""Inner optimizers the engines build on (1-bit Adam's frozen-variance Adam)."""
+"""Inner optimizers the engines build on: the user's make_optimizer held to the tensors it is
+given (covering), 1-bit Adam's frozen-variance Adam."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
+import torch.nn as nn
 
 from ..errors import UsageError
+
+
+def covering(make_optimizer, model: nn.Module):
+    """make_optimizer, saying in one line when its optimizer's param groups leave out trainable
+    tensors it was given, which would get gradients and never move: refused when they leave out
+    every one (groups chosen by names or ids that match nothing), a warning when only some
+    (torch allows it: a tensor meant to stay put is better frozen, requires_grad=False)."""
+    def make(params):
+        params = list(params)
+        optimizer = make_optimizer(params)
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        missed = [i for i in trainable if id(params[i]) not in held]
+        if missed:
+            names = {id(p): name for name, p in model.named_parameters()}
+            first = params[missed[0]]
+            what = (f"make_optimizer's param groups leave out {len(missed)} of the {len(trainable)} trainable tensors "
+                    f"it was given (the first: '{names.get(id(first), f'#{missed[0]} of shape {tuple(first.shape)}')}')")
+            if len(missed) == len(trainable):
+                raise UsageError(f"{what}: nothing would train; build the groups from the params it is given, or "
+                                 "from model.named_parameters() read when it is called")
+            warnings.warn(f"{what}: they will get gradients and never move; set requires_grad=False on them "
+                          "to say so, or give them a group (lr 0 holds one still)", stacklevel=2)
+        return optimizer
+    return make
 
 
 class FrozenAdam:

@@ -19,6 +19,7 @@ from ..comm import Comm
 from ..comm.groups import ReplicaGroups, ReplicaLayout, form
 from ..comm.link import LinkModel
 from ..contract.base import MakeOptimizer
+from ..engines.optim import covering
 from .driver import RunDriver, link_seed, make_run
 
 LinkOf = Callable[[int], "LinkModel | None"]  # a link from its seed
@@ -42,6 +43,7 @@ def replica_groups(layout: ReplicaLayout, rank: int, seed: int, link: LinkOf,
 
 def build(strategy: str, model: nn.Module, make_optimizer: MakeOptimizer, comm: Comm | None,
           groups: ReplicaGroups | None, **run) -> RunDriver:
-    """The strategy across replicas with `run["inside"]` inside each (groups), or on `comm` (flat)."""
-    return make_run(strategy, model, groups.cross if groups else comm, make_optimizer,
+    """The strategy across replicas with `run["inside"]` inside each (groups), or on `comm` (flat);
+    an optimizer that would leave a trainable tensor out is refused (engines/optim.covering)."""
+    return make_run(strategy, model, groups.cross if groups else comm, covering(make_optimizer, model),
                     replica=groups.intra if groups else None, **run)
