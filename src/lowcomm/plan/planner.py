@@ -93,6 +93,7 @@ class Prediction:
     model_state_bytes: int
     tokens_per_s: float
     tokens_per_step: float = 0.0  # T, or more for a strategy that computes while it waits (adaptive acco)
+    tokens_asked: float = 0.0     # T, the batch the cluster was described with (0: unknown, taken as trained)
     tokens_to_target: float | None = None
     time_to_target_s: float | None = None
     options: dict = field(default_factory=dict)
@@ -105,6 +106,11 @@ class Prediction:
     @property
     def exposed_fraction(self) -> float:
         return self.exposed_comm_s / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def batch_as_asked(self) -> bool:
+        """Whether a step trains the tokens asked (adaptive acco's grows it while it waits)."""
+        return not self.tokens_asked or self.tokens_per_step <= self.tokens_asked * (1 + 1e-9)
 
 
 def flops_seconds_per_token(params: int, flops_per_s: float) -> float:
@@ -226,7 +232,7 @@ def predict(name: str, cluster: Cluster, options: Options | None = None, steps: 
         exposed_comm_s=exposed, comm_s=comm, idle_s=sum(compute - f * unit for f in factors) / len(factors),
         wire_bytes_per_rank_per_step=wire, bytes_per_token=W * wire / tokens,
         model_state_bytes=replica_state_bytes(cls, cluster.layout, W, cluster.groups, options, cluster.inside),
-        tokens_per_s=tokens / step if step > 0 else math.inf, tokens_per_step=tokens,
+        tokens_per_s=tokens / step if step > 0 else math.inf, tokens_per_step=tokens, tokens_asked=T,
         options=asdict(options) if fields(options) else {}, replicas=cluster.groups, levels=levels)
 
 
@@ -235,9 +241,53 @@ def named(p: Prediction, workers: int) -> str:
     return p.label if p.replicas in (0, workers) else f"{p.label} with --replicas {p.replicas}"
 
 
+# Predictions within 1 % of each other tie: the model prices a step from a link formula and a
+# FLOP count, not to the percent, and a figure 1 % faster is no reason to take a larger batch
+# or a longer wait than another setting's.
+TIE = 0.01
+
+
+def _cost(p: Prediction) -> tuple:
+    """What ranks a prediction, smaller first: time to the target where known, else seconds per token."""
+    if p.time_to_target_s is not None:
+        return (False, p.time_to_target_s)
+    return (True, 1 / p.tokens_per_s if p.tokens_per_s > 0 else math.inf)
+
+
+def tied(p: Prediction, lead: Prediction) -> bool:
+    """Whether `p` is as fast as `lead` within TIE (by the same measure)."""
+    (unknown, cost), (lead_unknown, lead_cost) = _cost(p), _cost(lead)
+    return unknown == lead_unknown and cost <= lead_cost * (1 + TIE)
+
+
 def rank(preds: list[Prediction]) -> list[Prediction]:
-    """Fastest first: by predicted time to the target loss where known, then by tokens/s."""
-    return sorted(preds, key=lambda p: (p.time_to_target_s is None, p.time_to_target_s or 0.0, -p.tokens_per_s))
+    """Fastest first: by predicted time to the target loss where known, then by tokens/s. Those
+    within TIE of the fastest left tie, and among them the one that trains the batch asked comes
+    first, then the one that waits least on the network."""
+    left, out = sorted(preds, key=_cost), []
+    while left:
+        group = [p for p in left if tied(p, left[0])]
+        out += sorted(group, key=lambda p: (not p.batch_as_asked, p.exposed_fraction, _cost(p)))
+        left = [p for p in left if not any(p is q for q in group)]
+    return out
+
+
+def tie_words(best: Prediction, ranked: list[Prediction], workers: int) -> str:
+    """The runners-up that tie with `best`, and what each would cost instead ("" where none ties)."""
+    alike, costlier = [], []
+    for p in (p for p in ranked[1:] if tied(p, best)):
+        why = []
+        if best.batch_as_asked and not p.batch_as_asked:
+            why.append(f"trains {p.tokens_per_step:,.0f} tokens a step, not the {p.tokens_asked:,.0f} asked")
+        if p.exposed_fraction > best.exposed_fraction:
+            why.append(f"waits {100 * p.exposed_fraction:.0f}% of its step on the network "
+                       f"({best.label}: {100 * best.exposed_fraction:.0f}%)")
+        if why:
+            costlier.append(f"{named(p, workers)}, which " + " and ".join(why))
+        else:
+            alike.append(named(p, workers))
+    said = ([" and ".join(alike) + " (the same batch, a wait no longer: either will do)"] if alike else []) + costlier
+    return f"tied within {TIE:.0%} with " + "; and with ".join(said) if said else ""
 
 
 def recommend(ranked: list[Prediction], cluster: Cluster) -> str:
@@ -247,23 +297,26 @@ def recommend(ranked: list[Prediction], cluster: Cluster) -> str:
     ratio = cluster.price("all_reduce", 4 * cluster.params) / best.compute_s if best.compute_s > 0 else math.inf
     comm = f"communication (one fp32 gradient all-reduce, {format_seconds(ratio * best.compute_s)}) is {ratio:.2g}x compute"
     overlapped = [p for p in ranked if get_strategy(p.strategy).comm_overlap > 0]
+    waits_least = best.exposed_fraction <= min(p.exposed_fraction for p in ranked)
     if ratio < 0.05:
         why = f"{comm}: every strategy is compute-bound"
     elif ratio > 1 and overlapped:
         o = max(overlapped, key=lambda p: p.tokens_per_s)
         why = (f"{comm}: overlap alone cannot hide it ({o.label} still waits {100 * o.exposed_fraction:.0f}% "
                f"of its step); {best.label} " + ("does" if best.exposed_fraction < 0.1 else
-                                                  f"waits least ({100 * best.exposed_fraction:.0f}%)"))
+                                                  f"waits {'least ' * waits_least}({100 * best.exposed_fraction:.0f}%)"))
     else:
         why = f"{comm}; {best.label} waits {100 * best.exposed_fraction:.0f}% of its step on the network"
     if best.time_to_target_s is not None:
         nxt = next((p for p in ranked[1:] if p.time_to_target_s is not None), None)
         lead = (f", {nxt.time_to_target_s / best.time_to_target_s:.2f}x faster than {nxt.label}"
                 if nxt is not None else "")
+        lead = f", {tie_words(best, ranked, cluster.workers)}" if nxt is not None and tied(nxt, best) else lead
         return (f"use {named(best, cluster.workers)}: predicted to reach the target loss first ({format_seconds(best.time_to_target_s)}"
                 f"{lead}, with the loss per token measured by the bench); {why}.")
     nxt = ranked[1] if len(ranked) > 1 else None
     lead = f", {best.tokens_per_s / nxt.tokens_per_s:.2f}x {nxt.label}'s" if nxt is not None else ""
+    lead = f", {tie_words(best, ranked, cluster.workers)}" if nxt is not None and tied(nxt, best) else lead
     return (f"use {named(best, cluster.workers)}: the highest throughput ({best.tokens_per_s:,.0f} tokens/s{lead}); {why}. "
             f"Throughput only: how many tokens each strategy needs for a given loss is not modeled "
             f"without --calibrate.")

@@ -210,16 +210,21 @@ def check_bound(value: int) -> int:
 
 def table(tuned: list[Tuned], workers: int = 0) -> str:
     """Each strategy's default and tuned setting with their tokens/s, fastest tuned first."""
-    from .planner import format_seconds as _s
+    from .planner import format_seconds as _s, rank
     if not tuned:
         return "tuned (--tune): none of the strategies planned has a knob to tune"
     from .text import columns
 
-    def setting(t, p, which):  # its knobs, and its replica count where not flat
-        grouped = f" --replicas {p.replicas}" if p.replicas not in (0, workers) else ""
-        return " ".join(" ".join(spelled(k["flag"], k[which])) for k in t.knobs.values()) + grouped
+    # a replica count on every setting where any is grouped (the flat one as --replicas W): a
+    # setting without one beside one with it would leave the reader to guess
+    counted = any(p.replicas not in (0, workers) for t in tuned for p in (t.default, t.best))
+
+    def setting(t, p, which):  # its knobs, and its replica count
+        count = f" --replicas {p.replicas or workers}" if counted else ""
+        return " ".join(" ".join(spelled(k["flag"], k[which])) for k in t.knobs.values()) + count
+    order = [next(t for t in tuned if t.best is p) for p in rank([t.best for t in tuned])]  # as the answer ranks
     rows = []
-    for t in sorted(tuned, key=lambda t: -t.best.tokens_per_s):
+    for t in order:
         rows.append([t.strategy, setting(t, t.default, "default"), f"{t.default.tokens_per_s:,.0f}",
                      setting(t, t.best, "tuned"), _s(t.best.step_s),
                      f"{t.best.tokens_per_s:,.0f}", f"{t.best.tokens_per_s / t.default.tokens_per_s:.2f}x",
