@@ -176,7 +176,8 @@ def test_repeated_runs_are_compared_round_by_round(tmp_path):
     text = answer_of(report_of(tmp_path / "again", [bench])[0])
     assert ("Not ranked by time, nor picked: diloco took 1.36x ddp's time to the target but ran under 3.35x its "
             "contention (load 6.0/30.0 on 2 cores against load 4.0/4.0 on 2 cores; geometric means over 2 "
-            "interleaved rounds), so the load alone could make it faster.") in text
+            "interleaved rounds), so the load alone could make it faster. Rerun on a quieter machine, or with more "
+            "rounds (--repeats 3 or more).") in text
 
 
 def test_no_run_reaching_the_target_says_so(tmp_path):

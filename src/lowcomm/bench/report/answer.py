@@ -35,8 +35,7 @@ def answer(rows: list[dict], target: float | None, setting: str) -> str:
     doubt = confounded(fastest, by_time[1:])
     if doubt:
         return " ".join([f"**Answer.** Target loss {target:.4f}, on {setting}.",
-                         f"Not ranked by time, nor picked: {doubt}. Rerun on a quieter machine, or with --repeats 2 "
-                         f"(each strategy twice, interleaved, and compared round by round).",
+                         f"Not ranked by time, nor picked: {doubt}. {_rerun(runs)}",
                          f"Fewest bytes to it, which the load does not move: **{fewest['label']}** "
                          f"({fewest['mb_to_target']:,.2f} MB).", *_by_level(runs), *notes])
     tied = [r for r in by_time if r["time_to_target_s"] <= fastest["time_to_target_s"] * (1 + TIME_NOISE)]
@@ -73,6 +72,15 @@ def _why(pick: dict, fastest: dict, fewest: dict, tied: list[dict]) -> str:
             f"{_ratio(pick['mb_to_target'], fewest['mb_to_target'])} fewer bytes but takes {slower:.1f}x as long "
             f"here, which pays off only on a slower link (`lowcomm plan --calibrate` with that --link predicts "
             f"the ranking there)")
+
+
+def _rerun(runs: list[dict]) -> str:
+    """What to run for an answer by time: interleaved rounds, or more of them."""
+    rounds = max((r.get("round") or 1 for r in runs), default=1)
+    if rounds == 1:
+        return ("Rerun on a quieter machine, or with --repeats 2 (each strategy twice, interleaved, and compared "
+                "round by round).")
+    return f"Rerun on a quieter machine, or with more rounds (--repeats {rounds + 1} or more)."
 
 
 def _by_level(ok: list[dict]) -> list[str]:
