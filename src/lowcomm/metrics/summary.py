@@ -15,8 +15,13 @@ class Totals:
         self.exposed_per_rank = [0.0] * world
         self.micro_per_rank = [0] * world
         self.levels: dict[str, list[float]] = {}  # level -> [wire bytes, exposed s]: a run with replicas
+        # the largest rise of the train loss from a step that sent across (an outer step, in the
+        # local-SGD family) to the next: {"step", "loss_before", "loss_after"}
+        self.rise_after_sending: dict | None = None
+        self._before: tuple | None = None  # the previous record's (step, loss, whether it sent across)
 
     def add(self, record: dict) -> None:
+        self._note_rise(record)
         self.tokens += record["tokens"]
         for level in LEVELS:
             if f"wire_bytes_{level}" in record:
@@ -36,6 +41,18 @@ class Totals:
             self.compute_per_rank[slot] += per_rank["compute_s"][r]
             self.exposed_per_rank[slot] += per_rank["exposed_comm_s"][r]
             self.micro_per_rank[slot] += per_rank["micro_batches"][r]
+
+    def _note_rise(self, record: dict) -> None:
+        """A local-SGD run's outer step moves the model the next step trains from: how far the
+        train loss rose across one (0 bytes across: the workers trained on their own)."""
+        loss = record.get("loss")
+        if self._before is not None and self._before[2] and loss is not None:
+            step, before, _ = self._before
+            best = self.rise_after_sending
+            if best is None or loss - before > best["loss_after"] - best["loss_before"]:
+                self.rise_after_sending = {"step": step, "loss_before": before, "loss_after": loss}
+        sent = record.get("wire_bytes_cross", record["wire_bytes"]) > 0
+        self._before = (record["step"], loss, sent) if loss is not None else None
 
     def per_level(self, steps: int, elapsed_s: float) -> dict[str, tuple[float, float]]:
         """level -> (MB per step, all ranks; share of `elapsed_s` waited, the slowest rank's per
@@ -95,6 +112,8 @@ def build_summary(cfg, *, world: int, backend: str, params: int, source: str, to
         "comm_modeled_share": float(link_times[:, 1].sum()) / busy if busy > 0 else 0.0,
         "trace": "trace.json" if traced else None,
         **strategy_report,
+        # the local-SGD family (outer syncs): validation sees the model its last outer step made
+        **({"rise_after_outer_step": totals.rise_after_sending} if "outer_syncs" in strategy_report else {}),
         "notes": ["wire bytes follow the ring model of ALGORITHMS.md; on gloo a reduce_scatter "
                   "runs as a full all-reduce, so its real transport is twice the counted bytes"]
                  if backend == "gloo" and any(op.collective == "reduce_scatter" for op in plan) else [],
@@ -104,12 +123,29 @@ def build_summary(cfg, *, world: int, backend: str, params: int, source: str, to
 def describe(s: dict) -> str:
     """The one-paragraph summary printed at the end of a run."""
     return (f"{s['strategy']} on {s['workers']} worker(s): {s['steps']} steps, {s['tokens']:,} tokens in "
-            f"{s['wall_s']:.1f} s ({s['tokens_per_s']:,.0f} tok/s). Final train loss {s['final_train_loss']:.4f}, "
-            f"validation loss {s['final_val_loss']:.4f}. Sent {s['wire_bytes_total'] / 1e6:,.1f} MB over all ranks "
+            f"{s['wall_s']:.1f} s ({s['tokens_per_s']:,.0f} tok/s). {_describe_losses(s)} Sent {s['wire_bytes_total'] / 1e6:,.1f} MB over all ranks "
             f"({s['wire_bytes_per_rank_per_step'] / 1e6:,.2f} MB per rank per step); waited on the network "
             f"{100 * s['exposed_comm_fraction']:.1f}% of the wall time. Optimizer state "
             f"{s['optimizer_state_bytes_per_rank'] / 1e6:,.2f} MB per rank, peak memory "
             f"{s['peak_mem_bytes'] / 2**20:,.0f} MiB." + _describe_levels(s) + _describe_emulation(s))
+
+
+def _describe_losses(s: dict) -> str:
+    """The final losses; in the local-SGD family, which model each is of: the train loss is the
+    workers' own models' on the last step, the validation the global model the run's last outer
+    step (at that step) made, and how far an outer step moved the model where the loss says so."""
+    text = f"Final train loss {s['final_train_loss']:.4f}, validation loss {s['final_val_loss']:.4f}"
+    if not s.get("outer_syncs"):
+        return text + "."
+    text = (f"Final train loss {s['final_train_loss']:.4f} (the workers' own models on the last step, before its "
+            f"outer step), validation loss {s['final_val_loss']:.4f} (the global model, measured right after that "
+            f"outer step moved it")
+    rise = s.get("rise_after_outer_step")
+    if rise and rise["loss_after"] > rise["loss_before"]:
+        text += (f"; the outer step after step {rise['step']} raised the train loss from {rise['loss_before']:.2f} "
+                 f"to {rise['loss_after']:.2f}")
+    text += ")"
+    return text + "."
 
 
 def _describe_levels(s: dict) -> str:
