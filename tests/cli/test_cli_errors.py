@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -91,13 +92,13 @@ def _setup(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str]:
     if case == "lr_nan":
         return ["--lr", "nan", *d], "nan"
     if case == "micro_batch_negative":
-        return ["--micro-batch", "-2", *d], ("micro_batch", "-2")
+        return ["--micro-batch", "-2", *d], ("--micro-batch", "-2")
     if case == "micro_batch_non_numeric":
         return ["--micro-batch", "lots", *d], "lots"
     if case == "accum_zero":
         return ["--accum", "0", *d], ("accum", "0")
     if case == "seq_len_negative":
-        return ["--seq-len", "-16", *d], ("seq_len", "-16")
+        return ["--seq-len", "-16", *d], ("--seq-len", "-16")
     if case == "seed_negative":
         return ["--seed", "-3", *d], ("seed", "-3")
     if case == "missing_data":
@@ -190,6 +191,33 @@ def _setup(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str]:
         return ["--link", "100mbit,5ms,-1ms", *d], "-1ms"
     if case == "slowdown_negative":
         return ["--slowdown", "-2,1", *d], "-2"
+    # a refusal names the flag the user typed, not the TOML key behind it
+    if case == "replicas_negative":
+        return ["--replicas", "-1", *d], ("--replicas must", "-1")
+    if case == "max_restarts_negative":
+        return ["--max-restarts", "-1", *d], ("--max-restarts must", "-1")
+    if case == "intra_link_negative_latency":
+        return ["--workers", "4", "--replicas", "2", "--intra-link", "1gbit,-5ms", *d], ("--intra-link latency", "-5ms")
+    if case == "intra_link_zero_bandwidth":
+        return ["--workers", "4", "--replicas", "2", "--intra-link", "0mbit,5ms", *d], ("--intra-link bandwidth",
+                                                                                       "0mbit")
+    if case == "slowdown_of_other_workers":
+        return ["--slowdown", "1,2", "--workers", "3", *d], ("--slowdown '1,2'", "--workers 3")
+    if case == "resume_with_another_outer_delay":
+        prev = _previous_run(tmp, strategy="diloco")
+        return ["--resume", str(prev), "--outer-delay", "1", "--out", str(prev)], ("--resume: --outer-delay cannot",
+                                                                                 "given 1")
+    if case in TOML_TYPES:
+        p = tmp / "run.toml"
+        p.write_text(TOML_TYPES[case][0])
+        return ["--config", str(p), *d], tuple(name.format(file=p) for name in TOML_TYPES[case][1:])
+    # a warm-up that leaves no sync late: the run would be synchronous under --outer-delay 1
+    if case == "outer_delay_warmup_at_steps":
+        return ["--strategy", "diloco", "--outer-delay", "1", "--outer-delay-warmup", "200", "--steps", "200", *d], \
+            ("--outer-delay-warmup 200", "--steps 200")
+    if case == "outer_delay_warmup_past_the_last_sync":  # syncs at 32, ..., 192 and the final one at 200
+        return ["--strategy", "diloco", "--outer-delay", "1", "--outer-delay-warmup", "192", "--steps", "200", *d], \
+            ("--outer-delay-warmup 192", "--steps 200", "step 224")
     if case == "max_accum_below_accum":
         return ["--strategy", "acco", "--accum", "4", "--max-accum", "2", *d], ("--max-accum", "--accum 4")
     if case == "inside_fsdp_without_replicas":  # one process a replica: nothing to shard, not ignored silently
@@ -235,7 +263,7 @@ def _setup(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str]:
     if case == "powersgd_rank_beyond_matrices":
         return ["--strategy", "powersgd", "--powersgd-rank", "200", *d], ("--powersgd-rank 200", "no tensor")
     if case == "binary_data":
-        p = tmp / "model.bin"
+        p = tmp / "model.dat"
         p.write_bytes(TEXT.encode() + b"\x00\x01\x02" * 100)
         return ["--data", str(p)], (str(p), "not text", f"offset {len(TEXT):,}")
     if case == "binary_file_in_data_dir":
@@ -244,6 +272,49 @@ def _setup(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str]:
         (p / "a.txt").write_text(TEXT)
         (p / "b.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
         return ["--data", str(p)], (str(p / "b.png"), "not text")
+    if case.startswith("token_file") or case == "nanogpt_data_directory":
+        return _token_file_case(case, tmp)
+    raise AssertionError(case)
+
+
+# TOML's booleans are not its numbers or strings: the file, and what the refusal names
+TOML_TYPES = {
+    "toml_bool_from_string": ('strategy = "diloco"\n[diloco]\nouter_delay = 1\neager = "yes"\n',
+                              'diloco.eager must be true or false, got "yes"', "{file}"),
+    "toml_bool_from_integer": ("trace = 1\n", "trace must be true or false, got 1", "{file}"),
+    # a strategy option at the top level, applied once the strategy is known
+    "toml_option_bool_from_integer": ('strategy = "diloco"\nouter_delay = 1\neager = 1\n',
+                                      "eager must be true or false, got 1"),
+    "toml_integer_from_bool": ("steps = true\n", "steps must be an integer, got true", "{file}"),
+    "toml_float_from_bool": ("[optim]\nlr = false\n", "optim.lr must be a number, got false", "{file}"),
+}
+
+
+def _token_file_case(case: str, tmp: Path) -> tuple[list[str], tuple[str, ...]]:
+    """Pre-tokenized data (nanoGPT's train.bin of uint16 tokens, llm.c's shards): named as token
+    files, which are not read yet, whether or not a zero byte gives them away as binary."""
+    said = ("looks like pre-tokenized tokens", "token files are not read yet")
+    if case == "token_file_with_zero_byte":  # nanoGPT's shakespeare_char: a 65-token vocabulary, high bytes 0
+        (tmp / "meta.pkl").write_bytes(b"\x80\x04\x95 pickled vocabulary")
+        p = tmp / "train.bin"
+        p.write_bytes(struct.pack("<8H", 18, 47, 56, 57, 58, 1, 15, 47))
+        return ["--data", str(p)], (str(p), *said, "meta.pkl beside it")
+    if case == "token_file_without_zero_byte":  # GPT-2 tokens whose bytes hold no 0 and are not UTF-8
+        p = tmp / "train.bin"
+        p.write_bytes(struct.pack("<6H", 5962, 22307, 1169, 966, 464, 2068))
+        assert b"\0" not in p.read_bytes()
+        return ["--data", str(p)], (str(p), *said, "nanoGPT's train.bin")
+    if case == "token_file_of_llm_c":  # a shard of llm.c: 256 int32s of header, magic first, any name
+        p = tmp / "tinyshakespeare_val.dat"
+        p.write_bytes(struct.pack("<256i", 20240520, 1, 3, *[0] * 253) + struct.pack("<3H", 5962, 22307, 25))
+        return ["--data", str(p)], (str(p), *said, "magic 20240520")
+    if case == "nanogpt_data_directory":  # the folder nanoGPT's prepare.py leaves: its text beside its tokens
+        p = tmp / "shakespeare_char"
+        p.mkdir()
+        (p / "input.txt").write_text(TEXT)
+        (p / "meta.pkl").write_bytes(b"\x80\x04\x95\x00 pickled vocabulary")
+        (p / "train.bin").write_bytes(struct.pack("<4H", 18, 47, 56, 57))
+        return ["--data", str(p)], (str(p / "meta.pkl"), *said)
     raise AssertionError(case)
 
 
@@ -257,12 +328,12 @@ def unwritable_dir(tmp: Path) -> Path:
     return locked
 
 
-def _previous_run(tmp: Path) -> Path:
-    """A ddp run's directory as `lowcomm train` leaves it (config.toml; no checkpoint needed:
+def _previous_run(tmp: Path, strategy: str = "ddp") -> Path:
+    """A run's directory as `lowcomm train` leaves it (config.toml; no checkpoint needed:
     what is refused is refused before one is looked for)."""
     prev = tmp / "prev"
     prev.mkdir()
-    cfg = C.RunConfig()
+    cfg = C.RunConfig(strategy=strategy)
     cfg.out = str(prev)
     (prev / "config.toml").write_text(C.to_toml(cfg))
     return prev
@@ -278,12 +349,17 @@ CASES = ["unknown_strategy", "workers_zero", "workers_negative", "workers_non_nu
          "abbreviated_flag", "steps_beyond_int64", "toml_seed_beyond_int64", "timeout_negative",
          "model_beyond_memory", "micro_batch_beyond_memory", "workers_beyond_memory", "data_device",
          "data_fifo", "link_negative_bandwidth", "link_negative_latency", "link_negative_jitter",
-         "slowdown_negative", "max_accum_below_accum", "out_not_writable", "out_is_a_file",
+         "slowdown_negative", "replicas_negative", "max_restarts_negative", "intra_link_negative_latency",
+         "intra_link_zero_bandwidth", "slowdown_of_other_workers", "resume_with_another_outer_delay",
+         "toml_bool_from_string", "toml_bool_from_integer", "toml_option_bool_from_integer", "toml_integer_from_bool",
+         "toml_float_from_bool", "outer_delay_warmup_at_steps", "outer_delay_warmup_past_the_last_sync",
+         "max_accum_below_accum", "out_not_writable", "out_is_a_file",
          "inside_fsdp_without_replicas", "out_under_proc", "tensorboard_not_writable", "tensorboard_under_proc", "tensorboard_is_a_file",
          "overwrite_not_a_run",
          "resume_with_another_strategy", "resume_with_overwrite", "toml_table_of_another_strategy",
          "empty_flag_value", "empty_option_value", "binary_data", "binary_file_in_data_dir",
-         "demo_topk_beyond_chunks", "powersgd_rank_beyond_matrices"]
+         "demo_topk_beyond_chunks", "powersgd_rank_beyond_matrices", "token_file_with_zero_byte",
+         "token_file_without_zero_byte", "token_file_of_llm_c", "nanogpt_data_directory"]
 
 # The cases whose check runs last before anything is written (data, sizes, config):
 # run them against an output dir that already holds files, which must stay as they were.
@@ -418,6 +494,34 @@ def test_text_that_is_not_utf8_is_trained_on_with_one_warning(tmp_path, capsys):
                    f"training on its raw bytes"]
     load_bytes(str(p), quiet=True)  # the launcher's check before the workers start: silent
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("toml, said", [
+    ("max_restarts = -1\n", "max_restarts must not be negative, got -1"),
+    ("replicas = -1\n", "replicas must be at least 1 (0: one per worker), got -1"),
+    ('workers = 3\nslowdown = "1,2"\n', "slowdown '1,2' has 2 factor(s) but there are 3 workers (workers = 3; give "
+                                          "one factor per worker)"),
+    ('[intra_link]\nlatency = "5ms"\n', "intra_link.latency '5ms' needs a link bandwidth too (e.g. --intra-link "
+                                          "inf,5ms for latency only)"),
+])
+def test_a_refusal_names_a_setting_as_the_config_file_wrote_it(toml, said, tmp_path, data_file, monkeypatch, capfd):
+    """The flag typed is named on the command line (the cases above); the TOML key, from a file."""
+    p = tmp_path / "run.toml"
+    p.write_text(toml)
+    code, stdout, stderr = train_in_process(["--config", str(p), "--data", str(data_file)], tmp_path, monkeypatch,
+                                            capfd, toml)
+    assert (code, stderr) == (2, f"error: {said}\n")
+
+
+@pytest.mark.parametrize("strategy, warmup, first_late", [("diloco", 150, 160), ("streaming_diloco", 150, 152),
+                                                           ("streaming_diloco", 184, 192)])
+def test_a_warm_up_is_taken_while_a_sync_after_it_comes_before_the_last_step(strategy, warmup, first_late):
+    """--steps 200, H = 32: diloco syncs at 32, ..., 192; streaming_diloco's four fragments every 8 steps."""
+    cfg = C.RunConfig(strategy=strategy)
+    for key, value in (("outer_delay", 1), ("outer_delay_warmup", warmup)):
+        C.set_value(cfg, f"{strategy}.{key}", value)
+    C.validate(cfg)
+    assert cfg.strategy_options().first_late_sync() == first_late
 
 
 def test_bad_input_without_out_writes_nothing(tmp_path, monkeypatch, capfd):

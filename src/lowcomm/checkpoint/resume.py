@@ -36,7 +36,7 @@ def resume_config(args, apply_flags) -> C.RunConfig:
         if key == "replicas" and cfg.elastic:  # its replicas are those it finds, of the size it had
             continue
         if key.split(".")[0] not in SAFE_KEYS and before.get(key) != after.get(key):
-            raise UsageError(f"--resume: {key} cannot change on a resumed run (it is {before.get(key)!r} in "
+            raise UsageError(f"--resume: {C.spelled(cfg, key)} cannot change on a resumed run (it is {before.get(key)!r} in "
                              f"{run / 'config.toml'}, given {after.get(key)!r}); only --steps, --stop-at, "
                              f"checkpointing, logging, evaluation and emulation settings may")
     cfg.out = str(run)

@@ -14,16 +14,15 @@ from typing import Iterable
 
 from ..contract.values import convert
 from ..errors import UsageError
-from ..config.flags import LINK_HELP, RUN_FLAGS, TYPE_METAVARS, dest, given, option_dest, shown
+from ..config.flags import LINK_FLAGS, LINK_HELP, RUN_FLAGS, TYPE_METAVARS, dest, given, option_dest, shown
 
 
 def add_run_flags(parser: argparse.ArgumentParser, names: Iterable[str], helps: dict[str, str] | None = None) -> None:
     """Declare the named RUN_FLAGS, each help ending in its default (`helps` replaces a help's text)."""
     from .. import config as C
-    from ..strategies import available
 
     defaults = C.RunConfig()
-    fill = {"strategies": ", ".join(available()), "presets": ", ".join(C.MODEL_PRESETS)}
+    fill = {**strategy_lists(), "presets": ", ".join(C.MODEL_PRESETS)}
     for name in names:
         flag = RUN_FLAGS[name]
         text = (helps or {}).get(name, flag.help).format(**fill)
@@ -33,6 +32,21 @@ def add_run_flags(parser: argparse.ArgumentParser, names: Iterable[str], helps: 
             parser.add_argument(name, dest=dest(flag.key), action="store_true", default=None, help=text)
         else:
             parser.add_argument(name, dest=dest(flag.key), metavar=flag.metavar, help=text)
+
+
+def strategy_lists() -> dict[str, str]:
+    """The strategy lists the run flags' help names, read from the registry (a strategy's file
+    says what it runs with, so the help follows it): all of them, those that run with FSDP inside
+    a replica, those that run --elastic at their defaults."""
+    from ..strategies import available, get
+
+    names = available()
+
+    def listed(which: list[str]) -> str:
+        return "every strategy" if which == names else ", ".join(which) or "none yet"
+    return {"strategies": ", ".join(names),
+            "fsdp_strategies": listed([n for n in names if get(n).runs_inside("fsdp")]),
+            "elastic_strategies": listed([n for n in names if not get(n).elastic_refusal(get(n).Options(), False)])}
 
 
 def add_link_flag(parser: argparse.ArgumentParser, default: str = "none") -> None:
@@ -60,6 +74,34 @@ def add_strategy_options(parser: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(flag, dest=option_dest(opt.field), metavar=TYPE_METAVARS.get(opt.type, "VALUE"),
                                help=text)
+
+
+def flag_table(train: argparse.ArgumentParser) -> str:
+    """`lowcomm train`'s flags as docs/cli.md's table (flag, TOML key, default, meaning), read from
+    its parser (`train`), so the page says what --help says: a strategy's options are left to
+    docs/strategies.md, a flag with no TOML form has an empty key."""
+    options = {a for group in train._action_groups if group.title == "strategy options" for a in group._group_actions}
+    rows = ["| flag | TOML key | default | meaning |", "|---|---|---|---|"]
+    for action in train._actions:
+        if action in options or action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            continue
+        name = action.option_strings[0]
+        meaning, _, default = action.help.rpartition(" (default: ")
+        key = RUN_FLAGS[name].key if name in RUN_FLAGS else LINK_FLAGS.get(name)
+        toml = f"`{key}`" + (f" or `[{key}]`" if name in LINK_FLAGS else "") if key else ""
+        flag = f"`{name} {action.metavar}`" if action.metavar else f"`{name}`"
+        rows.append(" | ".join(["", flag, toml, _shown_default(default[:-1]), _markdown(meaning), ""]).strip())
+    return "\n".join(rows) + "\n"
+
+
+def _shown_default(default: str) -> str:
+    """A value (`ddp`, `runs/<strategy>-w<W>-<time>`) as code; words ('the preset's') as words."""
+    return _markdown(default) if " " in default else f"`{default}`"
+
+
+def _markdown(text: str) -> str:
+    """Help text in a table cell: a '|' would end the cell, a '<name>' would read as an HTML tag."""
+    return text.replace("|", "\\|").replace("<", "\\<")
 
 
 def config_from_args(args: argparse.Namespace):

@@ -32,9 +32,9 @@ RUN_FLAGS = {
                      zero="one per node under torchrun across nodes, else W: one process a replica"),
     "--inside": Flag("inside", "ENGINE", "what runs inside a replica: ddp (gradients averaged every step) or "
                                          "fsdp (FSDP2: parameters, gradients and optimizer state sharded; "
-                                         "ddp and the diloco family)"),
-    "--steps": Flag("steps", "N", "trainer steps: optimizer steps, or what the strategy counts as one "
-                                  "(acco: rounds; diloco family: inner steps)"),
+                                         "{fsdp_strategies})"),
+    "--steps": Flag("steps", "N", "trainer steps, each one optimizer update (the local-SGD strategies: an inner "
+                                  "step; with --sync-by time: a time slot)"),
     "--micro-batch": Flag("micro_batch", "N", "sequences per micro-batch per worker"),
     "--accum": Flag("accum", "N", "micro-batches per step per worker (adaptive strategies: at least this many)"),
     "--seq-len": Flag("model.seq_len", "TOKENS", "tokens per sequence"),
@@ -71,12 +71,17 @@ RUN_FLAGS = {
     "--max-restarts": Flag("max_restarts", "N", "relaunch all workers from the last good checkpoint up to N times",
                            zero="0: none"),
     "--elastic": Flag("elastic", "", "survivors go on when a worker dies; a restarted worker rejoins with the "
-                                     "live state (ddp, zero1, diloco; needs torchft: pip install 'lowcomm[elastic]')",
+                                     "live state ({elastic_strategies}; needs torchft: pip install "
+                                     "'lowcomm[elastic]')",
                       switch=True),
-    "--min-workers": Flag("min_workers", "N", "with --elastic: the fewest workers a step may run with",
-                          zero="all of --workers"),
+    "--min-workers": Flag("min_workers", "N", "with --elastic: the fewest workers a step may run with; with "
+                                              "--replicas (or under torchrun) it counts replicas",
+                          zero="all of them"),
     "--member-timeout": Flag("member_timeout", "SECONDS", "with --elastic: a member that a collective waits on "
                                                           "this long (frozen, hung) is dropped", zero="10 s"),
+    "--quorum-timeout": Flag("quorum_timeout", "SECONDS", "with --elastic: the run fails when its members have had "
+                                                          "no quorum this long (too few live workers for good); "
+                                                          "said every minute until then"),
     "--lighthouse": Flag("lighthouse", "HOST:PORT", "with --elastic: use this running torchft lighthouse (its "
                                                     "--min_replicas is the quorum) instead of starting one",
                          zero="the launcher starts one"),
@@ -94,6 +99,7 @@ RUN_FLAGS = {
 LINK_HELP = ("emulate a link per rank: bandwidth in bit/s (100mbit, 1gbit, inf) or bytes/s (50MB/s), latency "
              "(10ms), optional jitter (1ms); TOML: [link]")
 TYPE_METAVARS = {"int": "N", "float": "NUM", "str": "TEXT"}
+LINK_FLAGS = {"--link": "link", "--intra-link": "intra_link"}  # flag -> its TOML table (or that table's one line)
 
 
 def dest(key: str) -> str:

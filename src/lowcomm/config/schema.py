@@ -123,6 +123,7 @@ class RunConfig:
     elastic: bool = False
     min_workers: int = 0
     member_timeout: float = 0.0  # a member silent this long in a collective is dropped (0: elastic.support's default)
+    quorum_timeout: float = 600.0  # members holding the run's state with no quorum this long: the run fails
     lighthouse: str = ""  # HOST:PORT of a running torchft lighthouse ("": the launcher starts one)
     # Strategy options by strategy name ([<strategy>] <option> = value), filled from the registry's
     # Options classes; `pending_options` holds values given before the strategy was known
@@ -133,6 +134,9 @@ class RunConfig:
     resume_from: str = field(default="", metadata={"internal": True})
     # Set when torchrun's nodes chose `replicas` (nodes.default_replicas): each replica must be a node.
     replicas_by_node: bool = field(default=False, metadata={"internal": True})
+    # How the user wrote each setting given (config key -> '--max-restarts', or the TOML key): what a
+    # refusal names, so it names the flag typed (setting.spelled).
+    written_as: dict = field(default_factory=dict, compare=False, metadata={"internal": True})
 
     def strategy_options(self, name: str | None = None) -> Options:
         """The (chosen) strategy's options, its defaults where nothing was set."""

@@ -10,7 +10,7 @@ from typing import Any
 from ..comm.link import split_link_spec
 from ..errors import UsageError
 from ..strategies import registry
-from ..contract.options import Options, type_name
+from ..contract.options import Options, cli_flag, type_name
 from ..contract.values import convert
 from .schema import RunConfig
 
@@ -59,7 +59,8 @@ def set_value(cfg: RunConfig, key: str, raw: Any, name: str | None = None) -> No
     if rest and _is_strategy_table(head):
         options = cfg.strategy_options(head)
         f = _option_field(options, rest, head)
-        setattr(options, f.name, convert(raw, type_name(f), name or key))
+        setattr(options, f.name, _convert(raw, type_name(f), name or key))
+        cfg.written_as[key] = name or key
         return
     if not rest and key not in {f.name for f in fields(cfg)} and key in _all_option_fields():
         set_option(cfg, key, raw, name or key)
@@ -68,7 +69,46 @@ def set_value(cfg: RunConfig, key: str, raw: Any, name: str | None = None) -> No
         return set_link(cfg, raw, name or key, key)
     obj, f = _section_and_field(cfg, key)
     parse = f.metadata.get("parse")
-    setattr(obj, f.name, parse(raw, name or key) if parse else convert(raw, type_name(f), name or key))
+    setattr(obj, f.name, parse(raw, name or key) if parse else _convert(raw, type_name(f), name or key))
+    cfg.written_as[key] = name or key
+
+
+def _convert(raw: Any, typ: str, name: str) -> Any:
+    """convert(), held to TOML's types where booleans are concerned: an on/off setting takes only
+    true or false (`eager = "yes"` or `eager = 1` is refused, not read as on), and a number or a
+    string takes no boolean. The CLI's on/off flags hand over booleans, its other values text."""
+    if (typ == "bool") != isinstance(raw, bool):
+        wanted = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}.get(typ, typ)
+        raise UsageError(f"{name} must be {wanted}, got {_as_toml(raw)}")
+    return convert(raw, typ, name)
+
+
+def _as_toml(raw: Any) -> str:
+    """A value as a TOML file writes it: true, 1, "yes"."""
+    if isinstance(raw, bool):
+        return "true" if raw else "false"
+    return f'"{raw}"' if isinstance(raw, str) else repr(raw)
+
+
+def spelled(cfg: RunConfig, key: str, value: Any = None) -> str:
+    """Setting `key` as its user wrote it, for a refusal to name: the flag typed ('--max-restarts'),
+    else the TOML key, else (not given) the flag that sets it; with `value`, '--replicas -1' or
+    'replicas = -1'."""
+    name = cfg.written_as.get(key) or _flag_of(key)
+    if value is None:
+        return name
+    return f"{name} {value}" if name.startswith("--") else f"{name} = {value}"
+
+
+def _flag_of(key: str) -> str:
+    """The flag that sets config key `key` (a run flag or a strategy option's), else the key."""
+    from .flags import LINK_FLAGS, RUN_FLAGS
+    flag = next((name for name, f in RUN_FLAGS.items() if f.key == key), None)
+    flag = flag or next((name for name, table in LINK_FLAGS.items() if table == key), None)
+    head, _, rest = key.partition(".")
+    if flag is None and rest and _is_strategy_table(head):
+        flag = next((cli_flag(f) for f in fields(registry.get(head).Options) if f.name == rest), None)
+    return flag or key
 
 
 def set_option(cfg: RunConfig, field_name: str, raw: Any, name: str) -> None:
@@ -94,7 +134,8 @@ def resolve_options(cfg: RunConfig) -> Options:
         if key not in by_name:
             owners = ", ".join(_all_option_fields().get(key, [])) or "none"
             raise UsageError(f"{name} does not apply to strategy '{cfg.strategy}' (it is an option of: {owners})")
-        setattr(options, key, convert(raw, type_name(by_name[key]), name))
+        setattr(options, key, _convert(raw, type_name(by_name[key]), name))
+        cfg.written_as[f"{cfg.strategy}.{key}"] = name
     cfg.pending_options.clear()
     for strategy, opts in cfg.options.items():
         opts.validate(strategy)
@@ -109,8 +150,9 @@ def resolve_options(cfg: RunConfig) -> Options:
 def set_link(cfg: RunConfig, raw: str, name: str = "--link", table: str = "link") -> None:
     """--link BANDWIDTH,LATENCY[,JITTER] -> the [link] table's three typed values (--intra-link: [intra_link])."""
     bandwidth, latency, jitter = split_link_spec(raw, name)
+    cfg.written_as[table] = name
     for key, value in (("bandwidth", bandwidth), ("latency", latency), ("jitter", jitter)):
-        set_value(cfg, f"{table}.{key}", value, f"{table.replace('_', ' ')} {key}")
+        set_value(cfg, f"{table}.{key}", value, f"{name} {key}")
 
 
 def make_link(cfg: RunConfig, seed: int = 0, table: str = "link"):

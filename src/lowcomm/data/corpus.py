@@ -16,6 +16,8 @@ import numpy as np
 from ..errors import UsageError
 
 VOCAB_SIZE = 256
+# llm.c's token files open with 256 int32s, the first a magic number (dev/data/data_common.py)
+LLMC_MAGIC = {20240520: "GPT-2", 20240801: "Llama 3"}
 
 
 def encode(text: str) -> np.ndarray:
@@ -37,13 +39,19 @@ def _read_files(files: list[Path], label: str, quiet: bool = False) -> tuple[byt
         except OSError as e:
             raise UsageError(f"data file '{f}' cannot be read: {e.strerror or e}") from None
         nul = chunk.find(b"\0")
+        try:
+            chunk.decode("utf-8")
+            bad = None
+        except UnicodeDecodeError as e:
+            bad = e.start
+        if (nul >= 0 or bad is not None) and (why := _token_file(f, chunk)):
+            raise UsageError(f"data file '{f}' looks like pre-tokenized tokens ({why}), not text: token files are "
+                             f"not read yet; give the UTF-8 text they were made from")
         if nul >= 0:
             raise UsageError(f"data file '{f}' is not text: a NUL byte at offset {nul:,} (binary data, or UTF-16); "
                              f"give UTF-8 text")
-        try:
-            chunk.decode("utf-8")
-        except UnicodeDecodeError as e:
-            not_utf8.append((f, e.start))
+        if bad is not None:
+            not_utf8.append((f, bad))
         chunks.append(chunk)
     data = b"\n".join(c for c in chunks if c)
     if not data.strip():
@@ -53,6 +61,22 @@ def _read_files(files: list[Path], label: str, quiet: bool = False) -> tuple[byt
         print(f"warning: data file '{first}'" + (f" and {more} other(s)" if more else "") + f" is not UTF-8 (an "
               f"invalid byte at offset {at:,}): training on its raw bytes", file=sys.stderr, flush=True)
     return data, ", not UTF-8" if not_utf8 else ""
+
+
+def _token_file(f: Path, chunk: bytes) -> str | None:
+    """Why a file that is not text looks like a token file (nanoGPT's train.bin and the meta.pkl
+    beside it, llm.c's header), or None: told apart from text that is not UTF-8, which is read."""
+    magic = int.from_bytes(chunk[:4], "little") if len(chunk) >= 4 else None
+    if magic in LLMC_MAGIC:
+        return f"llm.c's {LLMC_MAGIC[magic]} header, magic {magic}"
+    beside = {p.name for p in f.parent.iterdir()}
+    if f.suffix == ".bin" and "meta.pkl" in beside:
+        return "a .bin file with nanoGPT's meta.pkl beside it"
+    if f.name == "meta.pkl" and any(name.endswith(".bin") for name in beside):
+        return "nanoGPT's vocabulary of the .bin token files beside it"
+    if f.suffix == ".bin":
+        return "a .bin file, as nanoGPT's train.bin"
+    return None
 
 
 def shakespeare_dir() -> Path | None:

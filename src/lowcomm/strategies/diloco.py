@@ -102,6 +102,18 @@ class DiLoCoOptions(Options):
     def check_run(self, cfg) -> None:
         if self.sync_by == "time" and (cfg.replicas or cfg.workers) < cfg.workers:
             raise UsageError(f"--sync-by time does not run across replica groups (--replicas {cfg.replicas}) yet")
+        steps = getattr(cfg, "steps", None)  # wrap()'s RunShape has none: its loop's length is the caller's
+        if self.outer_delay_warmup and steps is not None and self.first_late_sync() >= steps:
+            raise UsageError(f"--outer-delay-warmup {self.outer_delay_warmup} leaves no sync of --steps {steps} a "
+                             f"period late (the first after it would be at step {self.first_late_sync()}, and the "
+                             f"run's final sync waits for its mean): drop --outer-delay 1 for a synchronous run, or "
+                             f"shorten the warm-up")
+
+    def first_late_sync(self) -> int:
+        """The first trainer step past the warm-up at which some fragment's sync is issued: the
+        first mean a period late, unless it is the run's final sync (which waits for it)."""
+        start, every, fragments = self.outer_delay_warmup + 1, self.sync_every, self.streaming()[0]
+        return min(start + (outer_sync.sync_offset(f, every, fragments) - start) % every for f in range(fragments))
 
     def run_note(self, cfg) -> str | None:
         if not (self.outer_delay and self.outer_momentum > 0):
