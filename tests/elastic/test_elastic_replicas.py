@@ -177,8 +177,8 @@ def test_elastic_under_torchrun_needs_a_lighthouse_and_one_replica_a_job(capsys,
         monkeypatch.setenv(name, value)
     for flags, line in ((["--elastic"], "--elastic under torchrun needs --lighthouse HOST:PORT"),
                         (["--elastic", "--lighthouse", "127.0.0.1:1", "--replicas", "2"], "drop --replicas"),
-                        (["--elastic", "--lighthouse", "127.0.0.1:1", "--inside", "fsdp", "--strategy", "zero1"],
-                         "strategy 'zero1' does not run with --inside fsdp inside a replica"),
+                        (["--elastic", "--lighthouse", "127.0.0.1:1", "--inside", "fsdp", "--strategy", "powersgd"],
+                         "strategy 'powersgd' does not run with --inside fsdp inside a replica"),
                         (["--elastic", "--lighthouse", "127.0.0.1:1", "--max-restarts", "2"], "pass it to torchrun")):
         assert main(["train", *MODEL, *flags, "--out", str(tmp_path / "r")]) == 2
         err = capsys.readouterr().err.strip()

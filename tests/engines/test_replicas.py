@@ -1,11 +1,12 @@
-"""Replica groups (--replicas R of --workers W, ddp inside each replica), every strategy.
+"""Replica groups (--replicas R of --workers W, ddp or fsdp inside each replica), every strategy.
 
 Exact reduction: R replicas of K processes at micro-batch m, the replica's processes splitting
 what one worker would read, equal R single-process workers at micro-batch K·m (same seed:
 final parameters within 1e-6), and the K cross-replica groups together send what the R workers
-send. For every registered strategy that runs across replicas, in one W=4 spawn: (2, 2) against
-(2, 1) on the replicas' first ranks, plus bytes per level against Strategy.level_plans. The CLI
-runs check summary.json's levels at (R, K) = (2, 2), (2, 1) and (1, 2). What cannot run is
+send. For every registered strategy that runs across replicas, with each engine it runs with
+inside (ddp: the tensors each position owns; fsdp: FSDP2's shards), in one W=4 spawn: (2, 2)
+against (2, 1) on the replicas' first ranks, plus bytes per level against the level plans. The
+CLI runs check summary.json's levels at (R, K) = (2, 2), (2, 1) and (1, 2). What cannot run is
 refused in one line, exit 2, nothing written.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from lowcomm.checkpoint import read, read_state
 from lowcomm.cli.main import main
 from lowcomm.comm.control import register_control
 from lowcomm.comm.groups import ReplicaLayout, form
+from lowcomm.engines.inside import inside_level_plans
 from lowcomm.metrics.levels import planned_bytes
 from lowcomm.models.layout import layout_of
 from lowcomm.run.driver import make_run
@@ -30,7 +32,9 @@ from lowcomm.strategies import available, get
 # -- every strategy in one W=4 spawn: (2, 2) against (2, 1) ------------------------------------
 
 R, K, MICRO, SEQ, ACCUM, N_STEPS = 2, 2, 2, 16, 2, 4
-ACROSS = [n for n in available() if get(n).runs_inside("ddp")]
+# (strategy, engine inside), one row each: every strategy with every engine it runs with
+ACROSS = [(n, inside) for inside in ("ddp", "fsdp") for n in available() if get(n).runs_inside(inside)]
+IDS = [f"{n}-{inside}" for n, inside in ACROSS]
 LOCAL_SGD = {"sync_every": 2, "sync_by": "steps"}
 OPTIONS = {"diloco": LOCAL_SGD, "sparseloco": LOCAL_SGD,
            "streaming_diloco": {**LOCAL_SGD, "fragments": 2, "fragment_delay": 1},
@@ -43,6 +47,13 @@ OPTIONS = {"diloco": LOCAL_SGD, "sparseloco": LOCAL_SGD,
 # sends signs: a momentum within rounding of zero may still take the other sign and move by its
 # block's scale (float64 1.3e-6, float32 5.9e-6 and 1.1e-5 on two machines).
 DTYPE = {"quantized": torch.float64, "onebit_adam": torch.float64}
+# With fsdp inside a position compresses its shards (torch.chunk's rows: every tensor here has a
+# multiple of 16 rows or values, so each shard at K = 2 is a multiple of 8 of the tensor's rows).
+# Blocks and chunks of 8 are then the ones a single worker's vector or tensor has, each compressed
+# as that worker's is: quantization blocks, SparseLoCo's top-k chunks (absmax values: a scale per
+# chunk, where its default statistics are a whole tensor's), DeMo's DCT chunks of 8 per dimension.
+FSDP_OPTIONS = {"quantized": {"block_size": 8}, "onebit_adam": {"block_size": 8}, "demo": {"chunk": 8, "topk": 4},
+                "sparseloco": {**LOCAL_SGD, "outer_compress": "topk:2,chunk:8,bits:8"}}
 TOLERANCE = {"onebit_adam": 5e-5}
 # Bytes: the blockwise compressors pad each position's piece to whole blocks on R ranks
 # (a few per cent on this small model); the overlapped rounds send a micro-batch count per group.
@@ -61,39 +72,46 @@ def _batch(step: int, worker: int, micro: int, rows: slice):
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def _train(name, comm, replica, worker: int, rows: slice):
+def _options(name, inside="ddp"):
+    return {**get(name).reproducible_options, **OPTIONS.get(name, {}),
+            **(FSDP_OPTIONS.get(name, {}) if inside == "fsdp" else {})}
+
+
+def _train(name, comm, replica, worker: int, rows: slice, inside="ddp"):
     torch.manual_seed(1234)
     model = _model().to(DTYPE.get(name, torch.float32))
-    options = {**get(name).reproducible_options, **OPTIONS.get(name, {})}
     run = make_run(name, model, comm, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
                    accum=ACCUM, schedule=lambda step: 1e-2 * min(1.0, (step + 1) / 3), total_steps=N_STEPS,
-                   replica=replica, **options)
+                   replica=replica, inside=inside, **_options(name, inside))
     for _ in range(N_STEPS):
         step, micro = run.steps_done, iter(range(1000))
         run.step(lambda: _batch(step, worker, next(micro), rows), lowcomm.lm_loss)
     run.close()
-    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # fsdp: gathered
+    return torch.cat([p.detach().reshape(-1).clone() for p in whole])
 
 
-def _replica_life(rank, world, names):
+def _replica_life(rank, world, cases):
     layout = ReplicaLayout(world, R)
     levels = form(layout)
     # The reference: the replicas' first ranks as R single workers (the others idle).
     ref, _ = dist.new_subgroups_by_enumeration(layout.cross_ranks())
     control, _ = dist.new_subgroups_by_enumeration(layout.cross_ranks(), backend="gloo")
     register_control(ref, control)
-    out = {}
-    for name in names:
+    out, flats = {}, {}
+    for name, inside in cases:
         before = {c.level: c.snapshot().wire_bytes for c in (levels.intra, levels.cross)}
         p = layout.position(rank)
-        grouped = _train(name, levels.cross, levels.intra, layout.replica(rank), slice(p * MICRO, (p + 1) * MICRO))
+        grouped = _train(name, levels.cross, levels.intra, layout.replica(rank), slice(p * MICRO, (p + 1) * MICRO),
+                         inside)
         counted = {c.level: c.snapshot().wire_bytes - before[c.level] for c in (levels.intra, levels.cross)}
-        flat, flat_bytes = None, 0
-        if p == 0:
+        options = tuple(sorted(_options(name, inside).items()))
+        if p == 0 and (name, options) not in flats:  # one reference per strategy and options
             comm = lowcomm.Comm(ref)
-            flat = _train(name, comm, None, layout.replica(rank), slice(None))
-            flat_bytes = comm.snapshot().wire_bytes
-        out[name] = {"grouped": grouped, "counted": counted, "flat": flat, "flat_bytes": flat_bytes}
+            flats[name, options] = (_train(name, comm, None, layout.replica(rank), slice(None), inside),
+                                    comm.snapshot().wire_bytes)
+        flat, flat_bytes = flats.get((name, options), (None, 0))
+        out[f"{name}-{inside}"] = {"grouped": grouped, "counted": counted, "flat": flat, "flat_bytes": flat_bytes}
     return out
 
 
@@ -102,35 +120,38 @@ def replica_runs():
     return run_dist(_replica_life, R * K, ACROSS, timeout=600)
 
 
-def _planned(name, level):
+def _planned(name, inside, level):
     cls = get(name)
-    options = cls.Options(**{**cls.reproducible_options, **OPTIONS.get(name, {})}).validate(name)
-    plans = cls.level_plans(layout_of(_model()), R, K, options)
+    cls = cls.fsdp_form() if inside == "fsdp" and hasattr(cls, "fsdp_form") else cls  # ddp's is HSDP
+    options = cls.Options(**_options(name, inside)).validate(name)
+    plans = inside_level_plans(inside, cls, layout_of(_model()), R, K, options, ACCUM)
     if level == "intra":
-        return planned_bytes([plans.intra], K, R, lambda op: op.occurrences(N_STEPS))
+        # FSDP gathers and reduces in the parameters' dtype; its plan prices fp32, what runs train in
+        itemsize = DTYPE.get(name, torch.float32).itemsize if inside == "fsdp" else 4
+        return planned_bytes([plans.intra], K, R, lambda op: op.occurrences(N_STEPS)) * itemsize // 4
     return planned_bytes(plans.cross, R, K, lambda op: cls.plan_occurrences(op, N_STEPS, options))
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("name", ACROSS)
-def test_every_strategy_across_replicas_equals_one_worker_per_replica(name, replica_runs):
-    tolerance = TOLERANCE.get(name, 1e-6)
+@pytest.mark.parametrize("name,inside", ACROSS, ids=IDS)
+def test_every_strategy_across_replicas_equals_one_worker_per_replica(name, inside, replica_runs):
+    case, tolerance = f"{name}-{inside}", TOLERANCE.get(name, 1e-6)
     for rank, out in enumerate(replica_runs):  # rank r·K + p holds what worker r holds
-        reference = replica_runs[rank - rank % K][name]["flat"]
-        assert rel_err(out[name]["grouped"], reference) <= tolerance, (name, rank)
-    cross = sum(out[name]["counted"]["cross"] for out in replica_runs)
-    flat = sum(out[name]["flat_bytes"] for out in replica_runs)
+        reference = replica_runs[rank - rank % K][case]["flat"]
+        assert rel_err(out[case]["grouped"], reference) <= tolerance, (case, rank)
+    cross = sum(out[case]["counted"]["cross"] for out in replica_runs)
+    flat = sum(out[case]["flat_bytes"] for out in replica_runs)
     # the K groups together send what the R workers send
     counts = 16 * R * N_STEPS * ROUNDS_PER_STEP.get(name, 1) * (K - 1)
     assert abs(cross - flat) <= BYTES_SLACK.get(name, 0) * flat + counts, (cross, flat)
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("name", ACROSS)
-def test_every_strategy_sends_its_level_plans(name, replica_runs):
+@pytest.mark.parametrize("name,inside", ACROSS, ids=IDS)
+def test_every_strategy_sends_its_level_plans(name, inside, replica_runs):
     for level in ("intra", "cross"):
-        counted = sum(out[name]["counted"][level] for out in replica_runs)
-        assert counted == _planned(name, level), (name, level)
+        counted = sum(out[f"{name}-{inside}"]["counted"][level] for out in replica_runs)
+        assert counted == _planned(name, inside, level), (name, inside, level)
 
 
 # -- through the CLI: summary.json's levels -------------------------------------------------
@@ -198,7 +219,7 @@ def test_bytes_per_level_equal_the_plan(runs, strategy, layout):
 
 
 REFUSED = {
-    "fsdp": (["--strategy", "demo", "--replicas", "2", "--inside", "fsdp"], ("demo", "--inside fsdp")),
+    "fsdp": (["--strategy", "powersgd", "--replicas", "2", "--inside", "fsdp"], ("powersgd", "--inside fsdp")),
     "bf16_flat": (["--strategy", "zero1", "--replicas", "2", "--param-dtype", "bf16"], ("--param-dtype bf16",)),
     "inside_unknown": (["--replicas", "2", "--inside", "tp"], ("--inside", "tp")),
     "not_dividing": (["--replicas", "3"], ("--replicas 3", "--workers 4")),

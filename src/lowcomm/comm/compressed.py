@@ -247,7 +247,8 @@ class SplitByPosition:
 
 def compressed_allreduce(comm, inside, like: list[torch.Tensor], bits: int, block: int,
                          error_feedback: bool = True) -> CompressedAllReduce | SplitByPosition:
-    """The engine for a flat run (`inside` None) or across replica groups."""
+    """The engine for a flat run, or a part of the model (fsdp's shards: `inside` None), or across
+    replica groups where each position takes its blocks of the whole vector (SplitByPosition)."""
     if inside is None:
         return CompressedAllReduce(comm, like, bits, block, error_feedback)
     return SplitByPosition(inside, comm, like, bits, block, error_feedback)

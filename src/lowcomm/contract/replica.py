@@ -28,8 +28,22 @@ class ReplicaPart:
 
     @property
     def owns_part(self) -> bool:
-        """Whether this rank runs the strategy on the tensors its position of a replica owns."""
-        return self.inside is not None and self.owns_tensors
+        """Whether this rank runs the strategy on the part of the model the engine inside gives it:
+        with ddp inside, the tensors its position owns (a strategy that splits the replica's work
+        itself declares owns_tensors False); with fsdp inside always, FSDP's shards of every tensor."""
+        return self.inside is not None and (self.owns_tensors or self.inside.reshapes_model)
+
+    @property
+    def splitting_inside(self):
+        """The engine inside this rank's replica where the strategy splits the replica's work
+        itself (owns_tensors False, ddp inside); None in a flat run or on a part (fsdp's shards)."""
+        return None if self.owns_part else self.inside
+
+    @property
+    def part_is_engines(self) -> bool:
+        """Whether the part this rank runs on is storage the engine inside owns (fsdp's shards,
+        which FSDP all-gathers from): a strategy may write into it, not re-point it."""
+        return self.owns_part and self.inside.reshapes_model
 
     @property
     def model_reusable(self) -> bool:
@@ -53,6 +67,13 @@ class ReplicaPart:
         step; `counted=False`: bookkeeping, e.g. around an evaluation); a flat run: nothing."""
         if self.owns_part:
             self.inside.share(self.replica_params, counted)
+
+    @classmethod
+    def fsdp_intra_extra(cls, one_micro_batch, options) -> list:
+        """What one rank sends inside its replica with fsdp inside beyond FSDP's own collectives
+        for the step's micro-batches (`one_micro_batch()`: those of one micro-batch, as PlannedOps);
+        here nothing."""
+        return []
 
     @classmethod
     def runs_inside(cls, inside: str) -> bool:

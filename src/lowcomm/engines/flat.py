@@ -68,12 +68,15 @@ def rebuilt(reference: torch.optim.Optimizer, groups: list[tuple[dict, list[int]
 
 
 class FlatModel:
-    """`params` in the order they are laid out (group by group); `group_ends` ends each group's range."""
+    """`params` in the order they are laid out (group by group); `group_ends` ends each group's range.
+    `aliased=False` (the parameters are storage an engine owns, FSDP's shards, which must not be
+    re-pointed): the flat buffers hold copies, moved by `add_grads` and `write_params`/`read_params`."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], world: int, rank: int,
-                 dtype: torch.dtype | None = None, group_ends: list[int] | None = None):
+                 dtype: torch.dtype | None = None, group_ends: list[int] | None = None, aliased: bool = True):
         self.model = model
         self.params_list = params
+        self.aliased = aliased
         first = self.params_list[0]
         dtype = dtype or first.dtype
         self.numel = sum(p.numel() for p in self.params_list)
@@ -81,13 +84,10 @@ class FlatModel:
         padded = self.shard_size * world
         self.params = torch.zeros(padded, dtype=dtype, device=first.device)
         self.grads = torch.zeros_like(self.params)
-        offset = 0
-        for p in self.params_list:
-            n = p.numel()
-            self.params[offset:offset + n].copy_(p.detach().reshape(-1))
-            p.data = self.params[offset:offset + n].view_as(p)
-            p.grad = self.grads[offset:offset + n].view_as(p)
-            offset += n
+        for (p, values), (_, grad) in zip(self._spans(self.params), self._spans(self.grads)):
+            values.copy_(p.detach())
+            if aliased:
+                p.data, p.grad = values, grad
         self.own = slice(rank * self.shard_size, (rank + 1) * self.shard_size)
         self.group_ends = group_ends or [self.numel]
 
@@ -104,8 +104,39 @@ class FlatModel:
     def zero_grad(self) -> None:
         self.grads.zero_()
 
+    def _spans(self, buffer: torch.Tensor):
+        """(parameter, its values in `buffer`, shaped like it), in layout order."""
+        offset = 0
+        for p in self.params_list:
+            n = p.numel()
+            yield p, buffer[offset:offset + n].view_as(p)
+            offset += n
+
+    @torch.no_grad()
+    def add_grads(self) -> None:
+        """Not aliased: G += each parameter's .grad (dropped then, so the next is new); a
+        parameter without one adds nothing."""
+        for p, g in self._spans(self.grads):
+            if p.grad is not None:
+                g.add_(p.grad)
+                p.grad = None
+
+    @torch.no_grad()
+    def write_params(self) -> None:
+        """Not aliased: each parameter <- its values in the flat buffer."""
+        for p, values in self._spans(self.params):
+            p.copy_(values)
+
+    @torch.no_grad()
+    def read_params(self) -> None:
+        """Not aliased: the flat buffer <- each parameter's values (after a load into the model)."""
+        for p, values in self._spans(self.params):
+            values.copy_(p)
+
     def check_views(self) -> None:
         """Fail loudly if something replaced a .grad (e.g. model.zero_grad(set_to_none=True))."""
+        if not self.aliased:  # the gradients are the engine's until add_grads
+            return
         for p in self.params_list:
             if p.grad is None or p.grad.untyped_storage().data_ptr() != self.grads.untyped_storage().data_ptr():
                 raise UsageError("a parameter's .grad no longer views the flat gradient buffer: do not call "
@@ -209,7 +240,8 @@ class ShardedStrategy(Strategy):
         ordered = [p for _, ps in groups for p in ps]
         ordered += [p for p in self.params if all(p is not q for q in ordered)]  # in no group: never stepped
         ends = [sum(p.numel() for _, ps in groups[:g + 1] for p in ps) for g in range(len(groups))]
-        self.flat = FlatModel(model, ordered, comm.world, comm.rank, PARAM_DTYPES[self.options.param_dtype], ends)
+        self.flat = FlatModel(model, ordered, comm.world, comm.rank, PARAM_DTYPES[self.options.param_dtype], ends,
+                              aliased=not self.part_is_engines)
         self.shard_opt = ShardOptimizer(self.flat, make_optimizer, reference, separate_master=self.separate_master)
         # model.zero_grad() would drop accumulated gradients (set_to_none=False) or cut
         # .grad loose from the flat buffer (True): refuse it with a clear error instead.
@@ -272,7 +304,22 @@ class ShardedStrategy(Strategy):
         master = self.shard_opt.master.detach().clone() if not self.shard_opt.aliased else None
         return {"master": master, "grads": self.flat.grads.clone()}
 
+    # With fsdp inside (part_is_engines) the flat buffers are copies of FSDP's shards: the
+    # replica's gradients are added in where they are reduced, and the parameters written back
+    # where they are shared (after every step, around an evaluation, after acco's estimate).
+    def reduce_inside(self, op: str = "avg") -> None:
+        super().reduce_inside(op)
+        if not self.flat.aliased:
+            self.flat.add_grads()
+
+    def share_inside(self, counted: bool = True) -> None:
+        if not self.flat.aliased:
+            self.flat.write_params()
+        super().share_inside(counted)
+
     def load_extra_state(self, sd: dict) -> None:
+        if not self.flat.aliased:  # the model's shards were loaded: the copies (zero1's master too) follow
+            self.flat.read_params()
         if sd["master"] is not None:
             self.shard_opt.master.data.copy_(sd["master"])
         self.flat.grads.copy_(sd["grads"])

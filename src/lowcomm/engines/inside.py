@@ -144,12 +144,13 @@ class InsideDDP:
                 for j, span in self._spans(params, q, q * part):
                     params[j].copy_(flat[span].view_as(params[j]))
 
-    def sum(self, counts: tuple[int, ...], device: torch.device, counted: bool = True) -> tuple[int, ...]:
-        """`counts` summed over the replica's ranks (one float64 all-reduce; bookkeeping with
-        `counted=False`)."""
-        n = torch.tensor([float(c) for c in counts], dtype=torch.float64, device=device)
-        self.comm.all_reduce(n, op="sum") if counted else self.comm.meta_all_reduce(n, op="sum")
-        return tuple(int(v) for v in n.tolist())
+
+def replica_sum(comm: Comm, counts: tuple[int, ...], device: torch.device, counted: bool = True) -> tuple[int, ...]:
+    """`counts` summed over the ranks of a replica's `comm`, whichever engine runs inside (one
+    float64 all-reduce; bookkeeping with `counted=False`)."""
+    n = torch.tensor([float(c) for c in counts], dtype=torch.float64, device=device)
+    comm.all_reduce(n, op="sum") if counted else comm.meta_all_reduce(n, op="sum")
+    return tuple(int(v) for v in n.tolist())
 
 
 def make_inside(kind: str, comm: Comm | None):
@@ -177,7 +178,7 @@ def check_layout(workers: int, replicas: int, inside: str, strategy: str, suppor
     caller's user wrote it (the CLI's flags, or lowcomm.wrap's keywords). `one_replica`: the
     processes are one replica of an elastic run (a torchrun job), `inside` inside it."""
     if replicas < 0:
-        raise UsageError(f"{spell('replicas')} must be at least 1 (0: one per worker), got {replicas}")
+        raise UsageError(f"replicas must be at least 1 (0: one per worker), got {replicas}")
     R = replicas or workers
     if workers % R:
         raise UsageError(f"{spell('replicas', R)} does not divide {spell('workers', workers)} (each replica "
@@ -205,5 +206,9 @@ def inside_level_plans(inside: str, cls, layout, replicas: int, size: int, optio
     run's summary (metrics/levels.py) and the planner (plan/levels.py) price a replica."""
     if inside == "fsdp":
         from ..engines.inside_fsdp import fsdp_level_plans  # imports torch's FSDP: only when asked
-        return fsdp_level_plans(cls, layout, replicas, size, options, accum)
+
+        def fsdp_plans(micro_batches: int) -> LevelPlans:
+            return fsdp_level_plans(cls, layout, replicas, size, options, micro_batches)
+        plans = fsdp_plans(accum * cls.micro_batch_parts)  # acco computes a step's batch in two halves
+        return LevelPlans(plans.intra + cls.fsdp_intra_extra(lambda: fsdp_plans(1).intra, options), plans.cross)
     return cls.level_plans(layout, replicas, size, options)

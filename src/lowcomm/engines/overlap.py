@@ -40,6 +40,7 @@ import torch
 from ..comm import Comm
 from ..contract.context import all_finite, fill_nan_if_nonfinite
 from .flat import FlatModel, ShardedStrategy, ShardOptimizer
+from .inside import replica_sum
 from ..contract.plan import LevelPlans, PlannedOp
 
 
@@ -191,6 +192,9 @@ class OverlappedRounds:
         self.engine.close()
 
 
+VOTES = PlannedOp("all_reduce", 16, what="micro-batch count and computing ranks inside the replica (2 float64)")
+
+
 class OverlappedStrategy(ShardedStrategy):
     """ZeRO-1's layout with its rounds beside compute (acco, dpu): micro-batch gradients are
     summed (a round divides by the global count N), and the fp32 master is kept apart from
@@ -210,9 +214,11 @@ class OverlappedStrategy(ShardedStrategy):
     @classmethod
     def level_plans(cls, layout, replicas, size, options):
         plans = super().level_plans(layout, replicas, size, options)
-        count = PlannedOp("all_reduce", 16, what="micro-batch count and computing ranks inside the replica "
-                                                  "(2 float64)")
-        return LevelPlans(plans.intra + [count], plans.cross)
+        return LevelPlans(plans.intra + [VOTES], plans.cross)
+
+    @classmethod
+    def fsdp_intra_extra(cls, one_micro_batch, options):
+        return [VOTES]  # a round's votes are summed inside the replica, whichever engine runs there
 
     def load_round(self, count: int) -> None:
         """The next round's B <- G of `count` micro-batches (across replica groups: the replica's
@@ -227,7 +233,7 @@ class OverlappedStrategy(ShardedStrategy):
         computing = int(self.rounds.open)
         if self.inside is None:
             return count, computing
-        return self.inside.sum((count, computing), self.flat.grads.device, counted=computing > 0)
+        return replica_sum(self.inside.comm, (count, computing), self.flat.grads.device, counted=computing > 0)
 
     def launch(self, estimate: bool, votes: tuple[int, int] | None = None) -> None:
         """Start the round on B with its votes (default: those of the micro-batches B holds). A

@@ -73,7 +73,7 @@ class ACCO(OverlappedStrategy):
     Options = AccoOptions
     reproducible_options = {"deterministic": True}
     micro_batch_parts = 2          # a step's batch in two halves: the estimate round's, the real round's
-    inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
+    inside_replica = ("ddp", "fsdp")  # across replica groups: on the tensors each position owns (fsdp: its shards)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -124,6 +124,13 @@ class ACCO(OverlappedStrategy):
         startup = [replace(op, every=ONCE, offset=1, what=f"{op.what}, at start-up")
                    for op in plans.intra if op.collective == "reduce_scatter"]
         return LevelPlans(two_rounds(plans.intra) + startup, plans.cross)
+
+    @classmethod
+    def fsdp_intra_extra(cls, one_micro_batch, options):
+        # With fsdp inside: each round's votes, and FSDP's collectives for the start-up micro-batch
+        # (the step's two rounds of halves are FSDP's plan at micro_batch_parts · accum).
+        startup = [replace(op, every=ONCE, offset=1, what=f"{op.what}, at start-up") for op in one_micro_batch()]
+        return two_rounds(super().fsdp_intra_extra(one_micro_batch, options)) + startup
 
     # --elastic (contract/elastic.py) -----------------------------------------------------------
     # θ (or θ̃, all-gathered), the optimizer state, the master copy and the round bookkeeping are

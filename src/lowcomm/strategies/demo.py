@@ -66,14 +66,28 @@ class DeMoOptions(Options):
                              f"(the largest chunk holds {largest}): nothing is compressed; use fewer")
 
 
+def check_rows_per_shard(params, K: int) -> None:
+    """With fsdp inside every rank of a replica of K must hold a row of every tensor: torch.chunk
+    gives a tensor of d rows ceil(d/K) a rank, so the last ranks hold none where d is small, and
+    DeMo's DCT of an empty shard has no chunk. Refused alike on every rank (from whole shapes)."""
+    for p in params:
+        rows = p.shape[0]
+        if -(-rows // K) * (K - 1) >= rows:
+            raise UsageError(f"demo with --inside fsdp: a tensor of shape {tuple(p.shape)} has too few rows for a "
+                             f"replica of {K} ranks (one would hold none, and DeMo's DCT needs a chunk); "
+                             f"use fewer ranks per replica or --inside ddp")
+
+
 @register("demo")
 class DeMo(Strategy):
     Options = DeMoOptions
-    inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
+    inside_replica = ("ddp", "fsdp")  # across replica groups: on the tensors each position owns (fsdp: its shards)
     local_state = ("extra.dct_momenta",)  # --elastic: δ̂, this worker's own; a joiner's is zero (docstring)
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)
+        if self.part_is_engines:
+            check_rows_per_shard(self.replica_params, self.inside.comm.world)
         # The run's optimizer, built only to hold each param group's lr and weight decay (and
         # carry the schedule): it never steps and holds no state.
         self.settings = make_optimizer(self.params)

@@ -36,7 +36,7 @@ class DpuOptions(ShardedOptions):
 @register("dpu")
 class DPU(OverlappedStrategy):
     Options = DpuOptions
-    inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
+    inside_replica = ("ddp", "fsdp")  # across replica groups: on the tensors each position owns (fsdp: its shards)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

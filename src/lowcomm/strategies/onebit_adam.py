@@ -102,7 +102,8 @@ class OneBitAdam(Strategy):
     # A warm-up that needs no run length (the contract tests build runs without total_steps)
     # and ends early enough that their few steps cross the freeze.
     reproducible_options = {"freeze_variance_after": 2}
-    inside_replica = ("ddp",)  # across replica groups: each position's blocks (comm.compressed.SplitByPosition)
+    # across replica groups: each position's blocks (comm.compressed.SplitByPosition); fsdp: its shards' blocks
+    inside_replica = ("ddp", "fsdp")
     owns_tensors = False
     local_state = ("extra.residuals",)  # --elastic: the error feedback, this rank's own; a joiner's is zero
 
@@ -110,8 +111,8 @@ class OneBitAdam(Strategy):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)
         self.optimizer = make_optimizer(self.params)
         self.adam = FrozenAdam(self.optimizer, self.params)
-        self.allreduce = compressed_allreduce(comm, self.inside, self.params, BITS, self.options.block_size,
-                                              self.options.error_feedback)
+        self.allreduce = compressed_allreduce(comm, self.splitting_inside, self.params, BITS,
+                                              self.options.block_size, self.options.error_feedback)
         self.warmup: int | None = None  # T0, known once the run's length is (first step)
 
     @classmethod
@@ -149,6 +150,7 @@ class OneBitAdam(Strategy):
             self.warmup = self.options.warmup_steps(self.total_steps)
 
     def update(self, ctx):
+        self.reduce_inside()  # fsdp inside: the replica's mean gradient of this rank's shards
         if self.steps_done < self.warmup:
             self._exact_adam_step(ctx)
         else:

@@ -23,6 +23,15 @@ the tensors this rank's position owns, after the replica's mean of them, Strateg
 its first Qs are drawn per parameter, so the K groups together compute what R single workers
 would).
 
+Not with --inside fsdp (refused at start-up, in one line): FSDP2 shards dim 0, so a position
+holds whole rows of each gradient matrix M (n x m, as torch's hook views a tensor). P = M·Q goes
+row by row, so a position could compute its rows of P; but orthogonalize(P) (Gram-Schmidt over
+P's columns) needs every row of P, and Q = Mᵀ·P sums over every row of M: both would need
+collectives inside the replica between the hook's steps (P's rows gathered, Q's partial sums
+reduced), which torch's hook, run unchanged, does not issue. Each shard compressed as a matrix of
+its own would be another compression (rank r per shard, K·r per matrix, (n + K·m)·r values sent
+instead of (n + m)·r), not PowerSGD's; --inside ddp runs it exactly.
+
 Under --elastic (contract/elastic.py) θ, the optimizer state and torch's hook state but the error
 feedback are replicated (P and Q are all-reduced, so the warm-started Q is every rank's); the
 error feedback is each rank's own, and a joiner starts it at zero: torch's hook creates a zero

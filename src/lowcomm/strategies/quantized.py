@@ -58,7 +58,8 @@ class QuantizedOptions(OneBitAdamOptions):
 @register("quantized")
 class Quantized(Strategy):
     Options = QuantizedOptions
-    inside_replica = ("ddp",)  # across replica groups: each position's blocks (comm.compressed.SplitByPosition)
+    # across replica groups: each position's blocks (comm.compressed.SplitByPosition); fsdp: its shards' blocks
+    inside_replica = ("ddp", "fsdp")
     owns_tensors = False
     local_state = ("extra.residuals",)  # --elastic: the error feedback, this rank's own; a joiner's is zero
 
@@ -79,7 +80,7 @@ class Quantized(Strategy):
             raise UsageError("quantized with bits=1 and freeze_variance_after -1 or > 0 is 1-bit Adam: "
                              "use strategy 'onebit_adam' (freeze_variance_after=0 sends 1-bit gradients)")
         self.optimizer = make_optimizer(self.params)
-        self.allreduce = compressed_allreduce(comm, self.inside, self.params, self.options.bits,
+        self.allreduce = compressed_allreduce(comm, self.splitting_inside, self.params, self.options.bits,
                                               self.options.block_size, self.options.error_feedback)
 
     @classmethod
@@ -105,6 +106,7 @@ class Quantized(Strategy):
         self.comm = self.allreduce.comm = comm
 
     def update(self, ctx):
+        self.reduce_inside()  # fsdp inside: the replica's mean gradient of this rank's shards
         mean = self.allreduce.mean(ctx, self.allreduce.flat([p.grad for p in self.params]))
         if mean is not None:
             t0 = time.perf_counter()

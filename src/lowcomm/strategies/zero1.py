@@ -17,7 +17,9 @@ from .registry import register
 
 @register("zero1")
 class Zero1(ShardedStrategy):
-    inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns
+    # across replica groups: on the tensors each position owns (fsdp: on its shards, copied into the flat buffer)
+    inside_replica = ("ddp", "fsdp")
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.shard_grad = torch.empty(self.flat.shard_size, dtype=self.flat.grads.dtype,
