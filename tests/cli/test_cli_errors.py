@@ -201,6 +201,8 @@ def _setup(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str]:
     if case == "intra_link_zero_bandwidth":
         return ["--workers", "4", "--replicas", "2", "--intra-link", "0mbit,5ms", *d], ("--intra-link bandwidth",
                                                                                        "0mbit")
+    if case == "nccl_on_cpu":
+        return ["--backend", "nccl", "--device", "cpu", *d], "--backend nccl needs --device cuda, got --device cpu"
     if case == "slowdown_of_other_workers":
         return ["--slowdown", "1,2", "--workers", "3", *d], ("--slowdown '1,2'", "--workers 3")
     if case == "resume_with_another_outer_delay":
@@ -350,7 +352,7 @@ CASES = ["unknown_strategy", "workers_zero", "workers_negative", "workers_non_nu
          "model_beyond_memory", "micro_batch_beyond_memory", "workers_beyond_memory", "data_device",
          "data_fifo", "link_negative_bandwidth", "link_negative_latency", "link_negative_jitter",
          "slowdown_negative", "replicas_negative", "max_restarts_negative", "intra_link_negative_latency",
-         "intra_link_zero_bandwidth", "slowdown_of_other_workers", "resume_with_another_outer_delay",
+         "intra_link_zero_bandwidth", "nccl_on_cpu", "slowdown_of_other_workers", "resume_with_another_outer_delay",
          "toml_bool_from_string", "toml_bool_from_integer", "toml_option_bool_from_integer", "toml_integer_from_bool",
          "toml_float_from_bool", "outer_delay_warmup_at_steps", "outer_delay_warmup_past_the_last_sync",
          "max_accum_below_accum", "out_not_writable", "out_is_a_file",

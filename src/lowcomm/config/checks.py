@@ -100,7 +100,8 @@ def _check_placement(cfg: RunConfig) -> None:
     if cfg.device not in DEVICES:
         raise UsageError(f"unknown {spelled(cfg, 'device')} '{cfg.device}' (choose from: {', '.join(DEVICES)})")
     if cfg.backend == "nccl" and cfg.device == "cpu":
-        raise UsageError("backend 'nccl' needs device 'cuda', got device 'cpu'")
+        raise UsageError(f"{spelled(cfg, 'backend', 'nccl')} needs {spelled(cfg, 'device', 'cuda')}, got "
+                         f"{spelled(cfg, 'device', 'cpu')}")
 
 
 def _check_model(cfg: RunConfig) -> None:

@@ -156,7 +156,7 @@ class RunDriver:
 
     @property
     def steps_done(self) -> int:
-        """Optimizer steps (for acco: rounds) finished so far."""
+        """Trainer steps finished so far, each one optimizer update (acco: its estimate and real rounds)."""
         return self.strategy.steps_done
 
     steps = steps_done
