@@ -526,6 +526,17 @@ def test_a_warm_up_is_taken_while_a_sync_after_it_comes_before_the_last_step(str
     assert cfg.strategy_options().first_late_sync() == first_late
 
 
+@pytest.mark.parametrize("steps, said", [(33, True), (32, False), (20, False)])
+def test_the_delays_momentum_note_is_said_only_where_a_mean_comes_late(steps, said):
+    """H = 32: --steps 33 has a regular sync at 32, a period late; at 32 or fewer steps the only sync is
+    the run's final one, which waits for its mean: nothing stale goes through the momentum."""
+    cfg = C.RunConfig(strategy="diloco", steps=steps)
+    C.set_value(cfg, "diloco.outer_delay", 1)
+    C.validate(cfg)
+    note = cfg.strategy_options().run_note(cfg)
+    assert (note is not None and note.startswith("--outer-delay 1 with outer momentum 0.9")) == said, note
+
+
 def test_bad_input_without_out_writes_nothing(tmp_path, monkeypatch, capfd):
     """With no --out the default is runs/<...> under the working directory: not created either."""
     code, stdout, stderr = train_in_process(["--strategy", "telepathy"], tmp_path, monkeypatch, capfd, "telepathy")

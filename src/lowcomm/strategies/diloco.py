@@ -116,8 +116,8 @@ class DiLoCoOptions(Options):
         return min(start + (outer_sync.sync_offset(f, every, fragments) - start) % every for f in range(fragments))
 
     def run_note(self, cfg) -> str | None:
-        if not (self.outer_delay and self.outer_momentum > 0):
-            return None
+        if not (self.outer_delay and self.outer_momentum > 0) or self.first_late_sync() >= cfg.steps:
+            return None  # (the latter: a run too short for a regular sync; no mean is late)
         if self.eager:
             return (f"--eager with outer momentum {self.outer_momentum:g}: measured here, eager updates learned more "
                     f"with --outer-momentum 0 (docs/strategies.md)")
