@@ -35,6 +35,11 @@ class StateLost(RunFailed):
     it, and starting over would overwrite the run's records; it goes on from a checkpoint."""
 
 
+class NoQuorum(RunFailed):
+    """An elastic run whose members holding its state had no quorum for --quorum-timeout (too few
+    live workers for good): a restarted worker would wait for the same quorum."""
+
+
 class Interrupted(Exception):
     """The launcher got SIGINT or SIGTERM and stopped every worker. Exit 128 + signal
     (130 for SIGINT, 143 for SIGTERM), as a shell reports a process killed by it."""

@@ -8,6 +8,7 @@ each elastic strategy, in one run each: test_elastic_faults.py.)
 """
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -183,11 +184,32 @@ def test_what_a_strategy_declares_it_cannot_run_elastically_is_refused_in_one_li
 
 
 def test_min_workers_and_member_timeout_need_elastic(capsys):
-    for flag in ("--min-workers", "--member-timeout"):
+    for flag in ("--min-workers", "--member-timeout", "--quorum-timeout"):
         assert main(["train", flag, "2", "--steps", "2", "--data", "pydoc"]) == 2
         assert f"error: {flag} applies only with --elastic" in capsys.readouterr().err
     assert main(["train", *TINY, "--member-timeout", "900", "--timeout", "60", "--steps", "2"]) == 2
     assert "error: --member-timeout must be positive and at most --timeout (60 s), got 900" in capsys.readouterr().err
+    assert main(["train", *TINY, "--quorum-timeout", "0", "--steps", "2"]) == 2
+    assert "error: --quorum-timeout must be a positive number of seconds, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.elastic
+@pytest.mark.faults
+def test_a_quorum_blocked_for_good_ends_the_run_after_the_quorum_timeout_in_one_line(tmp_path, monkeypatch, capfd):
+    """Worker 1 stops itself (SIGSTOP) before step 3 and is never continued: the launcher counts it
+    live, and the lighthouse never has --min-workers 2 for a quorum. Worker 0 drops it after
+    --member-timeout and fails the run --quorum-timeout later, in one line, flight records written."""
+    out = tmp_path / "run"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("LOWCOMM_TEST_STOP_AT", "1:3")
+    code = main(["train", *TINY, "--workers", "2", "--min-workers", "2", "--strategy", "ddp", "--steps", "20",
+                 "--member-timeout", "2", "--quorum-timeout", "5", "--out", str(out)])
+    err = capfd.readouterr().err
+    assert code == 1, err
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(r"error: worker 0 had no quorum for \d+ s \(--quorum-timeout 5\); the lighthouse at \S+ "
+                        r"says: .*min_replicas 2.* \(flight records in " + re.escape(str(out / "flight")) + r"\)", last), err
+    assert (out / "flight" / "rank-0.json").exists()
 
 
 def test_a_changed_membership_reads_on_in_the_runs_stream_never_a_window_twice_in_an_epoch():

@@ -1,11 +1,14 @@
 """A member's waits on the run's services (elastic/membership.py), in the test's process with a
 fake lighthouse client and a fake store: a lighthouse stalled at a worker's first heartbeat is
 waited for, and one lost for good fails the worker in one line naming it; a quorum long in
-coming is said, with the lighthouse's own figures; a commit never waits on the launcher's store.
+coming is said every minute, with the lighthouse's own figures, and ends the run past
+--quorum-timeout (a clock the test moves); a commit never waits on the launcher's store, and a
+re-form that does (a stopped launcher) is said.
 """
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 from fake_lighthouse import status_page
@@ -13,7 +16,7 @@ from fake_lighthouse import status_page
 from lowcomm.elastic import lighthouse, membership
 from lowcomm.elastic.address import check_lighthouse, lighthouse_status, min_replicas
 from lowcomm import config as C
-from lowcomm.errors import RunError, UsageError
+from lowcomm.errors import NoQuorum, RunError, UsageError
 
 HANG_GUARD_S = 60.0  # not a timing claim: how long a call that must not block may take before the test fails
 STALLED = TimeoutError('status: Cancelled, message: "Timeout expired", details: [], metadata: MetadataMap { headers: {} }')
@@ -27,6 +30,7 @@ class FakeClient:
 
     def __init__(self, fails: list):
         self.fails, self.beats = fails, 0
+        self.answer = lambda: "a quorum"  # what a quorum request returns once nothing fails
 
     def heartbeat(self, replica_id, timeout=None):
         if self.fails:
@@ -36,16 +40,22 @@ class FakeClient:
     def quorum(self, **kwargs):
         if self.fails:
             raise self.fails.pop(0)
-        return "a quorum"
+        return self.answer()
 
 
 class FakeStore:
-    """The launcher's TCP store; `stopped` set, a call blocks as a SIGSTOPped launcher's does."""
+    """The launcher's TCP store; `stopped` set, a call blocks as a SIGSTOPped launcher's does
+    (`entered` says one does); `fails`: the error each call raises (the store's timeout)."""
 
     def __init__(self, *args, **kwargs):
-        self.counts, self.stopped, self.resumed = {}, threading.Event(), threading.Event()
+        self.counts, self.stopped, self.resumed, self.entered = {}, threading.Event(), threading.Event(), threading.Event()
+        self.fails = None
 
     def add(self, key, n):
+        if self.fails is not None or self.stopped.is_set():
+            self.entered.set()
+        if self.fails is not None:
+            raise self.fails
         if self.stopped.is_set():
             self.resumed.wait()
         self.counts[key] = self.counts.get(key, 0) + n
@@ -57,11 +67,11 @@ def member(monkeypatch):
     """member(fails) -> a Membership on a fake lighthouse whose calls raise `fails` first."""
     made = []
 
-    def make(fails: list, address: str = "http://127.0.0.1:1"):
+    def make(fails: list, address: str = "http://127.0.0.1:1", slot: int = 0, speaks: bool = True):
         stores = []
         monkeypatch.setattr(membership.dist, "TCPStore", lambda *a, **k: stores.append(FakeStore()) or stores[-1])
         monkeypatch.setattr(lighthouse, "client", lambda address: FakeClient(fails))
-        m = membership.Membership(address, "127.0.0.1", 1, slot=0, timeout_s=5.0)
+        m = membership.Membership(address, "127.0.0.1", 1, slot=slot, timeout_s=5.0, speaks=speaks)
         m.stores = stores
         made.append(m)
         return m
@@ -96,15 +106,44 @@ def test_another_error_of_the_first_heartbeat_is_not_taken_for_a_lighthouse_away
         member([ValueError("bad replica id")])
 
 
-def test_a_quorum_long_in_coming_is_said_once_with_the_lighthouses_figures(member, lighthouse_page, monkeypatch, capsys):
-    monkeypatch.setattr(membership, "QUORUM_QUIET_S", 0.0)
+def test_a_quorum_long_in_coming_is_said_every_minute_and_ends_the_run_past_the_quorum_timeout(
+        member, lighthouse_page, capsys):
     m = member([], address=lighthouse_page)
-    m._client.fails = [TimeoutError("Timeout expired")] * 3  # three quorum requests answered with none
-    assert m._quorum(step=0) == "a quorum"
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err  # once, not at every request
-    assert err[0].startswith(f"lowcomm: worker 0 has waited 0 s for a quorum; the lighthouse at {lighthouse_page} says: ")
-    assert "only have 3 participants, need min_replicas 5" in err[0]
+    m.quorum_timeout_s = 150.0
+    now = [0.0]
+    waiting = membership.Waiting(m, clock=lambda: now[0])  # a member holding the run's state
+    for now[0] in (1.0, 59.0, 60.0, 61.0, 119.0, 121.0, 150.0):
+        waiting.check()
+    lines = capsys.readouterr().err.strip().splitlines()
+    said = f"for a quorum; the lighthouse at {lighthouse_page} says: {STATUS}; the run fails after 150 s without one"
+    assert lines == [f"lowcomm: worker 0 has waited 60 s {said} (--quorum-timeout)",
+                     f"lowcomm: worker 0 has waited 121 s {said} (--quorum-timeout)"]
+    now[0] = 151.0
+    with pytest.raises(NoQuorum) as e:
+        waiting.check()
+    assert str(e.value) == (f"worker 0 had no quorum for 151 s (--quorum-timeout 150); the lighthouse at "
+                            f"{lighthouse_page} says: {STATUS}")
+
+
+def test_a_joiner_waiting_for_the_members_next_commit_point_is_not_ended_by_the_quorum_timeout(
+        member, lighthouse_page, capsys):
+    m = member([], address=lighthouse_page)
+    m.quorum_timeout_s = 150.0
+    now = [0.0]
+    waiting = membership.Waiting(m, bounded=False, clock=lambda: now[0])  # a fresh process: no state of the run
+    now[0] = 3600.0
+    waiting.check()
+    assert capsys.readouterr().err.strip() == (f"lowcomm: worker 0 has waited 3600 s for a quorum; the lighthouse "
+                                               f"at {lighthouse_page} says: {STATUS}")
+
+
+def test_a_member_whose_quorum_requests_time_out_past_the_quorum_timeout_fails_the_run(member, monkeypatch):
+    m = member([])
+    m.quorum_timeout_s = 0.0
+    monkeypatch.setattr(membership, "QUORUM_QUIET_S", 1e9)  # no line: the page at 127.0.0.1:1 answers nothing
+    m._client.fails = [TimeoutError("Timeout expired")] * 1000
+    with pytest.raises(NoQuorum, match=r"^worker 0 had no quorum for \d+ s \(--quorum-timeout 0\)"):
+        m._quorum(step=4)
 
 
 def test_a_commit_reads_the_joiners_count_without_waiting_on_the_launchers_store(member):
@@ -144,29 +183,55 @@ def test_a_lighthouse_that_would_wait_for_more_members_than_the_run_has_is_refus
     check_lighthouse(lighthouse_page, "--lighthouse x", members=5)
 
 
-def test_a_new_group_long_in_forming_on_the_launchers_store_is_said_once(member, monkeypatch, capsys):
-    """A commit never waits on the launcher's store, but forming a new quorum's group does (a
-    stopped launcher): past STORE_QUIET_S the member says so once, naming the store."""
-    monkeypatch.setattr(membership, "STORE_QUIET_S", 0.0)
-    m = member([])
-    formed, waiting = threading.Event(), threading.Event()
+def quorum_of(*members: tuple[str, int]):
+    """A torchft quorum of these (replica id, committed step) members."""
+    return SimpleNamespace(quorum_id=7, created=SimpleNamespace(seconds=1, nanos=0),
+                           participants=[SimpleNamespace(replica_id=i, step=step) for i, step in members])
 
-    def slow_form(view, store, timeout_s):  # the store answers once the test has seen the line
-        waiting.set()
-        formed.wait(HANG_GUARD_S)
-    monkeypatch.setattr(membership, "form_group", slow_form)
-    forming = threading.Thread(target=m._form, args=(None,), daemon=True)
-    forming.start()
-    wait_for(lambda: waiting.is_set() and "has waited" in capsys.readouterr().err, "the line")
-    formed.set()
-    forming.join(HANG_GUARD_S)
-    assert not forming.is_alive() and capsys.readouterr().err == ""  # said once
+
+def test_a_survivors_announcement_held_up_by_a_stopped_launcher_is_said_by_the_new_quorums_rank_0(
+        member, monkeypatch, capsys):
+    """After a peer is lost the survivors announce themselves on the launcher's store; with the
+    launcher stopped that announcement blocks, and the member says so past STORE_QUIET_S, though
+    it is not slot 0 (the slot lost may be 0): the new quorum's rank 0 speaks."""
+    monkeypatch.setattr(membership, "STORE_QUIET_S", 0.0)
+    monkeypatch.setattr(membership, "form_group", lambda view, store, timeout_s: None)
+    m = member([], slot=2, speaks=False)
+    store = m.stores[0]
+    store.stopped.set()  # the launcher is stopped (SIGSTOP)
+    # the lighthouse answers once the announcement is blocked on the store
+    m._client.answer = lambda: store.entered.wait(HANG_GUARD_S) and quorum_of((m.id, 3))
+    views = []
+    agreeing = threading.Thread(target=lambda: views.append(m.agree(3, joining=True)), daemon=True)
+    agreeing.start()
+    err = []
+    wait_for(lambda: err.append(capsys.readouterr().err) or "has waited" in "".join(err), "the line")
+    assert "".join(err).startswith("lowcomm: worker 2 has waited 0 s to form the new quorum's group on the "
+                                   "launcher's store at 127.0.0.1:1")
+    store.resumed.set()  # the launcher continues
+    agreeing.join(HANG_GUARD_S)
+    assert [(v.rank, v.slots) for v in views] == [(0, (2,))]
+    assert m.latest == views[0]
 
 
 def test_a_new_group_formed_in_time_says_nothing(member, monkeypatch, capsys):
     monkeypatch.setattr(membership, "form_group", lambda view, store, timeout_s: None)
-    member([])._form(None)
+    m = member([])
+    m._client.answer = lambda: quorum_of((m.id, 0))
+    m.agree(0)
     assert capsys.readouterr().err == ""
+
+
+def test_an_announcement_the_launchers_store_never_takes_fails_the_worker_in_one_line(member, monkeypatch):
+    monkeypatch.setattr(membership, "form_group", lambda view, store, timeout_s: None)
+    m = member([])
+    store = m.stores[0]
+    store.fails = RuntimeError("Socket Timeout\n  (store's trace)")
+    m._client.answer = lambda: store.entered.wait(HANG_GUARD_S) and quorum_of((m.id, 3))  # once it announced
+    with pytest.raises(RunError) as e:
+        m.agree(3, joining=True)
+    assert str(e.value) == ("the launcher's store at 127.0.0.1:1 did not take this worker's announcement: "
+                            "Socket Timeout (store's trace)")
 
 
 # -- a member's re-forms (train/elastic.py's run_elastic), on a fake worker --------------------------

@@ -157,3 +157,34 @@ def test_a_torchrun_job_that_did_not_lead_the_run_says_where_its_records_are(tmp
         f"lowcomm: the run's records are in {lead} on {here} (the --out of the job that led it at its end); "
         f"this job's {mine} holds its config.toml")
     assert f"are in {mine.resolve()} on other-host " in results_line(mine, f"other-host:{mine.resolve() / 'steps.jsonl'}")
+
+
+def test_a_worker_left_behind_when_the_run_finishes_is_stopped_and_said(launched, monkeypatch, capfd):
+    """Worker 1 was dropped (frozen past --member-timeout) and continued after the others' last
+    step: the run finishes without it, and the launcher says it stops it."""
+    monkeypatch.setattr(elastic, "FINISH_GRACE_S", 0.0)
+    cfg = C.RunConfig(workers=3, elastic=True, min_workers=2)
+
+    def at_wait(n):
+        if n == 0:  # workers 0 and 2 finish the run; worker 1 is still running
+            for slot in (0, 2):
+                launched[slot][2].processes[0].die(0)
+            return [launched[0][2].processes[0].sentinel]
+        return None
+    watch(cfg, launched, monkeypatch, at_wait)
+    assert capfd.readouterr().err.strip().splitlines() == [
+        "lowcomm: worker 1 had not finished 0 s after the run did (no longer a member: dropped from the run, or "
+        "still waiting to join it); stopped it"]
+
+
+def test_a_failed_elastic_run_writes_every_slots_flight_ring_and_points_to_them(tmp_path):
+    from lowcomm.comm.flight import CODE, FlightRecorder, ring_name
+    rings, out = tmp_path / "rings", tmp_path / "run"
+    rings.mkdir()
+    out.mkdir()
+    for slot in (0, 1):
+        FlightRecorder(slot, path=rings / ring_name(slot)).open(CODE["all_reduce"], t0=100.0, seq=1)  # open
+    error = RunError("worker 0 had no quorum for 5 s (--quorum-timeout 5)")
+    elastic.record_flight(error, str(rings), C.RunConfig(workers=2, elastic=True), out)
+    assert sorted(p.name for p in (out / "flight").iterdir()) == ["rank-0.json", "rank-1.json"]
+    assert str(error) == f"worker 0 had no quorum for 5 s (--quorum-timeout 5) (flight records in {out / 'flight'})"

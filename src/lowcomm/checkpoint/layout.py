@@ -15,7 +15,8 @@ FORMAT = 1
 # (`steps` extends the run and re-sizes its lr schedule; emulation changes timing only).
 SAFE_KEYS = {"steps", "stop_at", "checkpoint_every", "keep", "max_restarts", "lighthouse", "member_timeout", "max_bad_steps",
              "out", "workers", "eval_every", "eval_batches", "log_every", "threads", "trace", "tensorboard", "wandb",
-             "link", "slowdown", "stragglers", "min_workers"}  # an elastic run resumes on the workers it finds
+             "link", "slowdown", "stragglers", "min_workers",  # an elastic run resumes on the workers it finds
+             "quorum_timeout"}
 # Keys a checkpoint's hash held before they were safe: a checkpoint written then is still taken.
 FORMERLY_HASHED = ("min_workers",)
 

@@ -13,13 +13,14 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from ..comm import control
-from ..errors import RunError
+from ..errors import NoQuorum, RunError
 from . import lighthouse
 
 JOINS = "lowcomm/elastic/joins"        # a joiner adds 1: the members ask for a quorum at their next commit
@@ -28,6 +29,7 @@ QUORUM_RPC_S = 5.0                     # one quorum request; repeated until the 
 LIGHTHOUSE_AWAY_S = 60.0               # a lighthouse unreachable this long (not restarted): the worker fails
 REANNOUNCE_S = 2.0                     # a waiting joiner announces itself again (it may have missed a quorum)
 QUORUM_QUIET_S = 60.0                  # a quorum this long in coming: the worker says what the lighthouse waits for
+#                                        (and again every QUORUM_QUIET_S, up to --quorum-timeout)
 STORE_QUIET_S = 20.0                   # a new group this long in forming on the launcher's store: said once
 STORE_TIMEOUT_S = 300.0                # the launcher's store unanswered this long: the worker fails
 JOINS_POLL_S = 0.2                     # how often a member reads the joiners' count (joins())
@@ -59,9 +61,12 @@ class View:
 class Membership:
     speaks = True  # says so when a quorum is long in coming (the launcher's workers: slot 0 alone)
 
+    latest: View | None = None  # the last quorum agreed on, formed or still forming (a fault's members)
+    quorum_timeout_s = float("inf")  # the run's --quorum-timeout (Waiting); unbounded unless told
+
     def __init__(self, address: str, store_host: str, store_port: int, slot: int, timeout_s: float,
-                 speaks: bool = True):
-        self.slot, self.timeout_s, self.speaks = slot, timeout_s, speaks
+                 speaks: bool = True, quorum_timeout_s: float = float("inf")):
+        self.slot, self.timeout_s, self.speaks, self.quorum_timeout_s = slot, timeout_s, speaks, quorum_timeout_s
         self.id = f"{slot:05d}:{uuid.uuid4().hex[:8]}"  # a restarted worker is a new member
         self.store_address = f"{store_host}:{store_port}"
         self.store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
@@ -159,8 +164,8 @@ class Membership:
 
     def agree(self, step: int, joining: bool = False) -> View:
         """Ask for a quorum (this worker's committed step with it), then form its group."""
-        done = threading.Event()
-        announcer = threading.Thread(target=self._announce, args=(done,), daemon=True)
+        done, failed = threading.Event(), []
+        announcer = threading.Thread(target=self._announce, args=(done, failed), daemon=True)
         if joining:  # say so until a quorum takes us: the members ask only when told
             announcer.start()
         self._asking = True  # alive while a quorum request blocks (up to QUORUM_RPC_S)
@@ -170,48 +175,61 @@ class Membership:
             self.progress()
             self._asking = False
             done.set()
-            if joining:  # every announcement of ours lands before the members compare counts
-                announcer.join()
         members = sorted(q.participants, key=lambda m: m.replica_id)
         ids = [m.replica_id for m in members]
         if self.id not in ids:
             raise RunError(f"the lighthouse's quorum {q.quorum_id} left this worker out")
-        view = View(f"{q.quorum_id}-{q.created.seconds}.{q.created.nanos}", ids.index(self.id), len(ids),
-                    tuple(int(i.split(":")[0]) for i in ids), tuple(int(m.step) for m in members))
-        leave()
-        self._form(view)
+        view = self.latest = View(f"{q.quorum_id}-{q.created.seconds}.{q.created.nanos}", ids.index(self.id), len(ids),
+                                  tuple(int(i.split(":")[0]) for i in ids), tuple(int(m.step) for m in members))
+        # An announcement of ours in flight and the new group both wait on the launcher's store (a
+        # stopped launcher): said past STORE_QUIET_S by the quorum's rank 0 (slot 0 may be the one
+        # lost), not silent until the store's timeout.
+        with self._store_waits(speaks=self.speaks or view.rank == 0):
+            if joining:  # every announcement of ours lands before the members compare counts
+                announcer.join()
+            if failed:
+                raise RunError(f"the launcher's store at {self.store_address} did not take this worker's "
+                               f"announcement: {' '.join(str(failed[0]).split())[:160]}")
+            leave()
+            form_group(view, self.store, self.timeout_s)
         # Every announcement of a joiner this quorum took landed before it formed its group (above):
         # read now, every member counts them, so no later commit takes them for a new joiner.
         self._joins = max(self._joins, int(self.store.add(JOINS, 0)))
         return view
 
-    def _form(self, view: View) -> None:
-        """The quorum's group, on the launcher's store: a commit never waits on that store, but a
-        re-form does (a stopped launcher, or a member of the quorum that never arrives), so a
-        wait past STORE_QUIET_S is said once instead of lasting silently up to STORE_TIMEOUT_S."""
-        said = threading.Timer(STORE_QUIET_S, self._say_the_store_waits)
-        said.daemon = True
-        said.start()
+    @contextmanager
+    def _store_waits(self, speaks: bool):
+        """A wait on the launcher's store: a commit never waits on it, but a re-form does (a
+        stopped launcher, or a member of the quorum that never arrives), so a wait past
+        STORE_QUIET_S is said once instead of lasting silently up to STORE_TIMEOUT_S."""
+        said = threading.Timer(STORE_QUIET_S, self._say_the_store_waits) if speaks else None
+        if said is not None:
+            said.daemon = True
+            said.start()
         try:
-            form_group(view, self.store, self.timeout_s)
+            yield
         finally:
-            said.cancel()
+            if said is not None:
+                said.cancel()
 
     def _say_the_store_waits(self) -> None:
-        if self.speaks:
-            print(f"lowcomm: worker {self.slot} has waited {STORE_QUIET_S:.0f} s to form the new quorum's group on "
-                  f"the launcher's store at {self.store_address} (a stopped launcher, or a member that has not "
-                  f"arrived); it gives up after {STORE_TIMEOUT_S:.0f} s", file=sys.stderr, flush=True)
+        print(f"lowcomm: worker {self.slot} has waited {STORE_QUIET_S:.0f} s to form the new quorum's group on "
+              f"the launcher's store at {self.store_address} (a stopped launcher, or a member that has not "
+              f"arrived); it gives up after {STORE_TIMEOUT_S:.0f} s", file=sys.stderr, flush=True)
 
-    def _announce(self, done: threading.Event) -> None:
+    def _announce(self, done: threading.Event, failed: list) -> None:
         while not done.wait(0.2):
-            self.store.add(JOINS, 1)
+            try:
+                self.store.add(JOINS, 1)
+            except Exception as e:  # the store's timeout (STORE_TIMEOUT_S): agree() says so
+                failed.append(e)
+                return
             if done.wait(REANNOUNCE_S):
                 return
 
     def _quorum(self, step: int):
         away_since, why = None, "its heartbeats failed"
-        waiting = Waiting(self)
+        waiting = Waiting(self, bounded=step >= 0)
         while True:
             if not self.settling():
                 try:
@@ -243,26 +261,36 @@ class Membership:
 
 
 class Waiting:
-    """A quorum long in coming (an external lighthouse whose --min_replicas exceeds the workers
-    waits for ever): after QUORUM_QUIET_S the worker says so once, with the lighthouse's own line
-    on what its next quorum lacks (its participants, its min_replicas, those heartbeating)."""
+    """A quorum long in coming (too few live workers for the lighthouse's --min_replicas, for
+    good: no restart left, or an external lighthouse asking for more than the run has): every
+    QUORUM_QUIET_S the worker says so, with the lighthouse's own line on what its next quorum
+    lacks (its participants, its min_replicas, those heartbeating). A member holding the run's
+    state (`bounded`) fails the run past --quorum-timeout (NoQuorum, one line); a fresh process
+    (a joiner) may wait longer, for the members' next commit point, and is ended with the run."""
 
-    def __init__(self, member: "Membership"):
-        self.member, self.since, self.said = member, time.monotonic(), not member.speaks
+    def __init__(self, member: "Membership", bounded: bool = True, clock=time.monotonic):
+        self.member, self.bounded, self.clock = member, bounded, clock
+        self.since, self.next_line = clock(), QUORUM_QUIET_S
 
     def check(self) -> None:
-        waited = time.monotonic() - self.since
-        if self.said or waited < QUORUM_QUIET_S:
+        waited, limit = self.clock() - self.since, self.member.quorum_timeout_s
+        who = f"worker {self.member.slot}" if self.member.slot >= 0 else "this replica"
+        if self.bounded and waited > limit:
+            raise NoQuorum(f"{who} had no quorum for {waited:.0f} s (--quorum-timeout {limit:g}); the lighthouse "
+                           f"at {self.member.address} says: {self._status()}")
+        if waited < self.next_line or not self.member.speaks:
             return
-        self.said = True
+        self.next_line = waited + QUORUM_QUIET_S
+        ends = f"; the run fails after {limit:g} s without one (--quorum-timeout)" if self.bounded else ""
+        print(f"lowcomm: {who} has waited {waited:.0f} s for a quorum; the lighthouse at {self.member.address} "
+              f"says: {self._status()}{ends}", file=sys.stderr, flush=True)
+
+    def _status(self) -> str:
         from .address import lighthouse_status
         try:
-            status = lighthouse_status(self.member.address) or "no line on its next quorum"
+            return lighthouse_status(self.member.address) or "no line on its next quorum"
         except OSError as e:
-            status = str(e)
-        who = f"worker {self.member.slot}" if self.member.slot >= 0 else "this replica"
-        print(f"lowcomm: {who} has waited {waited:.0f} s for a quorum; the lighthouse at "
-              f"{self.member.address} says: {status}", file=sys.stderr, flush=True)
+            return str(e)
 
 
 def form_group(view: View, store: dist.Store, timeout_s: float) -> None:

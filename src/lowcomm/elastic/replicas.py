@@ -111,6 +111,7 @@ class _Side:
     def _init_side(self, job: dist.Store, local: int, timeout_s: float) -> None:
         self.job, self.local, self.timeout_s = job, local, timeout_s
         self.round, self.current, self._quorum_store = 0, None, None
+        self.latest: ReplicaView | None = None  # the plan entered last, formed or forming (a fault's members)
         self.replica_id = ""
 
     def held(self) -> str:
@@ -120,7 +121,7 @@ class _Side:
     def _enter(self, p: dict) -> ReplicaView:
         if p["same"] and self.current is not None:
             return self.current  # the same replicas, each on the same group: go on, nothing re-formed
-        view = view_of(p, self.local, self.replica_id)
+        view = self.latest = view_of(p, self.local, self.replica_id)
         leave()
         self.current = None
         host, port = p["store"].rsplit(":", 1)
@@ -142,8 +143,9 @@ class ReplicaLeader(_Side, Membership):
     """The job's rank 0: the replica's member at the lighthouse."""
 
     def __init__(self, address: str, job: dist.Store, size: int, timeout_s: float, first: int = 1,
-                 name: str | None = None):
+                 name: str | None = None, quorum_timeout_s: float = float("inf")):
         self._init_side(job, 0, timeout_s)
+        self.quorum_timeout_s = quorum_timeout_s
         self.first = first  # replicas the run's first quorum waits for (--min-workers)
         self.size, self.slot, self.timeout_s = size, -1, timeout_s
         # Ids sort by name (the launcher's slot), else by start time: the replica started first is

@@ -20,8 +20,9 @@ def strategy_class(cfg):
 def check(cfg) -> None:
     """UsageError, in one line, when cfg asks for --elastic (or --min-workers) where it cannot run."""
     if not cfg.elastic:
+        changed = cfg.quorum_timeout != type(cfg).quorum_timeout  # its default is not 0 (a dataclass field)
         for flag, value in (("--min-workers", cfg.min_workers), ("--member-timeout", cfg.member_timeout),
-                            ("--lighthouse", cfg.lighthouse)):
+                            ("--quorum-timeout", changed), ("--lighthouse", cfg.lighthouse)):
             if value:
                 raise UsageError(f"{flag} applies only with --elastic")
         return
@@ -40,6 +41,8 @@ def check(cfg) -> None:
     if not 0 <= cfg.member_timeout <= cfg.timeout:
         raise UsageError(f"--member-timeout must be positive and at most --timeout ({cfg.timeout:g} s), "
                          f"got {cfg.member_timeout:g}")
+    if not cfg.quorum_timeout > 0:
+        raise UsageError(f"--quorum-timeout must be a positive number of seconds, got {cfg.quorum_timeout:g}")
     from .checkpoints import check as check_checkpoints
     check_checkpoints(cfg, commit_points(cfg))
     from .lighthouse import require_torchft

@@ -4,19 +4,22 @@
 Unlike a plain run (supervise.run_workers), a worker that dies does not stop the others: the
 survivors re-form without it (loop.py), and the launcher restarts the dead slot while
 --max-restarts allows, as a joiner. The run ends when the workers finish; a worker still waiting
-to join then is stopped. Fewer live workers than --min-workers with no restart left: every
-worker is stopped and the run fails in one line.
+to join then is stopped, and said. Fewer live workers than --min-workers with no restart left (or
+no quorum for --quorum-timeout): every worker is stopped and the run fails in one line, every
+slot's flight ring written to OUT/flight as a plain run's.
 """
 from __future__ import annotations
 
 import multiprocessing.connection
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
+from ..comm.flight import ENV_DIR as FLIGHT_ENV_DIR
 from ..errors import RunError
 from . import supervise
 from ..elastic import lighthouse, support
@@ -30,13 +33,31 @@ LIGHTHOUSE_PROBE_S = 2.0  # the run is failing: a lighthouse that does not answe
 def launch_elastic(cfg, out: Path | None, quiet: bool) -> None:
     server = UsedLighthouse(cfg.lighthouse) if cfg.lighthouse else lighthouse.start(support.min_workers(cfg))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    from .launcher import ring_dir
+    rings = os.environ[FLIGHT_ENV_DIR] = ring_dir()  # the workers' flight recorders, one a slot (comm/flight.py)
     try:
         publish(out, server.address(), store.port)  # where `lowcomm join` finds the run
         Slots(cfg, store.port, server.address(), out, quiet).run()
+    except RunError as e:
+        record_flight(e, rings, cfg, out)
+        raise
     finally:
         unpublish(out)
         server.shutdown()
         del store
+        os.environ.pop(FLIGHT_ENV_DIR, None)
+        shutil.rmtree(rings, ignore_errors=True)
+
+
+def record_flight(error: RunError, rings: str, cfg, out: Path | None) -> None:
+    """Every slot's flight ring to OUT/flight/, and the error's line pointing there. No stall line
+    at its head, unlike a plain run's: a slot's ring spans several quorums' groups, whose
+    collectives are numbered apart, so which member held up which collective is not read from them."""
+    from ..diagnose.postmortem import FLIGHT_DIR
+    from .launcher import explain_failure
+    explain_failure(error, rings, cfg, out, annotate=False)
+    if out is not None and (out / FLIGHT_DIR).is_dir():
+        error.args = (f"{error} (flight records in {out / FLIGHT_DIR})",)
 
 
 class Slots:
@@ -98,11 +119,22 @@ class Slots:
             if self.finished and done_at is None:
                 done_at = time.monotonic()
             if done_at is not None and time.monotonic() - done_at > FINISH_GRACE_S:
-                return  # the run is over; a worker still waiting to join is stopped (run's finally)
+                self._left_behind()  # stopped by run's finally
+                return
             if not self.finished and len(self.live) < support.min_workers(self.cfg):
                 raise RunError(self._too_few())
         if not self.finished:
             raise RunError(self.last_failure or "every worker ended without finishing the run")
+
+    def _left_behind(self) -> None:
+        """Say which slots the run ended without: a worker the others dropped (frozen past
+        --member-timeout, then continued after their last step) or a restarted one still waiting
+        to join; each is stopped when the run ends."""
+        kind = "worker" if self.cfg.workers == self.slots else "replica"
+        for slot in sorted(self.live):
+            print(f"lowcomm: {kind} {slot} had not finished {FINISH_GRACE_S:.0f} s after the run did (no longer a "
+                  f"member: dropped from the run, or still waiting to join it); stopped it",
+                  file=sys.stderr, flush=True)
 
     def _too_few(self) -> str:
         """Why the run fails below --min-workers: a lighthouse lost for good first (every worker's

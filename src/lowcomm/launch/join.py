@@ -193,7 +193,8 @@ def join(args: argparse.Namespace) -> int:
     # The run's member timeout, as the launcher's workers have: with --timeout instead, a joiner
     # blocked in a collective with a dead member waited up to --timeout (600 s), and the others
     # with it, for the lighthouse waits for a live worker to ask for the next quorum.
-    m = Joiner(where["lighthouse"], where["store"][0], where["store"][1], slot, member_timeout(cfg))
+    m = Joiner(where["lighthouse"], where["store"][0], where["store"][1], slot, member_timeout(cfg),
+               quorum_timeout_s=cfg.quorum_timeout)
     threading.Thread(target=watch, args=(run, m.joined), name="lowcomm-join-watch", daemon=True).start()
     try:
         w = run_elastic(cfg, slot, m, run, args.quiet, joining=True)

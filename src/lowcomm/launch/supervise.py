@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch.multiprocessing as mp
 
-from ..errors import BadSteps, DiskFull, Interrupted, RunError, StateLost
+from ..errors import BadSteps, DiskFull, Interrupted, NoQuorum, RunError, StateLost
 
 STOP_GRACE_S = 3.0          # SIGTERM -> SIGKILL: a worker stuck in C++ may not die on SIGTERM
 CHECKPOINT_GRACE_S = 60.0   # a signalled run may take this long to write its checkpoint
@@ -209,9 +209,9 @@ def _last_line(tb: str) -> str:
     return last
 
 
-# A worker's failure that is the run's (errors.RunFailed: --max-bad-steps, the run's state lost):
+# A worker's failure that is the run's (errors.RunFailed: --max-bad-steps, no quorum, the run's state lost):
 # an elastic launcher ends the run instead of restarting the worker into the same failure.
-RUN_FAILED = tuple(f"lowcomm.errors.{cls.__name__}: " for cls in (BadSteps, StateLost))
+RUN_FAILED = tuple(f"lowcomm.errors.{cls.__name__}: " for cls in (BadSteps, NoQuorum, StateLost))
 
 
 def failed_the_run(tb: str) -> bool:

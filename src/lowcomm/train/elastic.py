@@ -281,8 +281,9 @@ class ElasticWorker:
     # -- faults and the end ---------------------------------------------------------------
     def rollback(self) -> None:
         """A collective failed: forget the run on the broken group and the steps since the snapshot."""
-        if self.view is not None:  # the fault's record (membership.jsonl): who was there, and where it failed
-            self.fault = {"members": list(self.view.slots), "in": lost_in(self.flight)}
+        view = self.m.latest  # the quorum agreed on last: formed, or failing to form (a joiner lost in its transfer)
+        if view is not None:  # the fault's record (membership.jsonl): who was there, and where it failed
+            self.fault = {"members": list(view.slots), "in": lost_in(self.flight)}
         if self.t is not None:
             self.t.run.release()
             self.t = None  # DDP's reducer holds the group: let it go with the run
@@ -391,7 +392,7 @@ def elastic_entry(_i: int, slot: int, cfg: C.RunConfig, store_port: int, lightho
                   out_dir: str | None, quiet: bool, joining: bool) -> None:
     """Entry of an elastic worker the launcher started (or restarted, `joining`)."""
     m = Membership(lighthouse_address, "127.0.0.1", store_port, slot, support.member_timeout(cfg),
-                   speaks=slot == 0)  # one line for a quorum long in coming, not one a worker
+                   speaks=slot == 0, quorum_timeout_s=cfg.quorum_timeout)  # speaks: one line, not one a worker
     ask_checkpoint_on_sigterm(cfg)
     try:
         run_elastic(cfg, slot, m, Path(out_dir) if out_dir else None, quiet, joining)

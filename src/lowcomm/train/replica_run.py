@@ -67,7 +67,7 @@ def run_replica(cfg, local: int, size: int, job: dist.Store, lighthouse: str, ou
     from ..elastic.replicas import MatesWatch, ReplicaLeader, ReplicaPeer
 
     timeout = support.member_timeout(cfg)
-    m = (ReplicaLeader(lighthouse, job, size, timeout, support.min_workers(cfg), name) if local == 0
+    m = (ReplicaLeader(lighthouse, job, size, timeout, support.min_workers(cfg), name, cfg.quorum_timeout) if local == 0
          else ReplicaPeer(job, local, timeout))
     watch = MatesWatch(job, local, size, timeout, m.alive)
     ask_checkpoint_on_sigterm(cfg)
