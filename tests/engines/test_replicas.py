@@ -5,12 +5,13 @@ what one worker would read, equal R single-process workers at micro-batch K·m (
 final parameters within 1e-6), and the K cross-replica groups together send what the R workers
 send. For every registered strategy that runs across replicas, with each engine it runs with
 inside (ddp: the tensors each position owns; fsdp: FSDP2's shards), in one W=4 spawn: (2, 2)
-against (2, 1) on the replicas' first ranks, plus bytes per level against the level plans. The
-CLI runs check summary.json's levels at (R, K) = (2, 2), (2, 1) and (1, 2). What cannot run is
+against (2, 1) on the replicas' first ranks, plus bytes per level against the level plans (with
+fsdp inside, also a run resumed mid-way from its state_dict(), bit-identical). The CLI runs check summary.json's levels at (R, K) = (2, 2), (2, 1) and (1, 2). What cannot run is
 refused in one line, exit 2, nothing written.
 """
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -77,13 +78,24 @@ def _options(name, inside="ddp"):
             **(FSDP_OPTIONS.get(name, {}) if inside == "fsdp" else {})}
 
 
-def _train(name, comm, replica, worker: int, rows: slice, inside="ddp"):
+def _start(name, comm, replica, inside):
     torch.manual_seed(1234)
     model = _model().to(DTYPE.get(name, torch.float32))
-    run = make_run(name, model, comm, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-                   accum=ACCUM, schedule=lambda step: 1e-2 * min(1.0, (step + 1) / 3), total_steps=N_STEPS,
-                   replica=replica, inside=inside, **_options(name, inside))
+    return model, make_run(name, model, comm, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                           accum=ACCUM, schedule=lambda step: 1e-2 * min(1.0, (step + 1) / 3),
+                           total_steps=N_STEPS, replica=replica, inside=inside, **_options(name, inside))
+
+
+def _train(name, comm, replica, worker: int, rows: slice, inside="ddp", resume_at=None):
+    """The final parameters, whole; `resume_at`: stopped after that step and resumed from its
+    state_dict() in a fresh model and run."""
+    model, run = _start(name, comm, replica, inside)
     for _ in range(N_STEPS):
+        if run.steps_done == resume_at:
+            state = copy.deepcopy(run.state_dict())
+            run.release()
+            model, run = _start(name, comm, replica, inside)
+            run.load_state_dict(state)
         step, micro = run.steps_done, iter(range(1000))
         run.step(lambda: _batch(step, worker, next(micro), rows), lowcomm.lm_loss)
     run.close()
@@ -105,13 +117,16 @@ def _replica_life(rank, world, cases):
         grouped = _train(name, levels.cross, levels.intra, layout.replica(rank), slice(p * MICRO, (p + 1) * MICRO),
                          inside)
         counted = {c.level: c.snapshot().wire_bytes - before[c.level] for c in (levels.intra, levels.cross)}
+        resumed = _train(name, levels.cross, levels.intra, layout.replica(rank), slice(p * MICRO, (p + 1) * MICRO),
+                         inside, resume_at=N_STEPS // 2) if inside == "fsdp" else None
         options = tuple(sorted(_options(name, inside).items()))
         if p == 0 and (name, options) not in flats:  # one reference per strategy and options
             comm = lowcomm.Comm(ref)
             flats[name, options] = (_train(name, comm, None, layout.replica(rank), slice(None), inside),
                                     comm.snapshot().wire_bytes)
         flat, flat_bytes = flats.get((name, options), (None, 0))
-        out[f"{name}-{inside}"] = {"grouped": grouped, "counted": counted, "flat": flat, "flat_bytes": flat_bytes}
+        out[f"{name}-{inside}"] = {"grouped": grouped, "counted": counted, "flat": flat, "flat_bytes": flat_bytes,
+                                   "resumed": resumed}
     return out
 
 
@@ -152,6 +167,18 @@ def test_every_strategy_sends_its_level_plans(name, inside, replica_runs):
     for level in ("intra", "cross"):
         counted = sum(out[f"{name}-{inside}"]["counted"][level] for out in replica_runs)
         assert counted == _planned(name, inside, level), (name, inside, level)
+
+
+FSDP = [case for case in ACROSS if case[1] == "fsdp"]
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("name,inside", FSDP, ids=[f"{n}-{inside}" for n, inside in FSDP])
+def test_a_run_resumed_mid_way_ends_where_the_uninterrupted_one_does(name, inside, replica_runs):
+    """With fsdp inside a rank's state holds its shards (the zero1 family: its flat copy of them
+    too), and a fresh FSDP model loads them: the resumed run continues bit-identically."""
+    for rank, out in enumerate(replica_runs):
+        assert torch.equal(out[f"{name}-{inside}"]["resumed"], out[f"{name}-{inside}"]["grouped"]), (name, rank)
 
 
 # -- through the CLI: summary.json's levels -------------------------------------------------
