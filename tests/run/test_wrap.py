@@ -99,7 +99,7 @@ def test_cli_trains_a_transformers_model(tmp_path):
 @pytest.mark.parametrize("argv,needle", [
     (["--model", "hf:no_such_arch"], "no_such_arch"),
     (["--model", "hf:"], "names no architecture"),
-    (["--model", "hf:gpt2", "--d-model", "30", "--n-head", "4"], "d_model (30)"),
+    (["--model", "hf:gpt2", "--d-model", "30", "--n-head", "4"], "--d-model 30 must be divisible by --n-head 4"),
 ])
 def test_bad_hf_model_exits_2(argv, needle, tmp_path, capsys):
     pytest.importorskip("transformers")
