@@ -183,7 +183,7 @@ def test_without_matplotlib_the_report_is_written_with_one_line_saying_what_to_i
 # -- the choice of the best setting, on runs written by hand -------------------------------------
 
 def fake_bench(root: Path, cells: dict) -> Path:
-    """cells: (variant, lr) -> [(seed, final loss, training seconds) or (seed, None): failed]."""
+    """cells: (variant, lr) -> [(seed, final loss, training seconds[, load at its end]) or (seed, None): failed]."""
     runs = []
     for (variant, lr), seeds in cells.items():
         for seed, *rest in seeds:
@@ -193,8 +193,9 @@ def fake_bench(root: Path, cells: dict) -> Path:
             if rest[0] is None:
                 record.update(status="failed", error="boom")
             else:
-                loss, secs = rest
-                fake_run(root / where, "ddp", [(secs / 2, 10e6, loss + 1), (secs, 20e6, loss)])
+                loss, secs, *load = rest
+                fake_run(root / where, "ddp", [(secs / 2, 10e6, loss + 1), (secs, 20e6, loss)],
+                         load=next(iter(load), None))
             runs.append(record)
     variants = list(dict.fromkeys(v for v, _ in cells))
     (root / "bench.json").write_text(json.dumps({"lowcomm_bench": 1, "runs": runs, "recipe": {
@@ -239,6 +240,22 @@ def test_a_tie_in_loss_goes_to_the_shorter_time_and_failed_cells_are_not_chosen(
     assert (tuned["b"]["seeds"], tuned["b"]["seeds_failed"]) == (1, 1)
     text = (root / "report" / "report.md").read_text()
     assert "| a | 3.0000 ± 0.0000 | **3.0000 ± 0.0000** | failed |" in text
+
+
+def test_variants_timed_at_loads_that_differ_more_than_their_times_are_not_ranked_by_time(tmp_path):
+    """b takes 1.5x a's time over both seeds but ran at 3x its load (contention 6 vs 2 on 2 cores)."""
+    root = fake_bench(tmp_path, {("a", 1e-3): [(0, 3.0, 2, 4.0), (1, 3.0, 2, 4.0)],
+                                 ("b", 1e-3): [(0, 3.0, 3, 12.0), (1, 3.0, 3, 12.0)]})
+    tuned = tuned_of(root)
+    assert (tuned["b"]["load"], tuned["b"]["contention"]) == (12.0, pytest.approx(6.0))
+    answer = (root / "report" / "report.md").read_text().split("\n\n")[1]
+    assert ("Not ranked by time, nor picked: b took 1.50x a's time to the target but ran under 3.00x its "
+            "contention (load 12.0 on 2 cores against load 4.0 on 2 cores), so the load alone could make it "
+            "faster.") in answer
+    level = fake_bench(tmp_path / "level", {("a", 1e-3): [(0, 3.0, 2, 4.0), (1, 3.0, 2, 4.0)],
+                                            ("b", 1e-3): [(0, 3.0, 3, 4.0), (1, 3.0, 3, 4.0)]})
+    tuned_of(level)
+    assert "First to reach it: **a**" in (level / "report" / "report.md").read_text()
 
 
 @pytest.mark.parametrize("recipe", sorted((Path(__file__).parents[2] / "bench" / "recipes").glob("*.toml")),

@@ -22,9 +22,8 @@ def launched(monkeypatch) -> list[str]:
     order = []
 
     def launch(cfg, out, quiet=False):
-        run = Path(cfg.out)
-        fake_run(run.parent, cfg.strategy, [(SECONDS[cfg.strategy] / 2, 100e6, 4.0), (SECONDS[cfg.strategy], 200e6, 3.0)],
-                 load=2.0, name=run.name)
+        run, seconds = Path(cfg.out), SECONDS[cfg.strategy]
+        fake_run(run.parent, cfg.strategy, [(seconds / 2, 100e6, 4.0), (seconds, 200e6, 3.0)], load=2.0, name=run.name)
         order.append(str(run))
 
     monkeypatch.setattr("lowcomm.launch.launcher.launch", launch)

@@ -158,7 +158,8 @@ def test_repeated_runs_are_compared_round_by_round(tmp_path):
     plan = [("ddp", 1, 4.0, 10.0), ("diloco", 1, 6.0, 15.0), ("diloco", 2, 8.0, 16.0), ("ddp", 2, 10.0, 13.0)]
     listed = []
     for strategy, i, load, seconds in plan:
-        fake_run(bench, strategy, [(seconds / 2, 100e6, 4.0), (seconds, 200e6, 3.0)], load=load, name=f"{strategy}/r{i}")
+        fake_run(bench, strategy, [(seconds / 2, 100e6, 4.0), (seconds, 200e6, 3.0)], load=load,
+                 name=f"{strategy}/r{i}")
         listed.append({"label": f"{strategy} r{i}", "dir": f"{strategy}/r{i}", "status": "ok", "strategy": strategy,
                        "group": strategy, "round": i})
     (bench / "bench.json").write_text(json.dumps({"lowcomm_bench": 1, "runs": listed}))

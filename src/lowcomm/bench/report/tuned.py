@@ -103,10 +103,21 @@ def tuned_row(variant: str, strategy: str, cell: Cell | None, tried: int, target
     loss = spread(cell.losses())
     out |= {"final_val_loss": loss["mean"], "final_val_loss_sd": loss["sd"], "final_val_loss_min": loss["min"],
             "final_val_loss_max": loss["max"]}
+    out |= conditions(rows)
     for k in TO_TARGET:  # reached by every seed, or not reached
         values = [r[k] for r in rows]
         out[k] = statistics.fmean(values) if target is not None and None not in values else None
     return out
+
+
+def conditions(rows: list[dict]) -> dict:
+    """The load its seeds ran at, for the answer's check of a ranking by time (bench/report/conditions.py):
+    the mean load and the geometric mean contention over the seeds (None where one recorded none)."""
+    loads, contentions = [r.get("load") for r in rows], [r.get("contention") for r in rows]
+    if None in loads or None in contentions:
+        return {"load": None, "cores": None, "contention": None}
+    return {"load": statistics.fmean(loads), "cores": rows[0]["cores"],
+            "contention": statistics.geometric_mean(contentions)}
 
 
 def add_tokens_to_target(row: dict, entry: RecordedRun, target: float | None) -> dict:
