@@ -51,7 +51,8 @@ def _option_field(options: Options, key: str, strategy: str):
 
 def set_value(cfg: RunConfig, key: str, raw: Any, name: str | None = None) -> None:
     """Set dotted `key` from a raw value (CLI string or TOML value).
-    `name` is how the user wrote it (e.g. '--lr'), for the error message.
+    `name` is how the user wrote it (e.g. '--lr'), for the error message and, kept in
+    cfg.written_as, for any refusal made later (spelled); a TOML value is named by its key.
     '<strategy>.<option>' sets a strategy option; a bare strategy option name
     ('max_accum', or 'param_dtype' as older configs wrote it) waits in
     pending_options until the strategy is known."""
