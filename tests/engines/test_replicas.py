@@ -127,7 +127,18 @@ def _replica_life(rank, world, cases):
         flat, flat_bytes = flats.get((name, options), (None, 0))
         out[f"{name}-{inside}"] = {"grouped": grouped, "counted": counted, "flat": flat, "flat_bytes": flat_bytes,
                                    "resumed": resumed}
+    out["demo-one-row"] = _refusal(lambda: make_run("demo", torch.nn.Linear(16, 1), levels.cross, torch.optim.AdamW,
+                                                    replica=levels.intra, inside="fsdp"))
     return out
+
+
+def _refusal(call) -> str:
+    """What `call()` raised, as "Type: message" ("accepted" if nothing)."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 -- its test says which
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +190,16 @@ def test_a_run_resumed_mid_way_ends_where_the_uninterrupted_one_does(name, insid
     too), and a fresh FSDP model loads them: the resumed run continues bit-identically."""
     for rank, out in enumerate(replica_runs):
         assert torch.equal(out[f"{name}-{inside}"]["resumed"], out[f"{name}-{inside}"]["grouped"]), (name, rank)
+
+
+@pytest.mark.procs
+def test_demo_refuses_a_tensor_a_shard_would_hold_no_row_of(replica_runs):
+    """A (1, 16) weight at K = 2: rank 1's FSDP shard of it is empty and DeMo's DCT has no chunk
+    there; every rank refuses alike, in one line, before any step."""
+    for out in replica_runs:
+        assert out["demo-one-row"].startswith("UsageError: demo with --inside fsdp: a tensor of shape (1, 16)"), \
+            out["demo-one-row"]
+        assert "\n" not in out["demo-one-row"]
 
 
 # -- through the CLI: summary.json's levels -------------------------------------------------
