@@ -62,3 +62,14 @@ def test_the_tuned_table_gives_every_setting_its_replica_count(capsys):
     for row in rows:  # the default and the tuned setting, each with its R
         assert row.count("--replicas ") == 2, row
     assert any("--replicas 32 " in row for row in rows), "a flat tuned setting says --replicas 32"
+
+
+def test_an_answer_that_trains_a_larger_batch_than_asked_says_so(capsys):
+    # without --tune the README's cluster picks adaptive acco, 1.24x the next: no tie, but its
+    # tokens/s are of a larger batch than --tokens-per-step, and the answer says how much larger
+    assert main([a for a in README_TUNE if a != "--tune"] + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    best = out["ranked"][0]
+    assert best["strategy"] == "acco" and best["tokens_per_step"] > 2 * 4e6
+    assert (f"it trains {best['tokens_per_step']:,.0f} tokens a step, not the 4,000,000 asked"
+            in out["recommendation"])

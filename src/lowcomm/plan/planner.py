@@ -302,11 +302,16 @@ def recommend(ranked: list[Prediction], cluster: Cluster) -> str:
         why = f"{comm}: every strategy is compute-bound"
     elif ratio > 1 and overlapped:
         o = max(overlapped, key=lambda p: p.tokens_per_s)
-        why = (f"{comm}: overlap alone cannot hide it ({o.label} still waits {100 * o.exposed_fraction:.0f}% "
-               f"of its step); {best.label} " + ("does" if best.exposed_fraction < 0.1 else
-                                                  f"waits {'least ' * waits_least}({100 * best.exposed_fraction:.0f}%)"))
+        why = f"{comm}: overlap alone cannot hide it ({o.label} still waits {100 * o.exposed_fraction:.0f}% of its step)"
+        if best.exposed_fraction < 0.1:
+            why += f"; {best.label} does"
+        elif waits_least or best is not o:
+            why += f"; {best.label} waits {'least ' * waits_least}({100 * best.exposed_fraction:.0f}%)"
     else:
         why = f"{comm}; {best.label} waits {100 * best.exposed_fraction:.0f}% of its step on the network"
+    if not best.batch_as_asked:  # adaptive acco: its tokens/s are of a larger batch than asked
+        why += (f"; it trains {best.tokens_per_step:,.0f} tokens a step, not the {best.tokens_asked:,.0f} asked "
+                f"(it computes while it waits)")
     if best.time_to_target_s is not None:
         nxt = next((p for p in ranked[1:] if p.time_to_target_s is not None), None)
         lead = (f", {nxt.time_to_target_s / best.time_to_target_s:.2f}x faster than {nxt.label}"
