@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+import lowcomm.launch.launcher as launcher
 from lowcomm.cli.main import main
+from lowcomm.errors import RunError
 from fake_runs import fake_run
 
 TINY = ["--workers", "2", "--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "32",
@@ -47,6 +49,22 @@ def test_repeats_interleave_the_strategies_in_alternating_rounds(tmp_path, launc
     assert "First to reach it: **ddp** (10.0 s, median of 3 rounds; next zero1, 10.2 s, median of 3 rounds)." in answer
     assert not any(f" r{i}" in answer for i in (1, 2, 3))  # it names strategies, not their runs
     assert "| ddp r1 |" in report and "| diloco r3 |" in report  # the table: every run
+
+
+def test_a_strategy_with_a_failed_round_is_compared_on_the_rounds_it_finished(tmp_path, launched, monkeypatch):
+    write = launcher.launch  # the fixture's: writes a finished run
+
+    def fail_zero1_r2(cfg, out, quiet=False):
+        if cfg.out.endswith(str(Path("zero1") / "r2")):
+            raise RunError("worker rank 0 failed")
+        write(cfg, out, quiet)
+
+    monkeypatch.setattr("lowcomm.launch.launcher.launch", fail_zero1_r2)
+    out = tmp_path / "b"
+    assert main(["bench", "--strategies", "ddp,zero1", "--repeats", "2", *TINY, "--out", str(out)]) == 1
+    answer = (out / "report.md").read_text().split("\n\n")[1]
+    assert "First to reach it: **ddp** (10.0 s, median of 2 rounds; next zero1, 10.2 s)." in answer
+    assert "Failed, so left out: zero1 r2" in answer
 
 
 def test_without_repeats_each_strategy_runs_once_in_its_own_dir(tmp_path, launched):

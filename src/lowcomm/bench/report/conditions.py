@@ -66,8 +66,8 @@ def combined(rows: list[dict]) -> list[dict]:
         groups.setdefault(r.get("group") or r["label"], []).append(r)
     out = []
     for label, runs in groups.items():
-        if len(runs) == 1:
-            out.append({**runs[0], "runs": {runs[0].get("round"): runs[0]}})
+        if len(runs) == 1:  # a lone run, or the one round of a repeated strategy that finished
+            out.append({**runs[0], "label": label, "runs": {runs[0].get("round"): runs[0]}})
             continue
         one = {**runs[0], "label": label, "runs": {r.get("round"): r for r in runs}}
         for key in ("time_to_target_s", "mb_to_target", "final_val_loss", "tokens", "contention", "load"):
