@@ -19,7 +19,8 @@ def summary(totals: Totals, **report) -> dict:
             "tokens_per_s": totals.tokens / 6.0, "final_train_loss": 3.2143, "final_val_loss": 4.5459,
             "wire_bytes_total": totals.wire, "wire_bytes_per_rank_per_step": totals.wire / 12,
             "exposed_comm_fraction": 0.0, "optimizer_state_bytes_per_rank": 8e6, "peak_mem_bytes": 2**28,
-            **report, **({"rise_after_outer_step": totals.rise_after_sending} if "outer_syncs" in report else {})}
+            **report, **({"rise_after_outer_step": totals.rise_after_sending,
+                          "last_after_outer_step": totals.last_after_sending} if "outer_syncs" in report else {})}
 
 
 def totals_of(records) -> Totals:
@@ -35,7 +36,13 @@ def test_validation_after_an_outer_step_is_said_with_the_rise_the_outer_step_cau
     text = describe(summary(totals, outer_syncs=2))
     assert ("Final train loss 3.2143 (the workers' own models on the last step, before its outer step), "
             "validation loss 4.5459 (the global model, measured right after that outer step moved it; "
-            "the outer step after step 3 raised the train loss from 3.43 to 5.19).") in text
+            "the outer step after step 3 raised the train loss most, from 3.43 to 5.19).") in text
+    # a longer run: the last outer step followed by a step says how far that one moved the model
+    totals.add(record(7, 3.30, 0))
+    assert totals.last_after_sending == {"step": 6, "loss_before": 3.21, "loss_after": 3.30}
+    assert ("raised the train loss most, from 3.43 to 5.19; across the last one, after step 6, it went from 3.21 "
+            "to 3.30)."
+            in describe(summary(totals, outer_syncs=2)))
 
 
 def test_an_outer_step_that_raised_no_loss_is_not_said_to():

@@ -15,9 +15,10 @@ class Totals:
         self.exposed_per_rank = [0.0] * world
         self.micro_per_rank = [0] * world
         self.levels: dict[str, list[float]] = {}  # level -> [wire bytes, exposed s]: a run with replicas
-        # the largest rise of the train loss from a step that sent across (an outer step, in the
-        # local-SGD family) to the next: {"step", "loss_before", "loss_after"}
+        # the train loss from a step that sent across (an outer step, in the local-SGD family) to
+        # the next, where it rose most and the last time: {"step", "loss_before", "loss_after"}
         self.rise_after_sending: dict | None = None
+        self.last_after_sending: dict | None = None
         self._before: tuple | None = None  # the previous record's (step, loss, whether it sent across)
 
     def add(self, record: dict) -> None:
@@ -48,9 +49,10 @@ class Totals:
         loss = record.get("loss")
         if self._before is not None and self._before[2] and loss is not None:
             step, before, _ = self._before
-            best = self.rise_after_sending
+            best, self.last_after_sending = self.rise_after_sending, {"step": step, "loss_before": before,
+                                                                      "loss_after": loss}
             if best is None or loss - before > best["loss_after"] - best["loss_before"]:
-                self.rise_after_sending = {"step": step, "loss_before": before, "loss_after": loss}
+                self.rise_after_sending = self.last_after_sending
         sent = record.get("wire_bytes_cross", record["wire_bytes"]) > 0
         self._before = (record["step"], loss, sent) if loss is not None else None
 
@@ -113,7 +115,8 @@ def build_summary(cfg, *, world: int, backend: str, params: int, source: str, to
         "trace": "trace.json" if traced else None,
         **strategy_report,
         # the local-SGD family (outer syncs): validation sees the model its last outer step made
-        **({"rise_after_outer_step": totals.rise_after_sending} if "outer_syncs" in strategy_report else {}),
+        **({"rise_after_outer_step": totals.rise_after_sending, "last_after_outer_step": totals.last_after_sending}
+           if "outer_syncs" in strategy_report else {}),
         "notes": ["wire bytes follow the ring model of ALGORITHMS.md; on gloo a reduce_scatter "
                   "runs as a full all-reduce, so its real transport is twice the counted bytes"]
                  if backend == "gloo" and any(op.collective == "reduce_scatter" for op in plan) else [],
@@ -140,10 +143,13 @@ def _describe_losses(s: dict) -> str:
     text = (f"Final train loss {s['final_train_loss']:.4f} (the workers' own models on the last step, before its "
             f"outer step), validation loss {s['final_val_loss']:.4f} (the global model, measured right after that "
             f"outer step moved it")
-    rise = s.get("rise_after_outer_step")
+    rise, last = s.get("rise_after_outer_step"), s.get("last_after_outer_step")
     if rise and rise["loss_after"] > rise["loss_before"]:
-        text += (f"; the outer step after step {rise['step']} raised the train loss from {rise['loss_before']:.2f} "
-                 f"to {rise['loss_after']:.2f}")
+        text += (f"; the outer step after step {rise['step']} raised the train loss most, from "
+                 f"{rise['loss_before']:.2f} to {rise['loss_after']:.2f}")
+        if last and last["step"] != rise["step"]:
+            text += (f"; across the last one, after step {last['step']}, it went from {last['loss_before']:.2f} "
+                     f"to {last['loss_after']:.2f}")
     text += ")"
     return text + "."
 
