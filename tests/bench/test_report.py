@@ -143,6 +143,11 @@ def test_runs_whose_loads_differ_more_than_their_times_are_not_ranked_by_time(tm
     for root, loads in (("b", (10.9, 10.9)), ("c", (10.9, 12.0)), ("d", (24.5, 10.9))):
         text = answer_of(two(tmp_path / root, *loads))
         assert "First to reach it: **ddp** (10.0 s; next diloco, 18.0 s)." in text, loads
+    # ddp's lead stands, but not the runner-up's: zero1 is 1.43x faster than diloco, whose load was 1.5x
+    three = [fake_run(tmp_path / "f", "ddp", [(5, 100e6, 4.0), (10, 200e6, 3.0)], load=8.0),
+             fake_run(tmp_path / "f", "zero1", [(7, 100e6, 4.0), (14, 200e6, 3.0)], load=8.0),
+             fake_run(tmp_path / "f", "diloco", [(10, 1e6, 4.0), (20, 2e6, 3.0)], load=12.0)]
+    assert "First to reach it: **ddp** (10.0 s). Fewest bytes" in answer_of(report_of(tmp_path / "f", three)[0])
     # a tie within the noise is no tie when the loads could hide a difference beyond it
     tied = [fake_run(tmp_path / "e", "ddp", [(5, 100e6, 4.0), (10, 200e6, 3.0)], load=2.0),
             fake_run(tmp_path / "e", "zero1", [(5, 100e6, 4.0), (10.2, 200e6, 3.0)], load=3.0)]

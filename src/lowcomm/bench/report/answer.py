@@ -41,9 +41,11 @@ def answer(rows: list[dict], target: float | None, setting: str) -> str:
     tied = [r for r in by_time if r["time_to_target_s"] <= fastest["time_to_target_s"] * (1 + TIME_NOISE)]
     pick = min(tied, key=lambda r: (r["mb_to_target"], r["optimizer_state_mb_per_rank"], r["time_to_target_s"]))
 
+    # the runner-up is named only where the loads cannot explain its lead over the others
+    runner_up = len(by_time) > 1 and not confounded(by_time[1], by_time[2:])
     text = [f"**Answer.** Target loss {target:.4f}, on {setting}.",
             f"First to reach it: **{fastest['label']}** ({_s(fastest)}" +
-            (f"; next {by_time[1]['label']}, {_s(by_time[1])})." if len(by_time) > 1 else ")."),
+            (f"; next {by_time[1]['label']}, {_s(by_time[1])})." if runner_up else ")."),
             f"Fewest bytes to it: **{fewest['label']}** ({fewest['mb_to_target']:,.2f} MB"
             + (f", {_ratio(fastest['mb_to_target'], fewest['mb_to_target'])} fewer than {fastest['label']})."
                if fewest is not fastest else ").")]
