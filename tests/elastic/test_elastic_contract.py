@@ -174,7 +174,8 @@ RUN = ["--workers", "2", "--n-layer", "2", "--n-head", "2", "--d-model", "16", "
 # FSDP inside, a process's state is its shard of every tensor.
 TWO = ["--workers", "4", "--replicas", "2"]
 REPLICAS = {**{f"{name}-replicas": (name, TWO) for name in ("acco", "dpu")},
-            **{f"{name}-fsdp": (name, [*TWO, "--inside", "fsdp"]) for name in ("ddp", "sparseloco", "streaming_diloco")}}
+            **{f"{name}-fsdp": (name, [*TWO, "--inside", "fsdp"])
+               for name in ("ddp", "sparseloco", "streaming_diloco", "zero1")}}  # zero1: its flat copy of the shards
 
 
 @pytest.mark.elastic
