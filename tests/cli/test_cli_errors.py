@@ -537,6 +537,26 @@ def test_the_delays_momentum_note_is_said_only_where_a_mean_comes_late(steps, sa
     assert (note is not None and note.startswith("--outer-delay 1 with outer momentum 0.9")) == said, note
 
 
+def test_a_token_file_is_refused_from_its_first_bytes_or_else_from_all_of_them(tmp_path, monkeypatch):
+    """A token file may be gigabytes (nanoGPT's openwebtext train.bin is 17 GB): refused before it is
+    read whole; one whose first bytes happen to be text is refused once it is read."""
+    from lowcomm.data import corpus, load_bytes
+    from lowcomm.errors import UsageError
+
+    tokens = struct.pack("<4H", 18, 47, 56, 57)
+    head_tokens, text_head = tmp_path / "a" / "train.bin", tmp_path / "b" / "train.bin"
+    for p, data in ((head_tokens, tokens * corpus.HEAD_BYTES), (text_head, TEXT.encode() * 20 + tokens)):
+        p.parent.mkdir()
+        p.write_bytes(data)
+    assert len(TEXT.encode() * 20) > corpus.HEAD_BYTES
+    with monkeypatch.context() as patched:
+        patched.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self} was read whole"))
+        with pytest.raises(UsageError, match=f"data file '{head_tokens}' looks like pre-tokenized tokens"):
+            load_bytes(str(head_tokens))
+    with pytest.raises(UsageError, match=f"data file '{text_head}' looks like pre-tokenized tokens"):
+        load_bytes(str(text_head))
+
+
 def test_bad_input_without_out_writes_nothing(tmp_path, monkeypatch, capfd):
     """With no --out the default is runs/<...> under the working directory: not created either."""
     code, stdout, stderr = train_in_process(["--strategy", "telepathy"], tmp_path, monkeypatch, capfd, "telepathy")

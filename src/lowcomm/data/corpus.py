@@ -7,6 +7,7 @@ the stdlib's `pydoc_data`), or a user's text file or directory.
 """
 from __future__ import annotations
 
+import codecs
 import importlib.util
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from ..errors import UsageError
 VOCAB_SIZE = 256
 # llm.c's token files open with 256 int32s, the first a magic number (dev/data/data_common.py)
 LLMC_MAGIC = {20240520: "GPT-2", 20240801: "Llama 3"}
+HEAD_BYTES = 1 << 16  # what is read of a file to tell a token file before reading all of it
 
 
 def encode(text: str) -> np.ndarray:
@@ -30,23 +32,16 @@ def decode(tokens) -> str:
 
 def _read_files(files: list[Path], label: str, quiet: bool = False) -> tuple[bytes, str]:
     """The files' bytes, joined, and a note for the source's description ('' or ', not UTF-8').
-    Binary data (a NUL byte: no text has one) is refused; text that is not UTF-8 is trained on
-    as raw bytes, with one warning."""
+    Token files (pre-tokenized data: not read yet) and binary data (a NUL byte: no text has one)
+    are refused; text that is not UTF-8 is trained on as raw bytes, with one warning."""
     chunks, not_utf8 = [], []
     for f in files:
+        _check_text(f, _head(f), final=False)  # a token file is refused from its first bytes: it may be gigabytes
         try:
             chunk = f.read_bytes()
         except OSError as e:
             raise UsageError(f"data file '{f}' cannot be read: {e.strerror or e}") from None
-        nul = chunk.find(b"\0")
-        try:
-            chunk.decode("utf-8")
-            bad = None
-        except UnicodeDecodeError as e:
-            bad = e.start
-        if (nul >= 0 or bad is not None) and (why := _token_file(f, chunk)):
-            raise UsageError(f"data file '{f}' looks like pre-tokenized tokens ({why}), not text: token files are "
-                             f"not read yet; give the UTF-8 text they were made from")
+        nul, bad = _check_text(f, chunk, final=True)
         if nul >= 0:
             raise UsageError(f"data file '{f}' is not text: a NUL byte at offset {nul:,} (binary data, or UTF-16); "
                              f"give UTF-8 text")
@@ -61,6 +56,31 @@ def _read_files(files: list[Path], label: str, quiet: bool = False) -> tuple[byt
         print(f"warning: data file '{first}'" + (f" and {more} other(s)" if more else "") + f" is not UTF-8 (an "
               f"invalid byte at offset {at:,}): training on its raw bytes", file=sys.stderr, flush=True)
     return data, ", not UTF-8" if not_utf8 else ""
+
+
+def _head(f: Path) -> bytes:
+    """The file's first bytes (none when it cannot be read: the full read names the error)."""
+    try:
+        with f.open("rb") as stream:
+            return stream.read(HEAD_BYTES)
+    except OSError:
+        return b""
+
+
+def _check_text(f: Path, data: bytes, final: bool) -> tuple[int, int | None]:
+    """Where `data`, file f's bytes (`final`: all of them, else its first ones), stops being text:
+    the offset of its first NUL byte (-1: none) and of its first byte that is not UTF-8 (None:
+    none). Data that is not text and looks like a token file is refused here, in one line."""
+    nul = data.find(b"\0")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=final)
+        bad = None
+    except UnicodeDecodeError as e:
+        bad = e.start
+    if (nul >= 0 or bad is not None) and (why := _token_file(f, data)):
+        raise UsageError(f"data file '{f}' looks like pre-tokenized tokens ({why}), not text: token files are "
+                         f"not read yet; give the UTF-8 text they were made from")
+    return nul, bad
 
 
 def _token_file(f: Path, chunk: bytes) -> str | None:
