@@ -539,7 +539,7 @@ def test_the_delays_momentum_note_is_said_only_where_a_mean_comes_late(steps, sa
 
 def test_a_token_file_is_refused_from_its_first_bytes_or_else_from_all_of_them(tmp_path, monkeypatch):
     """A token file may be gigabytes (nanoGPT's openwebtext train.bin is 17 GB): refused before it is
-    read whole; one whose first bytes happen to be text is refused once it is read."""
+    read whole, and so is binary data; one whose first bytes happen to be text is refused once it is read."""
     from lowcomm.data import corpus, load_bytes
     from lowcomm.errors import UsageError
 
@@ -553,6 +553,10 @@ def test_a_token_file_is_refused_from_its_first_bytes_or_else_from_all_of_them(t
         patched.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self} was read whole"))
         with pytest.raises(UsageError, match=f"data file '{head_tokens}' looks like pre-tokenized tokens"):
             load_bytes(str(head_tokens))
+        weights = tmp_path / "model.safetensors"
+        weights.write_bytes(b"\x08\x00\x00\x00" * corpus.HEAD_BYTES)
+        with pytest.raises(UsageError, match=f"data file '{weights}' is not text: a NUL byte at offset 1 "):
+            load_bytes(str(weights))
     with pytest.raises(UsageError, match=f"data file '{text_head}' looks like pre-tokenized tokens"):
         load_bytes(str(text_head))
 

@@ -36,12 +36,13 @@ def _read_files(files: list[Path], label: str, quiet: bool = False) -> tuple[byt
     are refused; text that is not UTF-8 is trained on as raw bytes, with one warning."""
     chunks, not_utf8 = [], []
     for f in files:
-        _check_text(f, _head(f), final=False)  # a token file is refused from its first bytes: it may be gigabytes
-        try:
-            chunk = f.read_bytes()
-        except OSError as e:
-            raise UsageError(f"data file '{f}' cannot be read: {e.strerror or e}") from None
-        nul, bad = _check_text(f, chunk, final=True)
+        nul, _ = _check_text(f, _head(f), final=False)  # told from its first bytes: a token file may be gigabytes
+        if nul < 0:
+            try:
+                chunk = f.read_bytes()
+            except OSError as e:
+                raise UsageError(f"data file '{f}' cannot be read: {e.strerror or e}") from None
+            nul, bad = _check_text(f, chunk, final=True)
         if nul >= 0:
             raise UsageError(f"data file '{f}' is not text: a NUL byte at offset {nul:,} (binary data, or UTF-16); "
                              f"give UTF-8 text")
