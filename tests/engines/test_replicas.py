@@ -27,6 +27,7 @@ from lowcomm.comm.groups import ReplicaLayout, form
 from lowcomm.engines.inside import inside_level_plans
 from lowcomm.metrics.levels import planned_bytes
 from lowcomm.models.layout import layout_of
+from lowcomm.plan.levels import replica_state_bytes
 from lowcomm.run.driver import make_run
 from lowcomm.strategies import available, get
 
@@ -127,9 +128,23 @@ def _replica_life(rank, world, cases):
         flat, flat_bytes = flats.get((name, options), (None, 0))
         out[f"{name}-{inside}"] = {"grouped": grouped, "counted": counted, "flat": flat, "flat_bytes": flat_bytes,
                                    "resumed": resumed}
+    out["zero1-fsdp-state"] = _held_bytes(levels, layout.replica(rank), slice(p * MICRO, (p + 1) * MICRO))
     out["demo-one-row"] = _refusal(lambda: make_run("demo", torch.nn.Linear(16, 1), levels.cross, torch.optim.AdamW,
                                                     replica=levels.intra, inside="fsdp"))
     return out
+
+
+def _held_bytes(levels, worker: int, rows: slice) -> int:
+    """Bytes zero1 holds per rank with fsdp inside, after a step: FSDP's shards of θ and of ∇θ
+    (FSDP holds those from the backward to the reduce), the flat copies and the optimizer's state."""
+    _, run = _start("zero1", levels.cross, levels.intra, "fsdp")
+    micro = iter(range(1000))
+    run.step(lambda: _batch(0, worker, next(micro), rows), lowcomm.lm_loss)
+    s = run.strategy
+    held = 2 * sum(p.numel() * p.element_size() for p in s.params) + s.optimizer_state_bytes() + sum(
+        t.numel() * t.element_size() for t in (s.flat.params, s.flat.grads))
+    run.close()
+    return held
 
 
 def _refusal(call) -> str:
@@ -200,6 +215,15 @@ def test_demo_refuses_a_tensor_a_shard_would_hold_no_row_of(replica_runs):
         assert out["demo-one-row"].startswith("UsageError: demo with --inside fsdp: a tensor of shape (1, 16)"), \
             out["demo-one-row"]
         assert "\n" not in out["demo-one-row"]
+
+
+@pytest.mark.procs
+def test_the_planners_memory_with_fsdp_inside_is_what_zero1_holds(replica_runs):
+    """`lowcomm plan`'s memory column: with fsdp inside zero1 keeps a flat copy of its shards."""
+    cls = get("zero1")
+    planned = replica_state_bytes(cls, layout_of(_model()), R * K, R, cls.Options().validate("zero1"), "fsdp")
+    for out in replica_runs:
+        assert out["zero1-fsdp-state"] == pytest.approx(planned, rel=0.02)
 
 
 # -- through the CLI: summary.json's levels -------------------------------------------------

@@ -76,6 +76,12 @@ class ReplicaPart:
         return []
 
     @classmethod
+    def fsdp_copy_bytes(cls, shard_params: int, replicas: int, options) -> int:
+        """Bytes a rank holds with fsdp inside beyond its 1/K of model_state_bytes, for a shard of
+        `shard_params` values (the planner's memory column); here none."""
+        return 0
+
+    @classmethod
     def runs_inside(cls, inside: str) -> bool:
         """Whether this strategy runs across replica groups with engine `inside` inside each."""
         return inside in vars(cls).get("inside_replica", ())

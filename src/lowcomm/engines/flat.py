@@ -3,7 +3,9 @@
 FlatModel: all trainable parameters (and their gradients) become views into
 one contiguous buffer each, padded to a multiple of W, so a reduce-scatter
 hands rank r exactly its shard and an all-gather refills every parameter at
-once.
+once. With FSDP inside a replica (--inside fsdp) the parameters are FSDP's shards, whose storage
+FSDP gathers from: the buffers then hold copies of them instead (the replica's gradients added in
+where they are reduced, the parameters written back where they are shared).
 
 ShardOptimizer: the inner optimizer over this rank's shard only, holding an
 fp32 master copy of it (an alias of the parameter shard when parameters are
@@ -259,6 +261,10 @@ class ShardedStrategy(Strategy):
         """S of one full flat buffer (padded to a multiple of W) in parameter precision."""
         itemsize = torch.empty((), dtype=PARAM_DTYPES[options.param_dtype]).element_size()
         return flat_numel(num_params, world) * itemsize
+
+    @classmethod
+    def fsdp_copy_bytes(cls, shard_params, replicas, options):
+        return 2 * cls.flat_bytes(shard_params, replicas, options)  # flat θ and ∇θ: copies of FSDP's shards
 
     @classmethod
     def model_state_bytes(cls, num_params, world, options):

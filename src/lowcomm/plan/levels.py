@@ -93,10 +93,13 @@ def replica_state_bytes(cls, layout, workers: int, replicas: int, options: Optio
     largest position's part only (on R ranks), plus fp32 θ and ∇θ of the rest of the replica's
     tensors (every rank holds the whole model and computes every gradient); ddp splits no
     state: its own count. fsdp inside: every rank holds 1/K of every tensor and of its state
-    (the units gathered for a forward or backward are transient, not counted)."""
+    (the units gathered for a forward or backward are transient, not counted), and what the
+    strategy keeps beside FSDP's shards (the zero1 family: a copy of them, cls.fsdp_copy_bytes)."""
     size = workers // replicas
     if size > 1 and inside == "fsdp":
-        return -(-cls.model_state_bytes(layout.numel, replicas, options) // size)
+        shard = -(-layout.numel // size)
+        return -(-cls.model_state_bytes(layout.numel, replicas, options) // size) + \
+            cls.fsdp_copy_bytes(shard, replicas, options)
     if size == 1 or not cls.owns_tensors:
         return cls.model_state_bytes(layout.numel, workers if size == 1 else replicas, options)
     numels = layout.numels
