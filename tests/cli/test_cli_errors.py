@@ -289,6 +289,7 @@ TOML_TYPES = {
                                       "eager must be true or false, got 1"),
     "toml_integer_from_bool": ("steps = true\n", "steps must be an integer, got true", "{file}"),
     "toml_float_from_bool": ("[optim]\nlr = false\n", "optim.lr must be a number, got false", "{file}"),
+    "toml_link_from_number": ("link = 5\n", 'link must be text, "BANDWIDTH,LATENCY[,JITTER]"', "[link] table, got 5"),
 }
 
 
@@ -354,7 +355,7 @@ CASES = ["unknown_strategy", "workers_zero", "workers_negative", "workers_non_nu
          "slowdown_negative", "replicas_negative", "max_restarts_negative", "intra_link_negative_latency",
          "intra_link_zero_bandwidth", "nccl_on_cpu", "slowdown_of_other_workers", "resume_with_another_outer_delay",
          "toml_bool_from_string", "toml_bool_from_integer", "toml_option_bool_from_integer", "toml_integer_from_bool",
-         "toml_float_from_bool", "outer_delay_warmup_at_steps", "outer_delay_warmup_past_the_last_sync",
+         "toml_float_from_bool", "toml_link_from_number", "outer_delay_warmup_at_steps", "outer_delay_warmup_past_the_last_sync",
          "max_accum_below_accum", "out_not_writable", "out_is_a_file",
          "inside_fsdp_without_replicas", "out_under_proc", "tensorboard_not_writable", "tensorboard_under_proc", "tensorboard_is_a_file",
          "overwrite_not_a_run",

@@ -66,7 +66,10 @@ def set_value(cfg: RunConfig, key: str, raw: Any, name: str | None = None) -> No
     if not rest and key not in {f.name for f in fields(cfg)} and key in _all_option_fields():
         set_option(cfg, key, raw, name or key)
         return
-    if key in LINK_TABLES and isinstance(raw, str):  # link = "100mbit,20ms" in TOML, as --link spells it
+    if key in LINK_TABLES:  # link = "100mbit,20ms" in TOML, as --link spells it
+        if not isinstance(raw, str):
+            raise UsageError(f'{name or key} must be text, "BANDWIDTH,LATENCY[,JITTER]" (e.g. "100mbit,20ms"), or '
+                             f"a [{key}] table, got {_as_toml(raw)}")
         return set_link(cfg, raw, name or key, key)
     obj, f = _section_and_field(cfg, key)
     parse = f.metadata.get("parse")
