@@ -205,6 +205,16 @@ def test_acco_with_a_three_times_slower_worker_still_converges(corpus_run):
     assert [r["lr"] for r in records] == pytest.approx([schedule(i) for i in range(rounds // 2)], rel=1e-12)
 
 
+def test_a_users_loop_names_its_replicas_without_a_micro_batch_to_check():
+    """wrap(..., replicas=) checks each strategy's run rules on what it knows, which has no
+    micro-batch (the user's loop makes its own): acco starts (it raised AttributeError)."""
+    model = make_model()
+    with lowcomm.wrap(model, make_optimizer, "acco", accum=ACCUM, replicas=1, deterministic=True) as run:
+        for k in range(2 * ACCUM + 1):  # the start-up micro-batch, then a step's two rounds
+            run.backward(lm_loss(run.model, micro_batch(0, k)))
+    assert run.steps_done == 1
+
+
 def test_acco_takes_ddps_batch_per_step_and_refuses_an_odd_micro_batch_in_one_line(tmp_path, data_file, monkeypatch,
                                                                                     capfd):
     """A step's batch is cut in two halves, one per round: the loader's micro-batch is half of

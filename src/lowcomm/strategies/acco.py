@@ -55,7 +55,9 @@ class AccoOptions(ShardedOptions):
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
         self.rounds_bound(cfg.accum)
-        if cfg.micro_batch % ACCO.micro_batch_parts:
+        # The CLI's loader halves --micro-batch; wrap()'s RunShape has none (the user's loop feeds
+        # its own micro-batches, each a round's, as they come).
+        if getattr(cfg, "micro_batch", 0) % ACCO.micro_batch_parts:
             raise UsageError(f"--micro-batch {cfg.micro_batch} is odd: acco computes each micro-batch in two "
                              f"halves, one in its estimate round and one in its real round (give an even size)")
 
