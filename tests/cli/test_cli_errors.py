@@ -527,6 +527,16 @@ def test_a_warm_up_is_taken_while_a_sync_after_it_comes_before_the_last_step(str
     assert cfg.strategy_options().first_late_sync() == first_late
 
 
+def test_a_plan_of_the_steady_state_takes_any_warm_up(capsys):
+    """`lowcomm plan` without --steps prices the steady state, where no warm-up is left: the run's
+    length (--steps' default) does not bound it there as it bounds a run that trains."""
+    from lowcomm.cli.main import main
+    argv = ["plan", "--strategies", "diloco", "--outer-delay", "1", "--outer-delay-warmup", "300", "--params", "1e6",
+            "--worker-tflops", "1"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert main([*argv, "--steps", "400"]) == 0, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("steps, said", [(33, True), (32, False), (20, False)])
 def test_the_delays_momentum_note_is_said_only_where_a_mean_comes_late(steps, said):
     """H = 32: --steps 33 has a regular sync at 32, a period late; at 32 or fewer steps the only sync is

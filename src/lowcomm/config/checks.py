@@ -22,6 +22,7 @@ def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
             f"unknown strategy '{cfg.strategy}' (choose from: {', '.join(sorted(strategies))})")
     _check_run(cfg)
     _apply_strategy_options(cfg)
+    cfg.strategy_options().check_length(cfg.steps)
     _check_links(cfg)
     check_replicas(cfg, [n for n in strategies if registry.get(n).runs_inside(cfg.inside)])
     _check_placement(cfg)

@@ -56,6 +56,10 @@ class Options:
         """Rules that involve the run's settings too (cfg: a RunShape or config.RunConfig, e.g. its accum);
         called once the strategy is chosen. Subclasses raise UsageError."""
 
+    def check_length(self, steps: int) -> None:
+        """Rules that involve the run's length (--steps), checked for a run that will train (train,
+        bench), not for a plan's steady state. Subclasses raise UsageError."""
+
     def run_note(self, cfg) -> str | None:
         """One line said before a CLI run starts where these settings are legal but easily
         misread (cfg: a config.RunConfig); None: nothing to say."""

@@ -102,8 +102,9 @@ class DiLoCoOptions(Options):
     def check_run(self, cfg) -> None:
         if self.sync_by == "time" and (cfg.replicas or cfg.workers) < cfg.workers:
             raise UsageError(f"--sync-by time does not run across replica groups (--replicas {cfg.replicas}) yet")
-        steps = getattr(cfg, "steps", None)  # wrap()'s RunShape has none: its loop's length is the caller's
-        if self.outer_delay_warmup and steps is not None and self.first_late_sync() >= steps:
+
+    def check_length(self, steps: int) -> None:
+        if self.outer_delay_warmup and self.first_late_sync() >= steps:
             raise UsageError(f"--outer-delay-warmup {self.outer_delay_warmup} leaves no sync of --steps {steps} a "
                              f"period late (the first after it would be at step {self.first_late_sync()}, and the "
                              f"run's final sync waits for its mean): drop --outer-delay 1 for a synchronous run, or "
