@@ -438,6 +438,11 @@ def _command_case(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str
         return [*plan, "--n-layer", "100000"], ("--n-layer", "100000 layers", "at most")
     if case == "plan_absurd_workers":
         return [*plan, "--params", "1e6", "--workers", "100000000"], ("--workers 100000000", "at most")
+    if case == "plan_micro_batch_zero":  # the flag typed, not the key behind it
+        return [*plan, "--params", "1e6", "--micro-batch", "0"], "--micro-batch must be at least 1, got 0"
+    if case == "plan_slowdown_of_other_workers":
+        return [*plan, "--params", "1e6", "--workers", "3", "--slowdown", "1,2"], ("--slowdown has 2 factor(s)",
+                                                                                    "(--workers 3)")
     if case == "plan_empty_strategies":  # not read as "all of them"
         return [*plan, "--params", "1e6", "--strategies", ""], "--strategies ''"
     if case == "plan_train_only_flag":
@@ -460,6 +465,7 @@ def _command_case(case: str, tmp: Path, data_file: Path) -> tuple[list[str], str
 
 
 COMMAND_CASES = ["plan_absurd_params", "plan_absurd_width", "plan_absurd_depth", "plan_absurd_workers",
+                 "plan_micro_batch_zero", "plan_slowdown_of_other_workers",
                  "plan_empty_strategies", "plan_train_only_flag", "bench_empty_strategies",
                  "bench_table_of_no_benched_strategy", "bench_single_strategy_flag", "bench_recipe_of_two_million_runs"]
 

@@ -178,18 +178,21 @@ def _tuning_progress(ranks_per_replica: int, strategies: int):
 def _plan_config(args, calibrated: bool):
     """The run config to plan, with the counts the planner needs checked (it does not validate
     the whole config: a plan needs no data, device or backend)."""
+    from .. import config as C
+
     cfg = config_from_args(args)
     if cfg.workers < 1:
-        raise UsageError(f"workers must be at least 1, got {cfg.workers}")
+        raise UsageError(f"{C.spelled(cfg, 'workers')} must be at least 1, got {cfg.workers}")
     if cfg.workers > MAX_PLAN_WORKERS:
         raise UsageError(f"--workers {cfg.workers} is beyond what lowcomm plan models (at most {MAX_PLAN_WORKERS:,})")
     for name in ("accum", "micro_batch", "steps"):
         if getattr(cfg, name) < 1:
-            raise UsageError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+            raise UsageError(f"{C.spelled(cfg, name)} must be at least 1, got {getattr(cfg, name)}")
     if calibrated and not given(args, "--slowdown") and len(cfg.slowdown) != cfg.workers:
         cfg.slowdown = ()  # the bench's slowdowns do not fit the planned --workers: plan equal workers
     if cfg.slowdown and len(cfg.slowdown) != cfg.workers:
-        raise UsageError(f"slowdown has {len(cfg.slowdown)} factor(s) but there are {cfg.workers} workers")
+        raise UsageError(f"{C.spelled(cfg, 'slowdown')} has {len(cfg.slowdown)} factor(s) but there are {cfg.workers} "
+                         f"workers ({C.spelled(cfg, 'workers', cfg.workers)})")
     return cfg
 
 
