@@ -122,7 +122,7 @@ def test_each_runs_load_is_in_the_table_and_a_timing_dependent_run_is_marked(tmp
     assert lines["| ddp"].endswith("| 3.1 |") and lines["| acco (acco) ‡"].endswith("| 4.0 |")
     assert "| acco (acco-det) |" in report_md  # no mark
     assert "Load at end: the 1-minute load average when the run ended, on 2 cores" in report_md
-    assert ("‡ Its result moves with the timing, so with the load: acco (acco): acco computes micro-batches while "
+    assert ("‡ acco (acco): its result moves with the timing, so with the load: it computes micro-batches while "
             "it communicates") in report_md
     assert [r["load"] for r in report["rows"]] == [3.14, 4.0, 4.0]
 

@@ -49,11 +49,11 @@ def timing_dependent(summary: dict) -> str | None:
     load), or None where it depends only on its inputs."""
     options = summary.get("strategy_options") or {}
     if summary.get("strategy") == "acco" and options.get("deterministic") is False:
-        return ("acco computes micro-batches while it communicates, as many as the link and the load leave time "
+        return ("it computes micro-batches while it communicates, as many as the link and the load leave time "
                 "for, so its tokens trained and its loss move from run to run (--deterministic: exactly --accum)")
     if options.get("sync_by") == "time":
-        return (f"{summary.get('strategy')} ends each inner phase after a set time, so its inner steps per sync "
-                f"and its loss move with the load (--sync-by steps: a set count)")
+        return ("it ends each inner phase after a set time, so its inner steps per sync and its loss move with "
+                "the load (--sync-by steps: a set count)")
     return None
 
 

@@ -134,8 +134,8 @@ def markdown(rows: list[dict], target: float | None) -> str:
         if r.get("timing"):
             timing.setdefault(r["timing"], []).append(r["label"])
     if timing:
-        note += "\n\n‡ Its result moves with the timing, so with the load: " + \
-            "; ".join(f"{', '.join(labels)}: {why}" for why, labels in timing.items()) + "."
+        note += "\n\n" + " ".join(f"‡ {', '.join(labels)}: its result moves with the timing, so with the load: "
+                                   f"{why}." for why, labels in timing.items())
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
