@@ -79,3 +79,16 @@ def test_learns_on_a_sliver_of_ddps_bytes(corpus_run):
     print(figures)
     assert s["final_val_loss"] < 3.3, figures
     assert ratio >= 500, figures
+
+
+@pytest.mark.slow
+def test_its_summary_says_how_far_an_outer_step_moved_the_model(corpus_run):
+    """Validation is of the global model right after an outer step, the train loss of the
+    workers' own: summary.json keeps the train loss across the outer step that raised it most
+    and across the last one, as the step records show them (an outer step: a step that sent)."""
+    s, records = corpus_run("sparseloco")
+    across = [(a["step"], a["loss"], b["loss"]) for a, b in zip(records, records[1:]) if a["wire_bytes"] > 0]
+    step, before, after = max(across, key=lambda x: x[2] - x[1])
+    assert s["rise_after_outer_step"] == {"step": step, "loss_before": before, "loss_after": after}
+    assert s["last_after_outer_step"]["step"] == across[-1][0] == s["steps"] - s["sync_every"]
+    assert after > before  # at the paper's defaults the first outer steps raise the loss (docs/strategies.md)
