@@ -32,6 +32,16 @@ def test_within_the_tie_the_batch_asked_then_the_shortest_wait_comes_first():
     assert [p.label for p in planner.rank([waits, faster, idle])] == ["faster", "idle", "waits"]
 
 
+def test_times_to_the_target_tie_alike_and_rank_before_throughput_alone():
+    grows = prediction("grows", 2.0e6, tokens_per_step=8e6, exposed_fraction=0.5)
+    asked = prediction("asked", 1.0e6)
+    unmeasured = prediction("unmeasured", 3.0e6)
+    grows.time_to_target_s, asked.time_to_target_s = 100.0, 100.0 * (1 + planner.TIE / 2)
+    assert [p.label for p in planner.rank([grows, unmeasured, asked])] == ["asked", "grows", "unmeasured"]
+    asked.time_to_target_s = 100.0 * (1 + 2 * planner.TIE)
+    assert [p.label for p in planner.rank([asked, grows, unmeasured])] == ["grows", "asked", "unmeasured"]
+
+
 def test_a_tie_with_a_larger_batch_goes_to_the_batch_asked_and_the_answer_says_the_tie(capsys):
     assert main([*README_TUNE, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
