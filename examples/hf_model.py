@@ -9,6 +9,7 @@ import torch.distributed as dist
 import lowcomm
 from lowcomm.data import load_bytes
 
+dist.init_process_group("gloo")                                 # torchrun gives rank and world size
 torch.manual_seed(0)
 model = lowcomm.build_hf_causal_lm("gpt2", vocab_size=256, seq_len=64, n_layer=2, n_head=2, d_model=128)
 # Or any PreTrainedModel you built yourself, e.g.
@@ -25,4 +26,4 @@ with lowcomm.wrap(model, lambda p: torch.optim.AdamW(p, lr=3e-3), strategy="zero
         loss = run.model(input_ids=ids, labels=ids).loss        # the model's own shifted LM loss
         if run.backward(loss) is not None and run.steps % 25 == 0 and dist.get_rank() == 0:
             print(f"step {run.steps}: loss {run.result.loss:.3f}, {run.result.tokens} tokens this rank")
-dist.destroy_process_group()
+dist.destroy_process_group()                                    # after close(): gloo's threads end here, not at exit

@@ -22,4 +22,4 @@ for step in range(200):
         print(f"step {step + 1}: loss {result.loss:.4f}, sent {result.wire_bytes / 1e3:.0f} kB, "
               f"waited {1e3 * result.exposed_comm_s:.1f} ms on the network")
 run.close()                                          # every rank ends on the same parameters
-dist.destroy_process_group()
+dist.destroy_process_group()                         # after close(): gloo's threads end here, not at exit

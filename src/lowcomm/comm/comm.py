@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import NamedTuple
@@ -92,6 +93,7 @@ class Comm:
         self._seqs = itertools.count(1)
         self._level_code = level_code(level)
         self._deadlines = None
+        self._in_flight: weakref.WeakSet[Handle] = weakref.WeakSet()  # async ops not yet waited for
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.backend = dist.get_backend(group) if dist.is_initialized() else "none"
@@ -214,6 +216,7 @@ class Comm:
         work = launch(True)
         self._add(issued.op, issued.wire, 1, meta=issued.meta, modeled_s=issued.modeled_s)
         handle = Handle(self, work, result, issued.modeled_end)
+        self._in_flight.add(handle)
         real_future = _work_future(work)
         out_future = None
         if issued.modeled_end is not None and real_future is not None:
@@ -286,6 +289,20 @@ class Comm:
             self.tracer.span("wait", "wait", t0, t1, {"level": self.level})
         if self.flight is not None:
             self.flight.span(_FLIGHT_CODE["wait"], t0, t1)
+
+    # -- the end of a run -----------------------------------------------------
+    def drain(self) -> None:
+        """Wait for every async op issued here that nobody has waited for yet (a closing run's)."""
+        for handle in list(self._in_flight):
+            handle.wait()
+
+    def close(self) -> None:
+        """Let go of the ops: forget the handles, finish the link emulator's last completions
+        and join its threads (comm/link.py, Deadlines.close). The Comm stays usable."""
+        self._in_flight = weakref.WeakSet()
+        deadlines, self._deadlines = self._deadlines, None
+        if deadlines is not None:
+            deadlines.close()
 
     # -- collectives --------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):

@@ -8,10 +8,14 @@ collectively: every rank builds its first run on a group at the same point of it
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
-_GROUPS: dict[int, dist.ProcessGroup] = {}
+# Held weakly: torch holds a control group until destroy_process_group(), which must then
+# free it (and join its gloo threads), not find it kept alive here (run/teardown.py).
+_GROUPS: weakref.WeakValueDictionary[int, dist.ProcessGroup] = weakref.WeakValueDictionary()
 
 
 def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

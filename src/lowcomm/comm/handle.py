@@ -36,6 +36,8 @@ class Handle:
         return fut
 
     def is_completed(self) -> bool:
+        if self._waited:
+            return True
         if self.modeled_end is not None and time.perf_counter() < self.modeled_end:
             return False
         return self._work is None or self._work.is_completed()
@@ -54,6 +56,8 @@ class Handle:
             self._comm._add(exposed_s=t1 - t0)
             self._comm._trace_wait(t0, t1)
             self._waited = True
+            self._work = None  # done: the work (and the tensors it holds) is not kept past its wait
+            self._comm._in_flight.discard(self)
         return self.result
 
 

@@ -181,12 +181,15 @@ class Deadlines:
         self._heap: list = []
         self._seq = 0
         self._thread: threading.Thread | None = None
+        self._running: list[threading.Thread] = []  # the due callbacks' threads, until joined
+        self._closing = False
 
     def at(self, when: float, fn) -> None:
         with self._cv:
             self._seq += 1
             heapq.heappush(self._heap, (when, self._seq, fn))
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
+                self._closing = False
                 self._thread = threading.Thread(target=self._loop, name="lowcomm-link", daemon=True)
                 self._thread.start()
             self._cv.notify()
@@ -195,6 +198,8 @@ class Deadlines:
         while True:
             with self._cv:
                 while not self._heap:
+                    if self._closing:
+                        return
                     self._cv.wait()
                 when, _, fn = self._heap[0]
                 delay = when - time.perf_counter()
@@ -202,4 +207,26 @@ class Deadlines:
                     self._cv.wait(delay)
                     continue
                 heapq.heappop(self._heap)
-            threading.Thread(target=fn, name="lowcomm-link-done", daemon=True).start()
+                self._running = [t for t in self._running if t.is_alive()]
+                done = threading.Thread(target=fn, name="lowcomm-link-done", daemon=True)
+                self._running.append(done)
+            done.start()
+
+    def close(self) -> None:
+        """Run what is queued, each at its deadline (a closing run's last completions), then
+        end the thread and join every callback's: none is left to complete a torch future
+        while the interpreter exits. A callback may queue another (a chained future): the
+        thread then runs again, until nothing is queued. A later `at` starts it again."""
+        while True:
+            with self._cv:
+                thread, self._closing = self._thread, True
+                self._cv.notify()
+            if thread is None:
+                return
+            thread.join()
+            with self._cv:
+                running, self._running = self._running, []
+                if self._thread is thread:
+                    self._thread = None
+            for done in running:
+                done.join()

@@ -23,7 +23,12 @@ class CountedGroup:
 
     def __init__(self, comm):
         self.comm = comm
-        self.group = comm.group if comm.group is not None else dist.group.WORLD
+
+    @property
+    def group(self):
+        """The real group, looked up when asked: held, the default group would outlive
+        destroy_process_group() (run/teardown.py)."""
+        return self.comm.group if self.comm.group is not None else dist.group.WORLD
 
     def size(self):
         return self.comm.world

@@ -37,6 +37,7 @@ from ..contract.context import Schedule, StepContext, StepResult, batch_tokens
 from ..engines.inside import make_inside
 from ..contract.options import build_options
 from ..strategies.registry import get, resolve
+from . import teardown
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 NextBatch = Callable[[], Any]
@@ -99,6 +100,7 @@ class RunDriver:
         self._forward_tokens = 0
         self._last_loss = None                   # weakref to the latest loss backpropagated
         self._evaluating = self._closed = False
+        self._own_groups: list = []              # groups this run made, destroyed by close()
         self._hook = strategy.train_model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
         # lowcomm 0.1's strategy was its own driver: code that ends or evaluates through
         # `run.strategy` still works, and is told what to call now.
@@ -333,7 +335,9 @@ class RunDriver:
         rank started; where rounds run beside compute, inside them: a closed rank serves its
         peers' rounds until all have closed), each completes it and drains what is in flight,
         a step left half accumulated is dropped, and the final parameters are in the model.
-        Then the strategy's threads and hooks are released. Collective; idempotent."""
+        Then the strategy's threads and hooks are released, every collective the run issued
+        has been waited for and let go of (release), and the process groups the run made
+        itself (`destroys`) are destroyed. Collective; idempotent."""
         if self._closed:
             return
         try:
@@ -341,8 +345,17 @@ class RunDriver:
             s = self.strategy
             if s.end_run(self._agree):
                 s.share_inside()  # across replica groups: the final tensors to the whole replica
+            for comm in self.levels:
+                comm.drain()
         finally:
             self.release()
+        teardown.destroy(self._own_groups)
+        self._own_groups = []
+
+    def destroys(self, groups: list) -> None:
+        """close() destroys `groups`: process groups made for this run alone (the replica
+        groups wrap() formed)."""
+        self._own_groups = list(groups)
 
     def _agree(self, value: int) -> int:
         """The most `value` over the ranks, beside any collective still in flight on the run's group."""
@@ -350,12 +363,17 @@ class RunDriver:
 
     def release(self) -> None:
         """Release threads and hooks without a collective (after a failure, or a run stopped
-        to be resumed). Idempotent."""
+        to be resumed), and every reference the run holds to a collective or a process group
+        (run/teardown.py: what destroy_process_group() needs to end gloo's threads). Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._hook.remove()
         self.strategy.release()
+        for comm in self.levels:
+            comm.close()
+        teardown.release_ddp(self.strategy.train_model)
+        teardown.unpin_default_group()
 
     def __enter__(self) -> "RunDriver":
         return self

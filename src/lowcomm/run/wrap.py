@@ -41,11 +41,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..comm.control import control_group
 from ..comm.groups import ReplicaLayout
 from ..comm.link import LinkModel, split_link_spec
 from ..errors import UsageError
 from .build import build, replica_groups, world_comm
 from .driver import RunDriver, link_seed, make_pacer
+from .teardown import destroy_at_exit
 from ..engines.inside import check_layout
 from ..contract.options import RunShape, build_options
 from ..strategies.registry import available, get, resolve
@@ -85,14 +87,19 @@ def wrap(model: torch.nn.Module, make_optimizer: MakeOptimizer, strategy: str = 
         return cross_link
 
     if not replicas and intra_link is None and inside == "ddp":  # flat, as always: the strategy on the group
-        return build(strategy, model, make_optimizer, world_comm(ReplicaLayout(world, world), rank, seed, cross, group),
-                     None, **run, **options)
-    strategy, opts = _replica_options(strategy, options, world, replicas or world, inside, accum, intra_link, group)
-    layout = ReplicaLayout(world, replicas or world)
-    # the groups and links as the CLI's workers make them (run/build.py)
-    levels = replica_groups(layout, rank, seed, cross, lambda s: _link(intra_link, s))
-    return build(strategy, model, make_optimizer, None if levels else world_comm(layout, rank, seed, cross, group),
-                 levels, **run, options=opts, inside=inside)
+        driver = build(strategy, model, make_optimizer,
+                       world_comm(ReplicaLayout(world, world), rank, seed, cross, group), None, **run, **options)
+        levels = None
+    else:
+        strategy, opts = _replica_options(strategy, options, world, replicas or world, inside, accum, intra_link, group)
+        layout = ReplicaLayout(world, replicas or world)
+        # the groups and links as the CLI's workers make them (run/build.py)
+        levels = replica_groups(layout, rank, seed, cross, lambda s: _link(intra_link, s))
+        driver = build(strategy, model, make_optimizer, None if levels else world_comm(layout, rank, seed, cross, group),
+                       levels, **run, options=opts, inside=inside)
+    if levels is not None:  # formed for this run alone: close() destroys them
+        driver.destroys([levels.intra.group, levels.cross.group, control_group(levels.cross.group)])
+    return driver
 
 
 def _replica_options(strategy: str, values: dict, world: int, replicas: int, inside: str, accum: int,
@@ -120,11 +127,13 @@ def _keyword(name: str, value=None) -> str:
 
 
 def _join_group_if_torchrun(model: torch.nn.Module) -> None:
-    """Inside torchrun with no group yet, make one from its environment (NCCL for a CUDA model)."""
+    """Inside torchrun with no group yet, make one from its environment (NCCL for a CUDA model),
+    destroyed at the script's end unless the script destroys it (run/teardown.py)."""
     if dist.is_initialized() or not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
         return
     cuda = any(p.is_cuda for p in model.parameters())
     dist.init_process_group("nccl" if cuda and dist.is_nccl_available() else "gloo")
+    destroy_at_exit(dist.group.WORLD)
 
 
 def _link(link, seed: int) -> LinkModel | None:
