@@ -313,3 +313,28 @@ def test_the_launcher_ends_the_run_for_the_runs_failures_and_restarts_a_worker_f
     tb = f'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n{error}: what happened\n'
     assert supervise.failed_the_run(tb) is ends_the_run
     assert supervise._last_line(tb) == ("what happened" if error.startswith("lowcomm") else f"{error}: what happened")
+
+
+def test_a_joiner_waiting_to_rejoin_when_the_run_ends_stops_in_one_line_not_while_a_member(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """`lowcomm join`'s worker, dropped (frozen, then continued) after it had joined, waits to
+    rejoin: the run's end (summary.json) ends it at once, in one line, not after the 60 s of a
+    lighthouse gone; while it is a member of a quorum, the run's end is its own to finish."""
+    from lowcomm.launch import join
+    member = SimpleNamespace(waiting=False, joined=threading.Event())
+    member.joined.set()
+    looks = []
+
+    def look(seconds):  # the watch's pause between looks; the worker is dropped at the third
+        looks.append(seconds)
+        member.waiting = len(looks) >= 3
+
+    def exit_now(code):
+        raise SystemExit(code)
+    monkeypatch.setattr(join.time, "sleep", look)
+    monkeypatch.setattr(join.os, "_exit", exit_now)
+    (tmp_path / "summary.json").write_text("{}")  # the run has ended
+    with pytest.raises(SystemExit) as e:
+        join.watch(tmp_path, member)
+    assert e.value.code == 1 and len(looks) == 3  # not while it was a member
+    assert capsys.readouterr().err == f"error: the run in '{tmp_path}' ended before this worker could rejoin it\n"

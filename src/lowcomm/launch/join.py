@@ -23,6 +23,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -150,27 +151,34 @@ def within(call, seconds: float):
 
 
 class Joiner(Membership):
-    """A member that knows when a quorum first took it (`joined`)."""
+    """A member that knows when a quorum first took it (`joined`) and whether it waits for one
+    (`waiting`: to join, or to rejoin after the others dropped it)."""
 
     def __init__(self, *args, **kwargs):
         self.joined, self.joined_at = threading.Event(), 0  # joined_at: the committed step it joined at
+        self.waiting = True
         super().__init__(*args, **kwargs)
 
     def agree(self, step: int, joining: bool = False):
+        self.waiting = joining
         view = super().agree(step, joining)
+        self.waiting = False
         if not self.joined.is_set():
             self.joined_at = max(view.steps)
         self.joined.set()
         return view
 
 
-def watch(run: Path, joined: threading.Event) -> None:
-    """Until a quorum takes this worker: the run ending first (its launcher removed elastic.json,
-    or summary.json appeared) ends the joiner in one line, instead of asking a lighthouse that is
-    gone for a quorum forever."""
-    while not joined.wait(WATCH_S):
-        if (run / "summary.json").exists() or not (run / PUBLISHED).exists():
-            print(f"error: the run in '{run}' ended before this worker could join it", file=sys.stderr, flush=True)
+def watch(run: Path, member: Joiner) -> None:
+    """While this worker waits for a quorum to take it in (before it first joined, or dropped since:
+    frozen, then continued): the run ending first (its launcher removed elastic.json, or
+    summary.json appeared) ends it in one line, instead of asking a lighthouse that is gone for a
+    quorum (up to 60 s: membership.LIGHTHOUSE_AWAY_S)."""
+    while True:
+        time.sleep(WATCH_S)
+        if member.waiting and ((run / "summary.json").exists() or not (run / PUBLISHED).exists()):
+            again = "rejoin" if member.joined.is_set() else "join"
+            print(f"error: the run in '{run}' ended before this worker could {again} it", file=sys.stderr, flush=True)
             os._exit(1)
 
 
@@ -195,7 +203,7 @@ def join(args: argparse.Namespace) -> int:
     # with it, for the lighthouse waits for a live worker to ask for the next quorum.
     m = Joiner(where["lighthouse"], where["store"][0], where["store"][1], slot, member_timeout(cfg),
                quorum_timeout_s=cfg.quorum_timeout)
-    threading.Thread(target=watch, args=(run, m.joined), name="lowcomm-join-watch", daemon=True).start()
+    threading.Thread(target=watch, args=(run, m), name="lowcomm-join-watch", daemon=True).start()
     try:
         w = run_elastic(cfg, slot, m, run, args.quiet, joining=True)
     finally:
