@@ -36,13 +36,13 @@ def unpin_default_group() -> None:
     on the default group outlives `destroy_process_group()`, its workers running into the
     interpreter's exit. A default of None means the same to them (the default group, read at
     the call) without holding it."""
-    functional = sys.modules.get("torch.distributed.nn.functional")
-    if functional is None:
-        return
-    for fn in vars(functional).values():
-        defaults = getattr(fn, "__defaults__", None)
-        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
-            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+    # the package re-exports them (`from .functional import *`): the same functions, unless reloaded
+    modules = (sys.modules.get(name) for name in ("torch.distributed.nn.functional", "torch.distributed.nn"))
+    for module in filter(None, modules):
+        for fn in list(vars(module).values()):
+            defaults = getattr(fn, "__defaults__", None)
+            if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+                fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
 
 
 def destroy(groups: list[dist.ProcessGroup]) -> None:

@@ -97,7 +97,8 @@ def wrap(model: torch.nn.Module, make_optimizer: MakeOptimizer, strategy: str = 
         levels = replica_groups(layout, rank, seed, cross, lambda s: _link(intra_link, s))
         driver = build(strategy, model, make_optimizer, None if levels else world_comm(layout, rank, seed, cross, group),
                        levels, **run, options=opts, inside=inside)
-    if levels is not None:  # formed for this run alone: close() destroys them
+    if levels is not None and inside != "fsdp":  # formed for this run alone: close() destroys them
+        # (not under FSDP, whose sharded model keeps using them: destroy_process_group() ends them)
         driver.destroys([levels.intra.group, levels.cross.group, control_group(levels.cross.group)])
     return driver
 
