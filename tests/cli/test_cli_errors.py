@@ -23,6 +23,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from lowcomm import config as C
+from tiny_runs import unwritable_dir
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good "
         "fortune, must be in want of a wife.\n") * 60  # ~6 KB
@@ -319,16 +320,6 @@ def _token_file_case(case: str, tmp: Path) -> tuple[list[str], tuple[str, ...]]:
         (p / "train.bin").write_bytes(struct.pack("<4H", 18, 47, 56, 57))
         return ["--data", str(p)], (str(p / "meta.pkl"), *said)
     raise AssertionError(case)
-
-
-def unwritable_dir(tmp: Path) -> Path:
-    """A directory this process cannot write into."""
-    if os.geteuid() == 0:  # root writes through file modes, not into /proc/1
-        return Path("/proc/1")
-    locked = tmp / "locked"
-    locked.mkdir()
-    locked.chmod(0o500)
-    return locked
 
 
 def _previous_run(tmp: Path, strategy: str = "ddp") -> Path:

@@ -3,6 +3,7 @@ how to find the worker processes a launcher started, and the one `error:` line a
 The `data_file` fixture that writes TEXT is in tests/conftest.py."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good "
@@ -53,3 +54,13 @@ def error_line(err: str) -> str:
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, err
     return lines[0]
+
+
+def unwritable_dir(tmp: Path) -> Path:
+    """A directory this process cannot write into."""
+    if os.geteuid() == 0:  # root writes through file modes, not into /proc/1
+        return Path("/proc/1")
+    locked = tmp / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    return locked

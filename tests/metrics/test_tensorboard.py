@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tiny_runs import TINY, error_line
+from tiny_runs import TINY, error_line, unwritable_dir
 
 from lowcomm.cli.main import main
 
@@ -50,8 +50,6 @@ def test_a_directory_that_became_unwritable_is_named_with_its_flag(tmp_path):
     """Writable when the run was checked, not when rank 0 opens it: the error says --tensorboard
     and the directory, not a bare errno (nor, as it once did, that a checkpoint failed)."""
     pytest.importorskip("tensorboard", reason="the optional tensorboard extra is not installed")
-    from test_cli_errors import unwritable_dir
-
     from lowcomm.errors import RunError
     from lowcomm.metrics.tensorboard import TensorBoardLog
 
