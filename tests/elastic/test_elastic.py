@@ -87,7 +87,8 @@ def test_consecutive_bad_steps_end_the_run_in_one_line_without_restarting_a_work
     err = capfd.readouterr().err
     assert code == 1, err
     assert err.strip().splitlines()[-1] == ("error: 2 consecutive steps had a non-finite loss or gradient (the last "
-                                            "at step 4; --max-bad-steps 2); try a lower --lr"), err
+                                            "at step 4; --max-bad-steps 2); try a lower --lr (flight records in "
+                                            f"{out / 'flight'})"), err
     assert "restarting" not in err and "go on" not in err, err
     assert [r["step"] for r in jsonl(out / "steps.jsonl")] == [1, 2, 3, 4]
 

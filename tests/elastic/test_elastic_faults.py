@@ -42,12 +42,27 @@ from elastic_runs import ELASTIC, TINY, check_finished, cli_flags, jsonl, option
 pytestmark = pytest.mark.elastic
 
 STEPS, JOIN_AT, KILL_IN = 100, 4, 6  # the members wait at JOIN_AT's (first) commit point for the joiner
+JOINED = "joined"  # ... until it has announced itself, or the test has seen it in (a file)
 # ... and at REJOIN_AT's for it to come back through the restarted lighthouse, unless the test has
 # seen it back already (REJOINED, a file; on a quiet machine by step ~25, at load 14 by step 70:
 # the run once reached STEPS first and ended before every fault was made). The drop before it
 # comes at step ~5-10: the members wait out --member-timeout in a collective, not ahead of it.
 REJOIN_AT, REJOINED = 40, "rejoined"
-MEMBER_TIMEOUT = 3.0
+# ... and at HEAL_AT's for the killed worker, restarted, to be taken back in, unless the test has
+# seen it in already (HEALED): a restart takes seconds of imports, at load 20 more than the
+# steps left of a short run (dpu: the run once ended first, the joiner exiting 0 before it was seen).
+HEAL_AT, HEALED = 12, "healed"
+# Each hold lasts until what it waits for happened (the test-only hook's own bound is an hour), so
+# the run never outpaces the faults however loaded the machine is; a test that fails releases
+# them (Faults.release), and the run ends. A hang guard, not a timing claim: how long the test
+# waits for a quorum before it fails naming the quorums seen; at load 30-38 one join took over
+# 300 s (a fresh python importing torch beside three workers and 16 busy loops).
+GUARD_S = 1200.0
+# Longer than a joiner's set-up may keep the members waiting in its first collectives (its run
+# built, DDP's broadcast, the state received): at 3 s, at load 25-38, the members dropped a joiner
+# still building its run (membership.jsonl: lost [3] at the join) and the faults came apart. The
+# product's default, 10 s; each frozen joiner costs it once (7 strategies: under a minute in all).
+MEMBER_TIMEOUT = 10.0
 # `lowcomm join OUT` once the run has logged a step (so that it joins mid-run), in a Python
 # started with the test: its imports (3-10 s on the loaded machine) overlap the run's start.
 JOIN_AFTER_THE_FIRST_STEP = """
@@ -110,7 +125,12 @@ class Faults:
             return next((q for q in records(self.out / "membership.jsonl")[after:]
                          if q["slots"] == slots and (q["healed"] == healed or healed == [] and behind_a_peer(q))),
                         None)
-        return wait_for(found, f"quorum of {slots} healing {healed}")
+        try:
+            return wait_for(found, f"quorum of {slots} healing {healed}", GUARD_S)
+        except AssertionError as e:  # what the run did instead
+            seen = [(q["step"], q["slots"], q["committed"], q["healed"])
+                    for q in records(self.out / "membership.jsonl")]
+            raise AssertionError(f"{e}; the quorums (step, slots, committed, healed): {seen}") from None
 
     def run(self) -> None:
         try:
@@ -120,19 +140,22 @@ class Faults:
             self._run()
         except BaseException as e:  # the test's thread reports it once the run has ended
             self.error = e
+            self.release()
             self.end()
 
     def _run(self) -> None:
         self.quorum(1, [0, 1, 2, 3], [3])  # the join
+        (self.log.parent / JOINED).touch()
         # Worker 1 kills itself inside a collective (LOWCOMM_TEST_KILL_IN); restarted by the launcher
         # within about a heartbeat timeout, it is often in the survivors' first quorum already.
         self.quorum(2, [0, 1, 2, 3], [1])
+        (self.log.parent / HEALED).touch()  # the members need not wait at HEAL_AT for it
         if not self.every:
             return
         # A strategy that commits every few steps (streaming_diloco: per fragment) may roll the
         # joiner back past every commit it made before the kill: freeze it only once it has one.
         wait_for(lambda: '"slot": 3' in read_or_empty(self.log.parent / "commits.jsonl"),
-                 "the joiner's first commit")
+                 "the joiner's first commit", GUARD_S)
         self.at["frozen"] = time.time()
         os.kill(self.joiner.pid, signal.SIGSTOP)
         self.quorum(3, [0, 1, 2], [])
@@ -145,9 +168,14 @@ class Faults:
         back = self.quorum(4, [0, 1, 2, 3], [3])
         (self.log.parent / REJOINED).touch()  # the members need not wait at REJOIN_AT for it
         wait_for(lambda: any(r["step"] > back["step"] for r in records(self.out / "steps.jsonl")),
-                 "a step trained with the joiner back")
+                 "a step trained with the joiner back", GUARD_S)
         self.at["killed"] = time.time()
         os.kill(self.joiner.pid, signal.SIGKILL)
+
+    def release(self) -> None:
+        """Let the members past every hold: the test has failed, the run may end."""
+        for name in (JOINED, HEALED, REJOINED):
+            (self.log.parent / name).touch()
 
     def end(self) -> None:
         if self.joiner is not None and self.joiner.poll() is None:
@@ -176,7 +204,8 @@ def test_every_strategy_survives_every_fault_in_turn_with_one_state(name, tmp_pa
     every = name in EVERY_FAULT
     steps_to_run = STEPS if every else SHORT_STEPS
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("LOWCOMM_TEST_HOLD_FOR_JOINER", f"{JOIN_AT},{REJOIN_AT}:{tmp_path / REJOINED}")
+    monkeypatch.setenv("LOWCOMM_TEST_HOLD_FOR_JOINER", ",".join(
+        f"{at}:{tmp_path / name}" for at, name in ((JOIN_AT, JOINED), (HEAL_AT, HEALED), (REJOIN_AT, REJOINED))))
     monkeypatch.setenv("LOWCOMM_TEST_KILL_IN", f"1:{KILL_IN}")  # first launch of worker 1 only
     monkeypatch.setenv("LOWCOMM_TEST_KILL_LOG", str(tmp_path / "killed"))
     monkeypatch.setenv("LOWCOMM_TEST_COMMIT_HASHES", str(tmp_path / "commits.jsonl"))

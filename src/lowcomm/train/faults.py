@@ -134,22 +134,29 @@ def nan_loss_if_asked(rank: int, step: int, loss_fn):
     return lambda model, batch: loss_fn(model, batch) * float("nan")
 
 
+HOLD_LIMIT_S = 3600.0  # a hold's own bound: the test waiting for what it holds for fails sooner (at load 30-38 a
+#                       joiner once took over 300 s to start), and releases its holds (:FILE) when it does
+
+
 def hold_for_joiner_if_asked(step: int, membership: Membership, seen: int = 0, since: int | None = None) -> int:
     """Test-only: LOWCOMM_TEST_HOLD_FOR_JOINER=STEP[,STEP:FILE...] makes every member wait at the
     commit point of each STEP -- the first at or after it, the commits since step `since` (the
     last commit point) having passed it -- until a joiner has announced itself since the `seen`
     joins the members answered (with :FILE, not once FILE exists: the test saw what it waited
-    for), so a test's joiner arrives, or comes back, mid-run however loaded the machine is (as the
-    hooks above do for failures). Returns the joins seen then, else 0 (a member's own count, not
-    gathered, must not decide alone to re-form)."""
+    for; and at every later commit point too until FILE exists, so that a joiner the quorum left
+    out -- a process starved on a loaded machine misses the lighthouse's heartbeat timeout -- is
+    waited for again, not outrun by the run's end), so a test's joiner arrives, or comes back,
+    mid-run however loaded the machine is (as the hooks above do for failures). Returns the joins
+    seen then, else 0 (a member's own count, not gathered, must not decide alone to re-form)."""
     holds = dict((entry.split(":", 1) + [""])[:2] for entry in
                  os.environ.get("LOWCOMM_TEST_HOLD_FOR_JOINER", "").split(",") if entry)
     since = step - 1 if since is None else since
-    due = [at for at in holds if since < int(at) <= step]
+    due = [at for at in holds if since < int(at) <= step
+           or int(at) <= step and holds[at] and not os.path.exists(holds[at])]
     if not due:
         return 0
     unless = holds[due[0]]
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + HOLD_LIMIT_S
     while (membership.joins() <= seen and not (unless and os.path.exists(unless))
            and time.monotonic() < deadline):
         membership.progress()  # waiting on purpose: not a stuck worker, whose heartbeats stop
