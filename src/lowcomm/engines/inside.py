@@ -178,7 +178,7 @@ def check_layout(workers: int, replicas: int, inside: str, strategy: str, suppor
     caller's user wrote it (the CLI's flags, or lowcomm.wrap's keywords). `one_replica`: the
     processes are one replica of an elastic run (a torchrun job), `inside` inside it."""
     if replicas < 0:
-        raise UsageError(f"replicas must be at least 1 (0: one per worker), got {replicas}")
+        raise UsageError(f"{spell('replicas')} must be at least 1 (0: one per worker), got {replicas}")
     R = replicas or workers
     if workers % R:
         raise UsageError(f"{spell('replicas', R)} does not divide {spell('workers', workers)} (each replica "
