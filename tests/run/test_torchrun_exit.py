@@ -23,6 +23,7 @@ SCRIPT = '''
 import atexit, os, sys
 import torch, torch.distributed as dist, torch.nn.functional as F
 import lowcomm
+import lowcomm.strategies
 
 def no_gloo_thread_left():
     names = (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
@@ -41,8 +42,10 @@ runs = []
 for strategy in sys.argv[3].split(","):  # the README loop, tiny
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    # at its reproducible options: adaptive acco's rounds follow the timing (16 micro-batches
+    # once made a single step)
     run = lowcomm.wrap(model, lambda p: torch.optim.AdamW(p, lr=1e-2), strategy=strategy, accum=2,
-                       link="1gbit,1ms")
+                       link="1gbit,1ms", **lowcomm.strategies.get(strategy).reproducible_options)
     rng = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(16):
         x = torch.randn(4, 8, generator=rng)
