@@ -203,7 +203,7 @@ def test_model_params_counts_the_model_itself_at_any_depth():
     (["--replicas", "3"], "--replicas 3 does not divide --workers 4"),
     (["--replicas", "-1"], "replicas must be at least 1"),
     (["--replicas", "2", "--inside", "fsdp", "--strategies", "powersgd"],
-     "strategy 'powersgd' does not run across replica groups yet (--replicas 2 of --workers 4; with --inside fsdp"),
+     "strategy 'powersgd' does not run across replica groups with --inside fsdp (--replicas 2 of --workers 4; with --inside fsdp"),
     (["--replicas", "4", "--intra-link", "10gbit,50us"], "--intra-link needs replica groups"),
     (["--replicas", "2", "--intra-link", "fast"], "--intra-link 'fast' must be BANDWIDTH,LATENCY"),
     (["--workers", "1", "--intra-link", "10gbit,50us"], "--intra-link needs replica groups"),

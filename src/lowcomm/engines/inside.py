@@ -189,8 +189,10 @@ def check_layout(workers: int, replicas: int, inside: str, strategy: str, suppor
         raise UsageError(f"{spell('inside', inside)} is not supported yet (strategy '{strategy}'; "
                          f"choose from: {', '.join(BUILT)})")
     if R < workers and strategy not in supported:
-        raise UsageError(f"strategy '{strategy}' does not run across replica groups yet ({spell('replicas', R)} of "
-                         f"{spell('workers', workers)}; with {spell('inside', inside)}: {', '.join(supported)})")
+        # "with --inside X": a strategy refused with fsdp inside may run with ddp inside (powersgd)
+        raise UsageError(f"strategy '{strategy}' does not run across replica groups with {spell('inside', inside)} "
+                         f"({spell('replicas', R)} of {spell('workers', workers)}; with {spell('inside', inside)}: "
+                         f"{', '.join(supported)}; docs/strategies.md says why)")
     if one_replica and workers > 1 and strategy not in supported:
         raise UsageError(f"strategy '{strategy}' does not run with {spell('inside', inside)} inside a replica (with "
                          f"it: {', '.join(supported)})")
