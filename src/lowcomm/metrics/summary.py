@@ -137,12 +137,11 @@ def _describe_losses(s: dict) -> str:
     """The final losses; in the local-SGD family, which model each is of: the train loss is the
     workers' own models' on the last step, the validation the global model the run's last outer
     step (at that step) made, and how far an outer step moved the model where the loss says so."""
-    text = f"Final train loss {s['final_train_loss']:.4f}, validation loss {s['final_val_loss']:.4f}"
+    train, val = f"Final train loss {s['final_train_loss']:.4f}", f"validation loss {s['final_val_loss']:.4f}"
     if not s.get("outer_syncs"):
-        return text + "."
-    text = (f"Final train loss {s['final_train_loss']:.4f} (the workers' own models on the last step, before its "
-            f"outer step), validation loss {s['final_val_loss']:.4f} (the global model, measured right after that "
-            f"outer step moved it")
+        return f"{train}, {val}."
+    text = (f"{train} (the workers' own models on the last step, before its outer step), {val} (the global "
+            f"model, measured right after that outer step moved it")
     rise, last = s.get("rise_after_outer_step"), s.get("last_after_outer_step")
     if rise and rise["loss_after"] > rise["loss_before"]:
         text += (f"; the outer step after step {rise['step']} raised the train loss most, from "
