@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
-from ..comm.flight import ENV_DIR as FLIGHT_ENV_DIR
 from ..errors import RunError
 from . import supervise
 from ..elastic import lighthouse, support
@@ -33,20 +31,18 @@ LIGHTHOUSE_PROBE_S = 2.0  # the run is failing: a lighthouse that does not answe
 def launch_elastic(cfg, out: Path | None, quiet: bool) -> None:
     server = UsedLighthouse(cfg.lighthouse) if cfg.lighthouse else lighthouse.start(support.min_workers(cfg))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    from .launcher import ring_dir
-    rings = os.environ[FLIGHT_ENV_DIR] = ring_dir()  # the workers' flight recorders, one a slot (comm/flight.py)
-    try:
-        publish(out, server.address(), store.port)  # where `lowcomm join` finds the run
-        Slots(cfg, store.port, server.address(), out, quiet).run()
-    except RunError as e:
-        record_flight(e, rings, cfg, out)
-        raise
-    finally:
-        unpublish(out)
-        server.shutdown()
-        del store
-        os.environ.pop(FLIGHT_ENV_DIR, None)
-        shutil.rmtree(rings, ignore_errors=True)
+    from .launcher import flight_rings
+    with flight_rings() as rings:  # one a slot
+        try:
+            publish(out, server.address(), store.port)  # where `lowcomm join` finds the run
+            Slots(cfg, store.port, server.address(), out, quiet).run()
+        except RunError as e:
+            record_flight(e, rings, cfg, out)
+            raise
+        finally:
+            unpublish(out)
+            server.shutdown()
+            del store
 
 
 def record_flight(error: RunError, rings: str, cfg, out: Path | None) -> None:

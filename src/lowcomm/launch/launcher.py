@@ -10,6 +10,7 @@ import shutil
 import socket
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -108,30 +109,28 @@ def launch(cfg: C.RunConfig, out: Path | None, quiet: bool = False) -> str | Non
         os.environ["LOWCOMM_ATTEMPT"] = str(attempt)
         # The parent hosts the rendezvous store on a free port the OS picks: no port races.
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        rings = os.environ[FLIGHT_ENV_DIR] = ring_dir()  # the workers' flight recorders (comm/flight.py)
-        stalls = StallWatch(rings, cfg.workers, quiet)  # stalled collectives flagged as they happen
-        try:
-            run_workers(spawned_entry, (cfg.workers, cfg, store.port, str(out) if out else None, quiet),
-                        cfg.workers, ask_first=cfg.checkpoint_on_signal, watch=stalls.poll)
-            return
-        except Interrupted as e:
-            explain_failure(e, rings, cfg, out)
-            raise
-        except RunError as e:
-            if out is not None:  # a checkpoint half-written, a temporary file: they may fill the disk
-                remove_partial(out)
-            final = attempt == cfg.max_restarts or out is None or isinstance(e, DiskFull)  # a relaunch onto a full disk would fill it again
-            explain_failure(e, rings, cfg, out, annotate=final)  # a restarted run's line stays as it was
-            if final:
+        with flight_rings() as rings:
+            stalls = StallWatch(rings, cfg.workers, quiet)  # stalled collectives flagged as they happen
+            try:
+                run_workers(spawned_entry, (cfg.workers, cfg, store.port, str(out) if out else None, quiet),
+                            cfg.workers, ask_first=cfg.checkpoint_on_signal, watch=stalls.poll)
+                return
+            except Interrupted as e:
+                explain_failure(e, rings, cfg, out)
                 raise
-            from ..checkpoint import restart_from
-            restart_from(cfg, out, e, attempt + 1)
-        finally:
-            stalls.close()
-            del store
-            os.environ.pop("LOWCOMM_ATTEMPT", None)
-            os.environ.pop(FLIGHT_ENV_DIR, None)
-            shutil.rmtree(rings, ignore_errors=True)
+            except RunError as e:
+                if out is not None:  # a checkpoint half-written, a temporary file: they may fill the disk
+                    remove_partial(out)
+                final = attempt == cfg.max_restarts or out is None or isinstance(e, DiskFull)  # a relaunch onto a full disk would fill it again
+                explain_failure(e, rings, cfg, out, annotate=final)  # a restarted run's line stays as it was
+                if final:
+                    raise
+                from ..checkpoint import restart_from
+                restart_from(cfg, out, e, attempt + 1)
+            finally:
+                stalls.close()
+                del store
+                os.environ.pop("LOWCOMM_ATTEMPT", None)
 
 
 def results_line(out: Path, records: str | None) -> str:
@@ -148,6 +147,18 @@ def results_line(out: Path, records: str | None) -> str:
 
 
 STUCK_S = 10.0  # an interrupted run whose collective had waited this long was hung, not just busy
+
+
+@contextmanager
+def flight_rings():
+    """A fresh directory for the workers' flight recorders (comm/flight.py), named to the workers
+    through the environment while the run lasts (a plain attempt's, or an elastic run's), then removed."""
+    rings = os.environ[FLIGHT_ENV_DIR] = ring_dir()
+    try:
+        yield rings
+    finally:
+        os.environ.pop(FLIGHT_ENV_DIR, None)
+        shutil.rmtree(rings, ignore_errors=True)
 
 
 def ring_dir() -> str:
