@@ -76,7 +76,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (summary, description, add_arguments) in COMMANDS.items():
         command = sub.add_parser(name, help=summary, description=description,
-                                 usage=f"lowcomm {name} [flags]" + {"report": " RUNDIR...", "bench": " [RECIPE.toml]", "join": " RUNDIR"}.get(name, ""))
+                                 usage=f"lowcomm {name} [flags]" + {"report": " RUNDIR...", "bench": " [RECIPE.toml]", "join": " RUNDIR",
+                                                                  "data": " prepare SOURCE", "sample": " RUNDIR"}.get(name, ""))
         if only is None or only == name:
             add_arguments(command)
     return parser

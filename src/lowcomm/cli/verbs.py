@@ -1,5 +1,5 @@
-"""`lowcomm bench`, `report`, `plan` and `join`: the table `lowcomm --help` lists them from, and the
-dispatch to each verb's module (bench.py, report.py, plan.py, join.py).
+"""`lowcomm bench`, `report`, `plan`, `join`, `data` and `sample`: the table `lowcomm --help` lists them from, and the
+dispatch to each verb's module (bench.py, report.py, plan.py, join.py, data.py, sample.py).
 
 bench and plan declare the run flags they use from config/flags.py (bench: all of train's but
 --strategy and --resume; plan: those the planner reads), read by cli/flags.config_from_args
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import UsageError
-from . import bench, join, plan, report
+from . import bench, data, join, plan, report, sample
 from .flags import TRAIN_ONLY
 
 
@@ -32,6 +32,13 @@ SUBCOMMANDS = {  # name -> (one line for `lowcomm --help`, description, what dec
              "Join the elastic run in RUNDIR (lowcomm train --elastic --out RUNDIR) as one more worker: it takes "
              "the run's config.toml and the addresses its launcher published, receives the live state from a "
              "member at their next commit point and trains with them to the end of the run.", join.add_arguments),
+    "data": ("turn text into token files a run trains on (data prepare)",
+             "lowcomm data prepare SOURCE --tokenizer T --out DIR: tokenize a text file or directory, JSONL, "
+             "Parquet or a Hugging Face datasets directory into train.bin, val.bin, tokenizer.json and meta.json "
+             "(lowcomm train --data DIR reads them).", data.add_arguments),
+    "sample": ("generate text from a run's final model",
+               "Load RUNDIR/model (the weights a run leaves) and its tokenizer, and continue --prompt.",
+               sample.add_arguments),
 }
 
 
@@ -39,4 +46,5 @@ def run_subcommand(args: argparse.Namespace) -> int:
     for flag, hint in TRAIN_ONLY.items():
         if getattr(args, flag[2:], None) is not None:
             raise UsageError(f"{flag} does not apply to lowcomm {args.command} ({hint})")
-    return {"bench": bench.run, "report": report.run, "plan": plan.run, "join": join.run}[args.command](args)
+    return {"bench": bench.run, "report": report.run, "plan": plan.run, "join": join.run, "data": data.run,
+            "sample": sample.run}[args.command](args)

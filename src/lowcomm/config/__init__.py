@@ -22,16 +22,16 @@ import importlib
 # the strategy registry)
 _EXPORTS = {
     "UsageError": "..errors", "validate": ".checks",
-    **{n: ".schema" for n in ("BACKENDS", "DEVICES", "HF_PREFIX", "MAX_TIMEOUT_S", "MODEL_PRESETS", "SCHEDULES",
-                              "DataConfig", "LinkConfig", "ModelConfig", "OptimConfig", "RunConfig")},
+    **{n: ".schema" for n in ("BACKENDS", "DEVICES", "HF_PREFIX", "MAX_TIMEOUT_S", "MODEL_PRESETS", "PRECISIONS",
+                              "SCHEDULES", "DataConfig", "LinkConfig", "ModelConfig", "OptimConfig", "RunConfig")},
     **{n: ".setting" for n in ("make_link", "link_factories", "resolve_options", "set_link", "set_option",
                                "set_value", "spelled")},
     **{n: ".tomlio" for n in ("from_dict", "load_toml", "to_dict", "to_toml")},
 }
 
-__all__ = ["BACKENDS", "DEVICES", "HF_PREFIX", "MAX_TIMEOUT_S", "MODEL_PRESETS", "SCHEDULES", "DataConfig",
-           "LinkConfig", "ModelConfig", "OptimConfig", "RunConfig", "UsageError", "from_dict", "load_toml",
-           "link_factories", "make_link", "resolve_options", "set_link", "set_option", "set_value", "spelled",
+__all__ = ["BACKENDS", "DEVICES", "HF_PREFIX", "MAX_TIMEOUT_S", "MODEL_PRESETS", "PRECISIONS", "SCHEDULES",
+           "DataConfig", "LinkConfig", "ModelConfig", "OptimConfig", "RunConfig", "UsageError", "from_dict",
+           "load_toml", "link_factories", "make_link", "resolve_options", "set_link", "set_option", "set_value", "spelled",
            "to_dict", "to_toml", "validate"]
 
 

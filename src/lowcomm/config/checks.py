@@ -9,7 +9,7 @@ from ..errors import UsageError
 from ..strategies import registry
 from ..engines.inside import check_layout
 from ..contract.values import format_numbers
-from .schema import (BACKENDS, DEVICES, MAX_TIMEOUT_S, MODEL_PRESETS, SCHEDULES, DataConfig,
+from .schema import (BACKENDS, DEVICES, MAX_TIMEOUT_S, MODEL_PRESETS, PRECISIONS, SCHEDULES, DataConfig,
                      ModelConfig, OptimConfig, RunConfig)
 from .setting import resolve_options, spelled
 
@@ -100,6 +100,9 @@ def _check_placement(cfg: RunConfig) -> None:
         raise UsageError(f"unknown {spelled(cfg, 'backend')} '{cfg.backend}' (choose from: {', '.join(BACKENDS)})")
     if cfg.device not in DEVICES:
         raise UsageError(f"unknown {spelled(cfg, 'device')} '{cfg.device}' (choose from: {', '.join(DEVICES)})")
+    if cfg.precision not in PRECISIONS:
+        raise UsageError(f"unknown {spelled(cfg, 'precision')} '{cfg.precision}' (choose from: "
+                         f"{', '.join(PRECISIONS)})")
     if cfg.backend == "nccl" and cfg.device == "cpu":
         raise UsageError(f"{spelled(cfg, 'backend', 'nccl')} needs {spelled(cfg, 'device', 'cuda')}, got "
                          f"{spelled(cfg, 'device', 'cpu')}")
@@ -126,6 +129,7 @@ def _check_data(cfg: RunConfig) -> None:
     d: DataConfig = cfg.data
     if not d.source.strip():
         raise UsageError(f"{spelled(cfg, 'data.source')} must not be empty")
+    _non_negative(cfg, "data.vocab_size")
     if not 0 < d.val_fraction < 1:
         raise UsageError(f"{spelled(cfg, 'data.val_fraction')} must be between 0 and 1, got {d.val_fraction}")
 

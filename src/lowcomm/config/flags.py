@@ -40,6 +40,13 @@ RUN_FLAGS = {
     "--seq-len": Flag("model.seq_len", "TOKENS", "tokens per sequence"),
     "--model": Flag("model.preset", "NAME", "model size preset ({presets}) or hf:<architecture>, a transformers "
                                             "causal LM built from its config (needs lowcomm[hf])"),
+    "--init-from": Flag("model.init_from", "DIR", "start from the weights in DIR: a save_pretrained directory "
+                                                  "(safetensors) for hf: models, a lowcomm run's model/ for its GPT",
+                        zero="random, from --seed"),
+    "--compile": Flag("model.compile", "", "torch.compile the model", switch=True),
+    "--activation-checkpointing": Flag("model.activation_checkpointing", "", "recompute each block's activations "
+                                       "in backward instead of keeping them (less memory, more compute)",
+                                       switch=True),
     "--n-layer": Flag("model.n_layer", "N", "transformer blocks", zero="the preset's"),
     "--n-head": Flag("model.n_head", "N", "attention heads", zero="the preset's"),
     "--d-model": Flag("model.d_model", "N", "model width (channels per token)", zero="the preset's"),
@@ -48,7 +55,11 @@ RUN_FLAGS = {
     "--schedule": Flag("optim.schedule", "NAME", "lr schedule after warmup: cosine or constant"),
     "--min-lr-ratio": Flag("optim.min_lr_ratio", "FRACTION", "cosine floor as a fraction of --lr (0 to 1)"),
     "--weight-decay": Flag("optim.weight_decay", "COEF", "AdamW weight decay coefficient"),
-    "--data": Flag("data.source", "SOURCE", "'shakespeare' (bundled), 'pydoc', or a UTF-8 text file or directory"),
+    "--data": Flag("data.source", "SOURCE", "'shakespeare' (bundled), 'pydoc', a UTF-8 text file or directory "
+                                            "(byte tokens), a directory made by lowcomm data prepare, nanoGPT's "
+                                            "train.bin or an llm.c shard"),
+    "--vocab-size": Flag("data.vocab_size", "N", "the vocabulary of token files that do not say theirs (nanoGPT's "
+                                                 ".bin without meta.pkl)", zero="from the data"),
     "--val-fraction": Flag("data.val_fraction", "FRACTION", "share of the text held out for validation (0 to 1)"),
     "--seed": Flag("seed", "N", "seed for init, data order and sampling"),
     "--out": Flag("out", "DIR", "output directory", zero="runs/<strategy>-w<W>-<time>"),
@@ -57,6 +68,9 @@ RUN_FLAGS = {
     "--threads": Flag("threads", "N", "torch threads per worker"),
     "--backend": Flag("backend", "NAME", "auto (nccl with CUDA, else gloo), gloo or nccl"),
     "--device": Flag("device", "NAME", "auto (cuda with nccl, else cpu), cpu or cuda"),
+    "--precision": Flag("precision", "NAME", "forward and backward under autocast: fp32 (none), bf16 or fp16 "
+                                             "(CUDA, with a loss scaler); parameters, optimizer states and what "
+                                             "each strategy sends stay as in fp32"),
     "--log-every": Flag("log_every", "STEPS", "gather all ranks' step results every STEPS trainer steps"),
     "--slowdown": Flag("slowdown", "F1,...,FW", "rank r computes F_r times slower, each factor >= 1 (emulated)",
                        zero="none"),

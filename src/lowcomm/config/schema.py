@@ -18,9 +18,11 @@ MODEL_PRESETS = {
     "tiny": (4, 4, 144),    # ~1.0M parameters
     "small": (6, 6, 384),   # ~10.7M parameters
     "medium": (8, 8, 512),  # ~25M parameters
+    "gpt2": (12, 12, 768),  # GPT-2 small: ~124M parameters at its vocabulary (50257) and context (1024)
 }
 HF_PREFIX = "hf:"  # --model hf:<architecture>: a transformers causal LM built from its config
 SCHEDULES = ("cosine", "constant")
+PRECISIONS = ("fp32", "bf16", "fp16")  # --precision: forward and backward under autocast (fp32: none)
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
@@ -33,6 +35,9 @@ class ModelConfig:
     n_head: int = 0
     d_model: int = 0
     seq_len: int = 128
+    init_from: str = ""  # start from these weights ("": random init from the seed)
+    compile: bool = False  # torch.compile the model
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
 
     @property
     def hf_architecture(self) -> str | None:
@@ -47,8 +52,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "shakespeare"  # "shakespeare", "pydoc", or a text file / directory
+    source: str = "shakespeare"  # "shakespeare", "pydoc", a text file / directory, or token files
     val_fraction: float = 0.1
+    vocab_size: int = 0  # a token file's vocabulary where nothing beside it says (0: from the data)
 
 
 @dataclass
@@ -93,6 +99,7 @@ class RunConfig:
     threads: int = 1
     backend: str = "auto"
     device: str = "auto"  # auto: cuda with nccl, else cpu; cuda with gloo moves CUDA tensors over gloo
+    precision: str = "fp32"  # compute precision of forward and backward (PRECISIONS)
     log_every: int = 5  # gather every rank's step results (a sync point) every K steps
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

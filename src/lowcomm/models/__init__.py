@@ -1,9 +1,10 @@
 """The models: lowcomm's GPT (gpt.py), a transformers causal LM (hf.py), a model's tensors and
-blocks as strategies see them (layout.py) and its size (size.py).
+blocks as strategies see them (layout.py) and its size (size.py); build.py builds a run's model from its settings.
 
 Imports: errors.
 """
 from .gpt import GPT, lm_loss
 from .hf import build_hf_causal_lm, hf_available  # transformers is imported lazily
+from .build import build_model
 
-__all__ = ["GPT", "lm_loss", "build_hf_causal_lm", "hf_available"]
+__all__ = ["GPT", "lm_loss", "build_hf_causal_lm", "build_model", "hf_available"]

@@ -23,7 +23,7 @@ from .outputs import StepOutputs
 from ..comm.flight import FlightRecorder
 from ..diagnose.trace import Tracer
 from ..data.loader import ShardedBatches
-from ..models import GPT, build_hf_causal_lm
+from .. import models
 from ..models.layout import meta_layout
 from ..config.nodes import check_numbering, under_torchrun
 from ..run.driver import RunDriver
@@ -68,15 +68,8 @@ def verify_identical_params(model: torch.nn.Module, comm: Comm) -> None:
 
 
 def build_model(cfg: C.RunConfig, device: torch.device) -> torch.nn.Module:
-    """lowcomm's GPT, or a transformers causal LM built from its config (`--model hf:<arch>`)."""
-    torch.manual_seed(cfg.seed)
-    n_layer, n_head, d_model = cfg.model.dims()
-    if cfg.model.hf_architecture is not None:
-        model = build_hf_causal_lm(cfg.model.hf_architecture, vocab_size=VOCAB_SIZE, seq_len=cfg.model.seq_len,
-                                   n_layer=n_layer, n_head=n_head, d_model=d_model)
-    else:
-        model = GPT(VOCAB_SIZE, cfg.model.seq_len, n_layer, n_head, d_model)
-    return model.to(device)
+    """The run's model (models/build.py) at its data's vocabulary."""
+    return models.build_model(cfg.model, VOCAB_SIZE, cfg.seed, device)
 
 
 def check_model(cfg: C.RunConfig) -> None:
