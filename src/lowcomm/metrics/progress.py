@@ -13,8 +13,14 @@ from .levels import LEVEL_WORDS
 
 
 class ProgressView:
-    def __init__(self, total_steps: int, title: str, enabled: bool = True, levels: bool = False):
+    def __init__(self, total_steps: int, title: str, enabled: bool = True, levels: bool = False,
+                 local_models: bool = False):
+        """`local_models`: a local-SGD run (diloco and its family), whose train loss is each worker's
+        own model's and whose validation loss is the global model's: the line says which is which,
+        as the end summary does, so a gap between the two is not read as overfitting."""
         self.total = total_steps
+        self.loss_word, self.val_word = ("own-model loss", "global-model val_loss") if local_models else \
+            ("loss", "val_loss")
         self.enabled = enabled
         self.interactive = enabled and sys.stderr.isatty()
         self.every = max(1, total_steps // 10)
@@ -25,7 +31,7 @@ class ProgressView:
             by_level = [TextColumn("{task.fields[levels]}")] if levels else []
             self._bar = Progress(
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                TextColumn(f"{self.loss_word} {{task.fields[loss]}}"), TextColumn("{task.fields[tps]} tok/s"),
                 TextColumn("{task.fields[mb]} MB sent"), TextColumn("comm exposed {task.fields[exp]}"),
                 *by_level, TimeRemainingColumn(), console=Console(stderr=True), transient=False)
             self._task = self._bar.add_task(title, total=total_steps, loss="-", tps="-", mb="0", exp="-",
@@ -48,16 +54,16 @@ class ProgressView:
                              mb=f"{mb_sent:,.1f}", exp=f"{100 * exposed_frac:.0f}%",
                              levels=level_text(levels or {}, short=True))
             if val_loss is not None:
-                self._bar.console.print(f"step {step}: val_loss {val_loss:.4f}")
+                self._bar.console.print(f"step {step}: {self.val_word} {val_loss:.4f}")
             if flags_changed and flags:
                 self._bar.console.print(f"step {step}: {', '.join(flags)}")
         elif step % self.every == 0 or step == self.total or val_loss is not None or (flags_changed and flags):
-            line = (f"step {step}/{self.total}  loss {loss:.3f}  {tokens_per_s:,.0f} tok/s  "
+            line = (f"step {step}/{self.total}  {self.loss_word} {loss:.3f}  {tokens_per_s:,.0f} tok/s  "
                     f"{mb_sent:,.1f} MB sent  comm exposed {100 * exposed_frac:.0f}%")
             if by_level:
                 line += f"  {by_level}"
             if val_loss is not None:
-                line += f"  val_loss {val_loss:.4f}"
+                line += f"  {self.val_word} {val_loss:.4f}"
             if flags:
                 line += f"  {', '.join(flags)}"
             print(line, flush=True)

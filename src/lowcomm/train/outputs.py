@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..engines.outer_sync import OuterSync
 from ..metrics.progress import ProgressView
 from ..metrics.runlog import StepLog
 from ..metrics.scalars import ScalarLogs
@@ -31,7 +32,7 @@ class StepOutputs:
         self.log = StepLog(out_dir, resume_after=continues_after) if self.lead else None
         leveled = len(self.levels) > 1  # replica groups: bytes and waits shown per level
         self.view = ProgressView(cfg.steps, f"{cfg.strategy} W={t.world}", enabled=self.lead and not quiet,
-                                 levels=leveled)
+                                 levels=leveled, local_models=isinstance(getattr(t.run.strategy, "sync", None), OuterSync))
         self.stragglers = StragglerFlags() if self.lead else None
         self.slow_link = SlowLinkFlags() if self.lead else None
         self.spikes = LossSpikeFlags() if self.lead else None
