@@ -26,6 +26,7 @@ def validate(cfg: RunConfig, strategies: list[str] | None = None) -> None:
     _check_links(cfg)
     check_replicas(cfg, [n for n in strategies if registry.get(n).runs_inside(cfg.inside)])
     _check_placement(cfg)
+    check_precision(cfg)
     _check_model(cfg)
     _check_data(cfg)
     _check_optim(cfg)
@@ -106,6 +107,21 @@ def _check_placement(cfg: RunConfig) -> None:
     if cfg.backend == "nccl" and cfg.device == "cpu":
         raise UsageError(f"{spelled(cfg, 'backend', 'nccl')} needs {spelled(cfg, 'device', 'cuda')}, got "
                          f"{spelled(cfg, 'device', 'cpu')}")
+
+
+def check_precision(cfg: RunConfig) -> None:
+    """--precision fp16 computes on CUDA only (its loss scaler exists for fp16's range; a CPU's
+    autocast is bf16's), and not with FSDP inside a replica (run/precision.py says why)."""
+    if cfg.precision != "fp16":
+        return
+    import torch  # only here: validating a config otherwise imports no torch
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        where = spelled(cfg, "device", "cpu") if cfg.device == "cpu" else "this machine has no CUDA device"
+        raise UsageError(f"{spelled(cfg, 'precision', 'fp16')} needs CUDA ({where}): use "
+                         f"{spelled(cfg, 'precision', 'bf16')} on a CPU")
+    if cfg.inside == "fsdp" and (cfg.replicas or cfg.workers) < cfg.workers:
+        raise UsageError(f"{spelled(cfg, 'precision', 'fp16')} does not run with {spelled(cfg, 'inside', 'fsdp')}: "
+                         f"use {spelled(cfg, 'precision', 'bf16')}")
 
 
 def _check_model(cfg: RunConfig) -> None:

@@ -20,9 +20,25 @@ from ..comm.groups import ReplicaGroups, ReplicaLayout, form
 from ..comm.link import LinkModel
 from ..contract.base import MakeOptimizer
 from ..engines.optim import covering
-from .driver import RunDriver, link_seed, make_run
+from ..comm.pacer import Pacer
+from .driver import RunDriver, make_run
 
 LinkOf = Callable[[int], "LinkModel | None"]  # a link from its seed
+
+
+def link_seed(seed: int, rank: int, intra: bool = False) -> int:
+    """The seed of rank `rank`'s emulated link: each NIC jitters on its own, and the link inside
+    its replica (`intra`) apart from the one across replicas."""
+    return (seed + intra) * 7919 + rank
+
+
+def make_pacer(rank: int, world: int, slowdown: float = 1.0, stragglers: tuple[float, float] | None = None,
+               seed: int = 0) -> Pacer | None:
+    """The emulated device of this rank (its slowdown factor, and P,F stragglers), or None."""
+    prob, factor = stragglers or (0.0, 1.0)
+    if slowdown == 1.0 and prob <= 0:
+        return None
+    return Pacer(rank, world, slowdown, prob, factor, seed)
 
 
 def world_comm(layout: ReplicaLayout, rank: int, seed: int, link: LinkOf,

@@ -38,6 +38,7 @@ from ..engines.inside import make_inside
 from ..contract.options import build_options
 from ..strategies.registry import get, resolve
 from . import teardown
+from .precision import Precision, make_precision
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 NextBatch = Callable[[], Any]
@@ -45,22 +46,25 @@ NextBatch = Callable[[], Any]
 
 def make_run(strategy: str, model: nn.Module, comm: Comm, make_optimizer: MakeOptimizer, *, accum: int = 1,
              schedule: Schedule | None = None, total_steps: int | None = None, pacer: Pacer | None = None,
-             options=None, replica: Comm | None = None, inside: str = "ddp", **option_values) -> "RunDriver":
+             options=None, replica: Comm | None = None, inside: str = "ddp", precision: str | Precision = "fp32",
+             **option_values) -> "RunDriver":
     """Build strategy `strategy` on `model` and drive it. `options` is a validated Options
     instance (the CLI's), or give its fields as keywords (e.g. max_accum=8); defaults equal the CLI's.
     Replica groups (comm/groups.py): `comm` is the group across replicas, `replica` the group
-    inside this rank's replica, where `inside` runs (engines/inside.py); None: a flat run."""
+    inside this rank's replica, where `inside` runs (engines/inside.py); None: a flat run.
+    `precision`: fp32, bf16 or fp16 (CUDA), or a Precision (run/precision.py)."""
     if options is None:
         options = build_options(get(strategy).Options, option_values, strategy)
     elif option_values:
         raise UsageError(f"give strategy options either as options= or as keywords, not both ({sorted(option_values)})")
     strategy, options = resolve(strategy, options)  # an older spelling runs the strategy now named for it
     engine = make_inside(inside, replica)
+    precision = make_precision(precision, model, engine.name if engine is not None else None)  # refused first
     cls = get(strategy) if engine is None else engine.strategy_class(get(strategy))  # fsdp's ddp is HSDP
     if engine is not None:  # the user's param groups onto the part a rank runs on (fsdp: its shards)
         make_optimizer = engine.optimizer_factory(make_optimizer)
     return RunDriver(cls(model, comm, make_optimizer, accum=accum, schedule=schedule, options=options,
-                         total_steps=total_steps, inside=engine), pacer)
+                         total_steps=total_steps, inside=engine), pacer, precision)
 
 
 def _deprecated(call: Callable, old: str, new: str) -> Callable:
@@ -71,26 +75,13 @@ def _deprecated(call: Callable, old: str, new: str) -> Callable:
     return forward
 
 
-def link_seed(seed: int, rank: int, intra: bool = False) -> int:
-    """The seed of rank `rank`'s emulated link: each NIC jitters on its own, and the link inside
-    its replica (`intra`) apart from the one across replicas."""
-    return (seed + intra) * 7919 + rank
-
-
-def make_pacer(rank: int, world: int, slowdown: float = 1.0, stragglers: tuple[float, float] | None = None,
-               seed: int = 0) -> Pacer | None:
-    """The emulated device of this rank (its slowdown factor, and P,F stragglers), or None."""
-    prob, factor = stragglers or (0.0, 1.0)
-    if slowdown == 1.0 and prob <= 0:
-        return None
-    return Pacer(rank, world, slowdown, prob, factor, seed)
-
-
 class RunDriver:
     """A strategy driven one micro-batch at a time, by step() or by a user's backward() calls."""
 
-    def __init__(self, strategy: Strategy, pacer: Pacer | None = None):
+    def __init__(self, strategy: Strategy, pacer: Pacer | None = None, precision: Precision | None = None):
         self.strategy, self.pacer = strategy, pacer
+        self.precision = precision if precision is not None else Precision()
+        self.precision.attach(strategy.train_model.parameters())  # fp16: the scaler's unscaling hooks
         strategy.pace = self._pace
         self.ctx: StepContext | None = None      # the step in progress (None between steps)
         self.result: StepResult | None = None    # the latest finished step
@@ -179,7 +170,7 @@ class RunDriver:
         if self.pacer is not None and self._compute_t0 is None:
             self.pacer.start(t0)
         self._last_loss = weakref.ref(loss)
-        (loss * self.strategy.loss_scale()).backward()
+        self.precision.scale_loss(loss * self.strategy.loss_scale()).backward()
         if loss.is_cuda:  # kernels run asynchronously: time the work, not its launch
             torch.cuda.current_stream(loss.device).synchronize()
         if self.strategy.paces_backward():
@@ -197,7 +188,9 @@ class RunDriver:
         while True:
             batch = next_batch()
             self._mark_compute_start()
-            result = self.backward(loss_fn(self.model, batch), tokens=batch_tokens(batch))
+            with self.autocast():
+                loss = loss_fn(self.model, batch)
+            result = self.backward(loss, tokens=batch_tokens(batch))
             if result is not None:
                 return result
 
@@ -235,6 +228,7 @@ class RunDriver:
         spent: CommStats = total(levels.values())  # every level's traffic
         self.strategy.steps_done += 1
         self.skipped_steps += ctx.skipped
+        self.precision.after_step(ctx)  # fp16: the step's skip (agreed by the reduction) halves the scale
         self.result = StepResult(
             loss=ctx.idle_loss if ctx.idle else ctx.mean_loss, micro_batches=ctx.micro_batches,
             tokens=ctx.tokens, wire_bytes=spent.wire_bytes, compute_s=ctx.compute_s, comm_s=spent.busy_s,
@@ -286,6 +280,10 @@ class RunDriver:
         if self._closed:
             raise UsageError(f"strategy '{self.strategy.name}' was closed")
 
+    def autocast(self):
+        """`with run.autocast(): loss = loss_fn(run.model, batch)`: a forward in the run's precision."""
+        return self.precision.autocast()
+
     @contextmanager
     def evaluating(self):
         """`with run.evaluating() as model:` the model holding the parameters to evaluate,
@@ -308,7 +306,8 @@ class RunDriver:
         extra = s.extra_state()  # first: it may land a sync in flight, which moves an optimizer's state
         return {"strategy": s.name, "steps_done": s.steps_done,
                 "model": {k: v.detach().clone() for k, v in s.model.state_dict().items()},
-                "optimizers": [opt.state_dict() for opt in s.optimizers()], "extra": extra}
+                "optimizers": [opt.state_dict() for opt in s.optimizers()], "extra": extra,
+                "precision": self.precision.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
         self._check_safe_point("load_state_dict()")
@@ -320,6 +319,7 @@ class RunDriver:
         for opt, osd in zip(s.optimizers(), sd["optimizers"], strict=True):
             opt.load_state_dict(osd)
         s.load_extra_state(sd["extra"])
+        self.precision.load_state_dict(sd.get("precision"))  # fp16's loss scale (absent from older states)
 
     def use_comm(self, comm: Comm) -> None:
         """Replace the run's communication group between steps (a new membership): the one
@@ -369,6 +369,7 @@ class RunDriver:
             return
         self._closed = True
         self._hook.remove()
+        self.precision.detach()
         self.strategy.release()
         for comm in self.levels:
             comm.close()

@@ -3,7 +3,8 @@
     run = lowcomm.wrap(model, lambda p: torch.optim.AdamW(p, lr=3e-4), strategy="acco", accum=4,
                        link="100mbit,10ms")
     for batch in loader:                      # your loop, data and loss
-        loss = loss_fn(run.model, batch)
+        with run.autocast():                  # the run's precision= (fp32: nothing; bf16, fp16: autocast)
+            loss = loss_fn(run.model, batch)
         run.backward(loss)                    # accumulate / communicate / step, as the strategy decides
         if run.stepped:
             log(run.result)                   # StepResult of the optimizer step that just finished
@@ -45,8 +46,8 @@ from ..comm.control import control_group
 from ..comm.groups import ReplicaLayout
 from ..comm.link import LinkModel, split_link_spec
 from ..errors import UsageError
-from .build import build, replica_groups, world_comm
-from .driver import RunDriver, link_seed, make_pacer
+from .build import build, link_seed, make_pacer, replica_groups, world_comm
+from .driver import RunDriver
 from .teardown import destroy_at_exit
 from ..engines.inside import check_layout
 from ..contract.options import RunShape, build_options
@@ -61,7 +62,7 @@ def wrap(model: torch.nn.Module, make_optimizer: MakeOptimizer, strategy: str = 
          link: str | LinkModel | None = None, slowdown: float | Sequence[float] | None = None,
          stragglers: str | tuple[float, float] | None = None, seed: int = 0,
          group: dist.ProcessGroup | None = None, replicas: int | None = None, inside: str = "ddp",
-         intra_link: str | LinkModel | None = None, **options) -> RunDriver:
+         intra_link: str | LinkModel | None = None, precision: str = "fp32", **options) -> RunDriver:
     """Put `model` under `strategy` for a loop of your own.
 
     make_optimizer(params) builds the inner optimizer; accum is micro-batches per
@@ -73,6 +74,8 @@ def wrap(model: torch.nn.Module, make_optimizer: MakeOptimizer, strategy: str = 
     Replica groups: replicas R (None or the world size: one per process, flat), inside
     the engine in each replica ("ddp"), intra_link its link ("BW,LAT[,JIT]" or a LinkModel),
     formed from the default process group (see the module docstring for the data sharding).
+    Precision: "fp32", "bf16" or "fp16" (CUDA): run your forward in `with run.autocast():`;
+    backward() scales fp16's loss and every gradient arrives unscaled (run/precision.py).
     """
     _join_group_if_torchrun(model)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -80,7 +83,7 @@ def wrap(model: torch.nn.Module, make_optimizer: MakeOptimizer, strategy: str = 
     cross_link = _link(link, link_seed(seed, rank))
     factor = _slowdown(slowdown, rank, world)
     straggle = parse_stragglers(stragglers, "stragglers") if stragglers is not None else None
-    run = dict(accum=accum, schedule=schedule, total_steps=total_steps,
+    run = dict(accum=accum, schedule=schedule, total_steps=total_steps, precision=precision,
                pacer=make_pacer(rank, world, factor, straggle, seed))
 
     def cross(_seed: int) -> LinkModel | None:  # made above with this rank's seed: a bad spec is refused first

@@ -20,8 +20,8 @@ from ..comm.flight import FlightRecorder
 from ..comm.groups import ReplicaGroups, ReplicaLayout
 from ..diagnose.flight_cost import alternate
 from ..diagnose.trace import Tracer
-from ..run.build import build as build_run, replica_groups, world_comm
-from ..run.driver import RunDriver, make_pacer
+from ..run.build import build as build_run, make_pacer, replica_groups, world_comm
+from ..run.driver import RunDriver
 from . import faults
 from .optim import adamw_factory, lr_schedule
 
@@ -66,7 +66,7 @@ def strategy_run(cfg: C.RunConfig, model, comm: Comm, levels: ReplicaGroups | No
     run = build_run(cfg.strategy, model, adamw_factory(cfg.optim), comm, levels, accum=cfg.accum,
                     schedule=lr_schedule(cfg.optim, cfg.steps), total_steps=cfg.steps, pacer=pacer,
                     options=options if options is not None else cfg.strategy_options(),  # validated at launch
-                    inside=cfg.inside)
+                    inside=cfg.inside, precision=cfg.precision)
     for c in run.levels:
         c.flight = flight
     for opt in run.optimizers() if flight is not None else ():

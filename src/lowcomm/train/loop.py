@@ -126,7 +126,8 @@ def loop(t, outputs, members, progress: Progress) -> LoopResult | None:
                     progress.evaluated[step] = evaluate_run(t)
                 continue
             records, asked, stop_asked, joins = gather_records(t, progress.pending, members.joins())
-            progress.bad_in_row = check_steps(records, progress.bad_in_row, cfg.max_bad_steps, outputs.lead, outputs.log)
+            progress.bad_in_row = check_steps(records, progress.bad_in_row, cfg.max_bad_steps, outputs.lead, outputs.log,
+                                              scaled=cfg.precision == "fp16")
             if evaluate_now:
                 progress.evaluated[step] = evaluate_run(t)
             for r in records:
@@ -156,7 +157,7 @@ def loop(t, outputs, members, progress: Progress) -> LoopResult | None:
 
 def evaluate_run(t) -> float:
     """The validation loss of what the strategy evaluates (DiLoCo: θ_global), over every rank."""
-    with recorded(t.flight, "evaluate"), t.run.evaluating() as eval_model:
+    with recorded(t.flight, "evaluate"), t.run.evaluating() as eval_model, t.run.autocast():  # --precision
         return evaluate(eval_model, t.val, t.comm, t.device)
 
 
@@ -191,14 +192,21 @@ def gather_records(t, pending: list[torch.Tensor], joins: int = 0) -> tuple[list
     return records, asked, stop_asked, int(every_rank[:, -1, 2].max())
 
 
-def check_steps(records: list[dict], bad_in_row: int, max_bad: int, lead: bool, log) -> int:
+def check_steps(records: list[dict], bad_in_row: int, max_bad: int, lead: bool, log, scaled: bool = False) -> int:
     """Bad steps -- skipped by the strategy, or with a non-finite loss (an overlapped strategy
     skips the update that carries that loss's gradient a step later) -- are reported on stderr;
     --max-bad-steps of them in a row stop the run. Every rank sees the same gathered records,
-    so all stop at the same step. Returns the new count of consecutive bad steps."""
+    so all stop at the same step. `scaled` (fp16's loss scaler): a step skipped with a finite
+    loss is the scaler's overflow (its scale halves, as torch's GradScaler skips), said but
+    neither counted nor ending a row. Returns the new count of consecutive bad steps."""
     for i, r in enumerate(records):
         if not (r.get("skipped_ranks") or not math.isfinite(r["loss"])):
             bad_in_row = 0
+            continue
+        if scaled and math.isfinite(r["loss"]):
+            if lead:
+                print(f"warning: step {r['step']} skipped on rank(s) {', '.join(map(str, r['skipped_ranks']))}: "
+                      f"a gradient overflowed in fp16 (the loss scale halves)", file=sys.stderr, flush=True)
             continue
         bad_in_row += 1
         if lead:
