@@ -112,10 +112,16 @@ def with_defaults(base: type[Options], name: str, module: str, **defaults) -> ty
 
 
 def build_options(cls: type[Options], values: dict, strategy: str, where: str = "") -> Options:
-    """Options of `cls` from keyword values; unknown names are a UsageError listing the known ones."""
+    """Options of `cls` from keyword values (wrap(), make_run()); unknown names are a UsageError
+    listing the known ones, and an on/off option takes only a bool: `eager="yes"` or `eager=1` is
+    refused, not read as on (validate() alone would parse text, as the CLI's flags need)."""
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         listed = ", ".join(sorted(known)) or "none"
         raise UsageError(f"unknown option '{unknown[0]}' for strategy '{strategy}'{where} (its options: {listed})")
+    for f in fields(cls):  # the Python keywords held to their types as TOML's are (config/setting.py)
+        if f.name in values and type_name(f) == "bool" and not isinstance(values[f.name], bool):
+            raise UsageError(f"{cli_flag(f)} ({strategy}.{f.name}) must be True or False, got "
+                             f"{values[f.name]!r}{where}")
     return cls(**values).validate(strategy, where)
