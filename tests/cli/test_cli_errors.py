@@ -295,30 +295,29 @@ TOML_TYPES = {
 
 
 def _token_file_case(case: str, tmp: Path) -> tuple[list[str], tuple[str, ...]]:
-    """Pre-tokenized data (nanoGPT's train.bin of uint16 tokens, llm.c's shards): named as token
-    files, which are not read yet, whether or not a zero byte gives them away as binary."""
-    said = ("looks like pre-tokenized tokens", "token files are not read yet")
+    """Pre-tokenized data (nanoGPT's train.bin of uint16 tokens, llm.c's shards) too small to train
+    on, or with a vocabulary file that is not one: refused naming the file (tests/data has the rest)."""
     if case == "token_file_with_zero_byte":  # nanoGPT's shakespeare_char: a 65-token vocabulary, high bytes 0
         (tmp / "meta.pkl").write_bytes(b"\x80\x04\x95 pickled vocabulary")
         p = tmp / "train.bin"
         p.write_bytes(struct.pack("<8H", 18, 47, 56, 57, 58, 1, 15, 47))
-        return ["--data", str(p)], (str(p), *said, "meta.pkl beside it")
+        return ["--data", str(p)], (str(tmp / "meta.pkl"), "is not nanoGPT's meta.pkl")
     if case == "token_file_without_zero_byte":  # GPT-2 tokens whose bytes hold no 0 and are not UTF-8
         p = tmp / "train.bin"
         p.write_bytes(struct.pack("<6H", 5962, 22307, 1169, 966, 464, 2068))
         assert b"\0" not in p.read_bytes()
-        return ["--data", str(p)], (str(p), *said, "nanoGPT's train.bin")
+        return ["--data", str(p)], (str(p), "is longer than the data")
     if case == "token_file_of_llm_c":  # a shard of llm.c: 256 int32s of header, magic first, any name
         p = tmp / "tinyshakespeare_val.dat"
         p.write_bytes(struct.pack("<256i", 20240520, 1, 3, *[0] * 253) + struct.pack("<3H", 5962, 22307, 25))
-        return ["--data", str(p)], (str(p), *said, "magic 20240520")
+        return ["--data", str(p)], (str(p), "is longer than the data")
     if case == "nanogpt_data_directory":  # the folder nanoGPT's prepare.py leaves: its text beside its tokens
         p = tmp / "shakespeare_char"
         p.mkdir()
         (p / "input.txt").write_text(TEXT)
         (p / "meta.pkl").write_bytes(b"\x80\x04\x95\x00 pickled vocabulary")
         (p / "train.bin").write_bytes(struct.pack("<4H", 18, 47, 56, 57))
-        return ["--data", str(p)], (str(p / "meta.pkl"), *said)
+        return ["--data", str(p)], (str(p / "meta.pkl"), "is not nanoGPT's meta.pkl")
     raise AssertionError(case)
 
 

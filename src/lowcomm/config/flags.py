@@ -57,10 +57,17 @@ RUN_FLAGS = {
     "--weight-decay": Flag("optim.weight_decay", "COEF", "AdamW weight decay coefficient"),
     "--data": Flag("data.source", "SOURCE", "'shakespeare' (bundled), 'pydoc', a UTF-8 text file or directory "
                                             "(byte tokens), a directory made by lowcomm data prepare, nanoGPT's "
-                                            "train.bin or an llm.c shard"),
-    "--vocab-size": Flag("data.vocab_size", "N", "the vocabulary of token files that do not say theirs (nanoGPT's "
-                                                 ".bin without meta.pkl)", zero="from the data"),
-    "--val-fraction": Flag("data.val_fraction", "FRACTION", "share of the text held out for validation (0 to 1)"),
+                                            "train.bin (or its directory) or llm.c's shards (a file or their "
+                                            "directory); token files are memory-mapped and the model takes their "
+                                            "vocabulary"),
+    "--vocab-size": Flag("data.vocab_size", "N", "the model's vocabulary: for token files that do not say theirs "
+                                                 "(nanoGPT's .bin without meta.pkl; else their largest id + 1), or "
+                                                 "larger than theirs (padded); never below the data's ids",
+                         zero="from the data"),
+    "--val-fraction": Flag("data.val_fraction", "FRACTION", "share of the data held out for validation (0 to 1), "
+                                                            "where no validation file comes with it (a prepared "
+                                                            "directory's, nanoGPT's and llm.c's val files are used "
+                                                            "instead)"),
     "--seed": Flag("seed", "N", "seed for init, data order and sampling"),
     "--out": Flag("out", "DIR", "output directory", zero="runs/<strategy>-w<W>-<time>"),
     "--eval-every": Flag("eval_every", "STEPS", "validate every STEPS trainer steps", zero="only at the end"),

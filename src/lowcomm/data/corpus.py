@@ -16,9 +16,9 @@ import numpy as np
 
 from ..errors import UsageError
 
+from .token_files import LLMC_FORMATS
+
 VOCAB_SIZE = 256
-# llm.c's token files open with 256 int32s, the first a magic number (dev/data/data_common.py)
-LLMC_MAGIC = {20240520: "GPT-2", 20240801: "Llama 3"}
 HEAD_BYTES = 1 << 16  # what is read of a file to tell a token file before reading all of it
 
 
@@ -79,8 +79,9 @@ def _check_text(f: Path, data: bytes, final: bool) -> tuple[int, int | None]:
     except UnicodeDecodeError as e:
         bad = e.start
     if (nul >= 0 or bad is not None) and (why := _token_file(f, data)):
-        raise UsageError(f"data file '{f}' looks like pre-tokenized tokens ({why}), not text: token files are "
-                         f"not read yet; give the UTF-8 text they were made from")
+        raise UsageError(f"data file '{f}' looks like pre-tokenized tokens ({why}) among text: give --data the "
+                         f"token file itself, its directory (nanoGPT's train.bin, llm.c's shards, lowcomm data "
+                         f"prepare's), or a directory of text alone")
     return nul, bad
 
 
@@ -88,8 +89,8 @@ def _token_file(f: Path, chunk: bytes) -> str | None:
     """Why a file that is not text looks like a token file (nanoGPT's train.bin and the meta.pkl
     beside it, llm.c's header), or None: told apart from text that is not UTF-8, which is read."""
     magic = int.from_bytes(chunk[:4], "little") if len(chunk) >= 4 else None
-    if magic in LLMC_MAGIC:
-        return f"llm.c's {LLMC_MAGIC[magic]} header, magic {magic}"
+    if magic in LLMC_FORMATS:
+        return f"llm.c's {LLMC_FORMATS[magic][0]} header, magic {magic}"
     beside = {p.name for p in f.parent.iterdir()}
     if f.suffix == ".bin" and "meta.pkl" in beside:
         return "a .bin file with nanoGPT's meta.pkl beside it"

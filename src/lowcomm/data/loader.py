@@ -1,4 +1,5 @@
-"""Deterministic, per-rank disjoint batches of byte windows.
+"""Deterministic, per-rank disjoint batches of token windows (byte text or token files: any
+1-D array that slices, a memory map or tokens.ConcatTokens included, is read window by window).
 
 The training split is cut into one contiguous shard per rank, so no two ranks
 ever read the same token. Within a shard, each epoch visits every
@@ -20,8 +21,12 @@ def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarr
 
 
 def check_sizes(tokens: np.ndarray, val_fraction: float, seq_len: int, world: int, label: str) -> None:
-    """UsageError if a rank's shard or the validation split cannot hold one sequence."""
-    train, val = split(tokens, val_fraction)
+    """UsageError if a rank's shard or the validation split of `tokens` cannot hold one sequence."""
+    check_split(*split(tokens, val_fraction), seq_len, world, label)
+
+
+def check_split(train, val, seq_len: int, world: int, label: str) -> None:
+    """UsageError if a rank's shard of `train` or `val` cannot hold one sequence."""
     shard = len(train) // world
     if shard < seq_len + 1:
         raise UsageError(

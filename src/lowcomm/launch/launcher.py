@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .. import config as C
 from . import rundir
-from ..data import check_sizes, load_bytes
+from ..data import check_data
 from ..errors import DiskFull, Interrupted, RunError, UsageError
 from ..comm.flight import ENV_DIR as FLIGHT_ENV_DIR
 from ..diagnose.stalls import StallWatch
@@ -61,8 +61,8 @@ def prepare(cfg: C.RunConfig, create: bool = True, overwrite: bool = False, resu
     if cfg.tensorboard or cfg.wandb:  # optional packages: missing, the run is refused before it starts
         from ..metrics.scalars import require
         require(cfg)
-    tokens, label = load_bytes(cfg.data.source, quiet=True)
-    check_sizes(tokens, cfg.data.val_fraction, cfg.model.seq_len, cfg.workers, label)
+    cfg.data.vocab_size = check_data(cfg.data.source, cfg.data.vocab_size, cfg.data.val_fraction, cfg.model.seq_len,
+                                     cfg.workers, quiet=os.environ.get("RANK", "0") != "0")
     default = not cfg.out
     if cfg.elastic and not default and under_torchrun() and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return Path(cfg.out)  # a replica torchrun restarted: it rejoins with the live state, not a checkpoint

@@ -23,7 +23,7 @@ import math
 import sys
 from pathlib import Path
 
-from ..data import VOCAB_SIZE as VOCAB
+from ..data import describe
 from ..errors import UsageError
 from ..metrics.calibration import cpu_cores
 
@@ -38,7 +38,8 @@ def worker_bytes(cfg) -> tuple[int, int]:
     s, b = cfg.model.seq_len, cfg.micro_batch
     params = model_layout(cfg).numel
     state = registry.get(cfg.strategy).model_state_bytes(params, cfg.workers, cfg.strategy_options())
-    activations = 4 * n_layer * b * s * (16 * d_model + n_head * s) + 12 * b * s * VOCAB
+    vocab = describe(cfg.data.source, cfg.data.vocab_size).vocab_size  # the logits' width
+    activations = 4 * n_layer * b * s * (16 * d_model + n_head * s) + 12 * b * s * vocab
     return WORKER_BASE + state + activations, params
 
 

@@ -11,6 +11,8 @@ every rank's StepResult gathered each step). Field meanings:
   per_rank        each rank's compute_s, exposed_comm_s, wall_s, optimizer_s and micro_batches:
                   a rank's wall_s less its compute, exposed comm is its own per-step work
                   (optimizer step, compression, outer step), where `lowcomm plan --calibrate` reads it
+  loader_s        rank 0's seconds reading the step's batches (its windows of the data, to the
+                  device: Trainer.next_batch); bench/loader_cost.py sets it against wall_s
   val_loss        present on steps where validation ran
   skipped_ranks   present on steps not applied on some rank: the ranks that found a loss or
                   gradient not finite and skipped the step (all of them, for strategies that

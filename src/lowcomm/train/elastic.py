@@ -37,7 +37,7 @@ from .. import config as C
 from . import run_end
 from ..comm.flight import FlightRecorder
 from ..comm.groups import ReplicaLayout
-from ..data import load_bytes, split
+from ..data import load_tokens
 from .member_data import commit_position, loader_for, val_for
 from ..diagnose.postmortem import lost_in
 from ..diagnose.trace import Tracer
@@ -73,8 +73,8 @@ class ElasticWorker:
         self.device = pick_device(cfg, "gloo", 0)
         self.model = build_model(cfg, self.device)  # θ0 from the seed: alike on every worker, no collective
         self.model_reusable = True  # False once a run reshaped the model for its group (fsdp inside)
-        tokens, self.source = load_bytes(cfg.data.source, quiet=True)
-        self.train_tokens, self.val_tokens = split(tokens, cfg.data.val_fraction)
+        data = load_tokens(cfg.data.source, cfg.data.val_fraction, cfg.data.vocab_size, quiet=True)
+        self.train_tokens, self.val_tokens, self.source = data.train, data.val, data.label
         self.t: Trainer | None = None
         self.outputs: StepOutputs | None = None  # this membership's (rank 0's steps.jsonl, progress)
         self.snapshot: dict | None = None  # the state at the last commit point: {"step", "strategy", "log", "draws"}

@@ -42,6 +42,7 @@ class StepOutputs:
         if board is True:  # optional extras, checked before the run
             board = ScalarLogs.for_run(cfg) if t.rank == 0 else None
         self.board = board or None
+        self.loader_s = t.loader_s  # the trainer's reading time per step (Trainer.next_batch)
 
     def kept_totals(self, world: int) -> tuple[Totals, float, float]:
         """The totals, last loss and last validation loss of the steps before a resumed checkpoint."""
@@ -57,9 +58,13 @@ class StepOutputs:
         """The steps' records into the totals and the logs (the flags first: they go in the record)."""
         for record in records:
             totals.add(record)
+            loader_s = self.loader_s.pop(record["step"], 0.0)
             if self.lead:
+                record["loader_s"] = round(loader_s, 6)
                 self.flag(record)
                 self.log.write(record)
+        for step in [s for s in self.loader_s if records and s <= records[-1]["step"]]:
+            del self.loader_s[step]  # steps an elastic membership trained and lost: redone, timed anew
         # The progress line shows a gather's last step; a spike is one step's, so an earlier
         # one is named with its step there (steps.jsonl has it on its own record).
         self._shown_late = [f"step {r['step']}: {f}" for r in records[:-1] for f in r.get("flags", ()) if is_spike(f)]

@@ -5,7 +5,7 @@ import gc
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from .. import config as C
 from . import run_end
 from ..comm import Comm
 from ..comm.groups import ReplicaLayout
-from ..data import VOCAB_SIZE, load_bytes, split, val_batches
+from ..data import describe, load_tokens, val_batches
 from ..errors import RunError
 from ..checkpoint.storage import disk_full, first_failure
 from .outputs import StepOutputs
@@ -68,8 +68,9 @@ def verify_identical_params(model: torch.nn.Module, comm: Comm) -> None:
 
 
 def build_model(cfg: C.RunConfig, device: torch.device) -> torch.nn.Module:
-    """The run's model (models/build.py) at its data's vocabulary."""
-    return models.build_model(cfg.model, VOCAB_SIZE, cfg.seed, device)
+    """The run's model (models/build.py) at its data's vocabulary (data.describe: byte text's 256,
+    what token files declare, or --vocab-size)."""
+    return models.build_model(cfg.model, describe(cfg.data.source, cfg.data.vocab_size).vocab_size, cfg.seed, device)
 
 
 def check_model(cfg: C.RunConfig) -> None:
@@ -99,10 +100,17 @@ class Trainer:
     mem_before: int = 0  # peak memory before the model was built (the runtime's own: torch, the groups)
     step: int = 0  # trainer steps done
     wall_before: float = 0.0  # wall seconds of the run's earlier parts (a resumed run)
+    # seconds next_batch spent reading each step's batches (step -> s), until steps.jsonl takes them
+    loader_s: dict = field(default_factory=dict)
 
     def next_batch(self):
+        """The next micro-batch on the device; its reading time is the current step's loader_s."""
+        start = time.perf_counter()
         x, y = self.loader.next()
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        step = self.step + 1  # the step being trained (self.step counts those done)
+        self.loader_s[step] = self.loader_s.get(step, 0.0) + time.perf_counter() - start
+        return x, y
 
     def state_dict(self) -> dict:
         """The whole trainer-level state at a step boundary: the strategy's (parameters,
@@ -144,15 +152,14 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
     model = build_model(cfg, device)
     verify_identical_params(model, comm)
 
-    tokens, source = load_bytes(cfg.data.source, quiet=rank != 0)
-    train_tokens, val_tokens = split(tokens, cfg.data.val_fraction)
+    data = load_tokens(cfg.data.source, cfg.data.val_fraction, cfg.data.vocab_size, quiet=rank != 0)
     layout = seat.layout
-    loader = ShardedBatches(train_tokens, layout.replica(rank), layout.replicas, cfg.model.seq_len,
+    loader = ShardedBatches(data.train, layout.replica(rank), layout.replicas, cfg.model.seq_len,
                             cfg.loader_micro_batch, cfg.seed, layout.position(rank), layout.size)
-    val = val_batches(val_tokens, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches)
+    val = val_batches(data.val, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches)
     tracer = Tracer(rank) if cfg.trace else None
     run = strategy_run(cfg, model, comm, levels, seat, flight, tracer, device)
-    return Trainer(cfg, rank, world, device, backend, comm, model, run, loader, val, source, tracer, flight,
+    return Trainer(cfg, rank, world, device, backend, comm, model, run, loader, val, data.label, tracer, flight,
                    mem_before=mem_before)
 
 
