@@ -135,10 +135,53 @@ def _check_model(cfg: RunConfig) -> None:
                          f"{', '.join(MODEL_PRESETS)}, or hf:<architecture>)")
     _non_negative(cfg, "model.n_layer", "model.n_head", "model.d_model")
     _positive(cfg, "model.seq_len")
+    if m.init_from:
+        _check_init_from(cfg)
     n_layer, n_head, d_model = m.dims()
     if d_model % n_head:
         raise UsageError(f"{spelled(cfg, 'model.d_model', d_model)} must be divisible by "
                          f"{spelled(cfg, 'model.n_head', n_head)}")
+    if not m.init_from and m.hf_architecture is None and m.seq_len > m.context:
+        raise UsageError(f"{spelled(cfg, 'model.seq_len', m.seq_len)} is longer than the context of "
+                         f"{spelled(cfg, 'model.preset', m.preset)} ({m.context} positions)")
+
+
+_DIMS = {"model.n_layer": "layers", "model.n_head": "heads", "model.d_model": "width"}
+
+
+def _check_init_from(cfg: RunConfig) -> None:
+    """--init-from DIR sets the model: its kind (--model), its dims and its context come from DIR.
+    A --model, --n-layer, --n-head or --d-model given that disagrees is refused; those left out
+    are filled in from DIR, so everything that reads the config (memory check, summary) sees the
+    model that runs. --seq-len may not exceed the saved model's context (not given: cut to it)."""
+    from ..models.load import read_saved  # models is imported only here: reading DIR's config.json
+    m, where = cfg.model, f"{spelled(cfg, 'model.init_from')} '{cfg.model.init_from}'"
+    saved = read_saved(m.init_from, spelled(cfg, "model.init_from"))
+    given_preset = "model.preset" in cfg.written_as
+    wanted = f"hf:{saved.architecture}" if saved.is_hf else None
+    named = (m.hf_architecture or "").lower().replace("-", "_") or None  # hf:GPT2 names gpt2
+    if given_preset and named != (saved.architecture if saved.is_hf else None):
+        hint = f"--model {wanted}" if wanted else "a lowcomm preset"
+        raise UsageError(f"{spelled(cfg, 'model.preset', m.preset)} disagrees with {where}, which holds "
+                         f"{saved.describe()} (give {hint}, or leave --model out)")
+    if given_preset and not saved.is_hf and not (m.n_layer or m.n_head or m.d_model) and \
+            MODEL_PRESETS[m.preset] != saved.dims:
+        raise UsageError(f"{spelled(cfg, 'model.preset', m.preset)} ({', '.join(map(str, MODEL_PRESETS[m.preset]))}"
+                         f") disagrees with {where}, which holds {saved.describe()} (leave --model out)")
+    for (key, name), have in zip(_DIMS.items(), saved.dims):
+        given = _value(cfg, key)
+        if given and given != have:
+            raise UsageError(f"{spelled(cfg, key, given)} disagrees with {where}, which holds {saved.describe()} "
+                             f"(leave it out: --init-from sets the {name})")
+        setattr(m, key.split(".")[1], have)
+    if wanted:
+        m.preset = wanted
+    if saved.context and m.seq_len > saved.context:
+        if "model.seq_len" not in cfg.written_as:  # the default sequence, cut to what the model takes
+            m.seq_len = saved.context
+        else:
+            raise UsageError(f"{spelled(cfg, 'model.seq_len', m.seq_len)} is longer than the model in {where} "
+                             f"takes (a context of {saved.context} positions)")
 
 
 def _check_data(cfg: RunConfig) -> None:

@@ -38,15 +38,19 @@ RUN_FLAGS = {
     "--micro-batch": Flag("micro_batch", "N", "sequences per micro-batch per worker"),
     "--accum": Flag("accum", "N", "micro-batches per step per worker (adaptive strategies: at least this many)"),
     "--seq-len": Flag("model.seq_len", "TOKENS", "tokens per sequence"),
-    "--model": Flag("model.preset", "NAME", "model size preset ({presets}) or hf:<architecture>, a transformers "
-                                            "causal LM built from its config (needs lowcomm[hf])"),
-    "--init-from": Flag("model.init_from", "DIR", "start from the weights in DIR: a save_pretrained directory "
-                                                  "(safetensors) for hf: models, a lowcomm run's model/ for its GPT",
+    "--model": Flag("model.preset", "NAME", "model size preset ({presets}; gpt2: GPT-2 small's dims and 1024 "
+                                            "positions) or hf:<architecture>, a transformers causal LM built from "
+                                            "its config (needs lowcomm[hf]); with --init-from: the saved model's"),
+    "--init-from": Flag("model.init_from", "DIR", "start from the weights in DIR: a lowcomm run (its model/), or a "
+                                                  "save_pretrained directory (safetensors) of a transformers causal "
+                                                  "LM; DIR's config sets the model, its dims and context, and its "
+                                                  "vocabulary must be the data's",
                         zero="random, from --seed"),
-    "--compile": Flag("model.compile", "", "torch.compile the model", switch=True),
+    "--compile": Flag("model.compile", "", "torch.compile the model (the CPU needs a C++ compiler, CUDA triton; "
+                                           "the first steps compile: slower)", switch=True),
     "--activation-checkpointing": Flag("model.activation_checkpointing", "", "recompute each block's activations "
-                                       "in backward instead of keeping them (less memory, more compute)",
-                                       switch=True),
+                                       "in backward instead of keeping them (less memory, more compute; the "
+                                       "same loss and gradients)", switch=True),
     "--n-layer": Flag("model.n_layer", "N", "transformer blocks", zero="the preset's"),
     "--n-head": Flag("model.n_head", "N", "attention heads", zero="the preset's"),
     "--d-model": Flag("model.d_model", "N", "model width (channels per token)", zero="the preset's"),

@@ -20,6 +20,9 @@ MODEL_PRESETS = {
     "medium": (8, 8, 512),  # ~25M parameters
     "gpt2": (12, 12, 768),  # GPT-2 small: ~124M parameters at its vocabulary (50257) and context (1024)
 }
+# Positions a preset's GPT is built with, where not --seq-len's (the others: exactly --seq-len,
+# so their θ0 stays what it always was); --seq-len may not exceed it.
+PRESET_CONTEXT = {"gpt2": 1024}
 HF_PREFIX = "hf:"  # --model hf:<architecture>: a transformers causal LM built from its config
 SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("fp32", "bf16", "fp16")  # --precision: forward and backward under autocast (fp32: none)
@@ -35,7 +38,7 @@ class ModelConfig:
     n_head: int = 0
     d_model: int = 0
     seq_len: int = 128
-    init_from: str = ""  # start from these weights ("": random init from the seed)
+    init_from: str = ""  # start from these weights ("": random init from the seed); sets the dims (checks.py)
     compile: bool = False  # torch.compile the model
     activation_checkpointing: bool = False  # recompute each block's activations in backward
 
@@ -43,6 +46,11 @@ class ModelConfig:
     def hf_architecture(self) -> str | None:
         """'gpt2' for preset 'hf:gpt2'; None for lowcomm's own GPT."""
         return self.preset[len(HF_PREFIX):] if self.preset.startswith(HF_PREFIX) else None
+
+    @property
+    def context(self) -> int:
+        """Positions lowcomm's GPT is built with (fresh, not --init-from: a saved model has its own)."""
+        return PRESET_CONTEXT.get(self.preset, self.seq_len)
 
     def dims(self) -> tuple[int, int, int]:
         """(n_layer, n_head, d_model); a Hugging Face model takes the tiny preset's unless given."""

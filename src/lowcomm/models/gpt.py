@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 class CausalSelfAttention(nn.Module):
@@ -48,7 +49,8 @@ class GPT(nn.Module):
     def __init__(self, vocab_size: int = 256, seq_len: int = 128, n_layer: int = 4,
                  n_head: int = 4, d_model: int = 144):
         super().__init__()
-        self.seq_len = seq_len
+        self.seq_len = seq_len  # the positions it has: it takes sequences of at most this many tokens
+        self.checkpoint_blocks = False  # activation checkpointing (--activation-checkpointing)
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
@@ -68,8 +70,11 @@ class GPT(nn.Module):
         T = idx.shape[1]
         pos = torch.arange(T, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
+        recompute = self.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            # activation checkpointing: keep only each block's input; its activations are
+            # recomputed in backward (same values, same gradients: the ops are deterministic)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.head(self.ln_f(x))
 
     def num_params(self) -> int:
@@ -97,13 +102,18 @@ def lm_loss(model: nn.Module, batch) -> torch.Tensor:
                              f"(keys: {', '.join(map(str, batch))}); include 'labels'")
         return loss
     x, y = batch
-    logits = model(x)
-    if not isinstance(logits, torch.Tensor):
-        if hasattr(logits, "logits"):
-            logits = logits.logits
-        elif isinstance(logits, Mapping) and "logits" in logits:
-            logits = logits["logits"]
-        else:
-            raise TypeError(f"lm_loss: model output is a {type(logits).__name__}, not logits "
-                            f"(a tensor, or an object/dict with 'logits')")
+    logits = logits_of(model(x))
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def logits_of(output) -> torch.Tensor:
+    """The logits of a model's output: the output itself, its ``.logits`` (a transformers
+    ``ModelOutput``) or its ``["logits"]`` (a dict)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "logits"):
+        return output.logits
+    if isinstance(output, Mapping) and "logits" in output:
+        return output["logits"]
+    raise TypeError(f"lm_loss: model output is a {type(output).__name__}, not logits "
+                    f"(a tensor, or an object/dict with 'logits')")

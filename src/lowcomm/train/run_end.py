@@ -14,6 +14,10 @@ from ..metrics.calibration import machine_at_end
 from ..metrics.summary import build_summary, describe
 from ..diagnose.trace import write_trace
 from ..models.layout import layout_of
+from ..models.load import MODEL_DIR
+from ..models.save import TOKENIZER_NOTE, full_state, save_model
+from ..data.info import describe as describe_data
+from ..data.tokenizer import BYTES
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -46,6 +50,7 @@ def summarize(t, run, out_dir: Path | None, quiet: bool) -> dict | None:
     every_level = gather_levels(comm, t.run.levels, t.device)
     gather_trace(t, out_dir)
     lead = t.rank == 0 and out_dir is not None
+    save_final_model(t, out_dir if lead else None)
     if not lead:
         return None
     replicas, layout = t.cfg.replicas or t.world, layout_of(t.model)
@@ -68,3 +73,13 @@ def summarize(t, run, out_dir: Path | None, quiet: bool) -> dict | None:
     return summary
 
 
+def save_final_model(t, out_dir: Path | None) -> None:
+    """OUT/model/: the final weights (gathered from every rank where FSDP shards them: every rank
+    calls this), written by the rank given `out_dir`, with the data's tokenizer beside them."""
+    state = full_state(t.model, keep=out_dir is not None)
+    if out_dir is None:
+        return
+    tokenizer = describe_data(t.cfg.data.source, t.cfg.data.vocab_size).tokenizer
+    # a tokenizer with no file of its own (bytes) is named in a line of text (models/save.py)
+    files = {TOKENIZER_NOTE: f"{tokenizer}\n".encode()} if str(tokenizer) == BYTES else {"tokenizer.json": Path(tokenizer)}
+    save_model(t.model, state, out_dir / MODEL_DIR, t.cfg.model.seq_len, files)
