@@ -3,10 +3,13 @@
 Two kinds: bytes (lowcomm's byte-level text: id = byte value, vocab 256, no file) and any
 Hugging Face `tokenizers` tokenizer (a `tokenizer.json`, or a tokenizer directory holding one),
 which is what `lowcomm data prepare` writes beside its token files and `lowcomm sample` reads.
-The `tokenizers` library (Rust, offline) does the work; this module only loads and names it.
+Prepared byte tokens carry one too (byte_level_tokenizer: the same ids, plus "<|endoftext|>" =
+256 between documents). The `tokenizers` library (Rust, offline) does the work; this module
+only builds, loads and names it.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..errors import UsageError
@@ -30,27 +33,80 @@ class ByteTokenizer:
 
 
 class FileTokenizer:
-    """A `tokenizers` tokenizer read from a tokenizer.json (`path`)."""
+    """A `tokenizers` tokenizer read from a tokenizer.json (`path`), or one built in memory (`inner`)."""
 
-    def __init__(self, path: Path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise UsageError(f"tokenizer '{path}' needs the tokenizers library: pip install 'lowcomm[hf]' "
-                             f"(or: pip install tokenizers)") from None
-        try:
-            self.inner = Tokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises its own Exception type with the parser's message
-            raise UsageError(f"tokenizer '{path}' cannot be read: {str(e).splitlines()[0] if str(e) else e}") from None
-        self.name, self.path = str(path), path
-        self.vocab_size = self.inner.get_vocab_size(with_added_tokens=True)
-        self.eot_id = self.inner.token_to_id(END_OF_TEXT)
+    def __init__(self, path: Path | None = None, inner=None):
+        if inner is None:
+            inner = _read_tokenizer_json(path)
+        self.inner, self.path = inner, path
+        self.name = str(path) if path is not None else "in memory"
+        # the largest id + 1: added tokens may sit above the model's vocabulary
+        self.vocab_size = max(inner.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        self.eot_id = end_of_text_id(inner, path)
 
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
         return self.inner.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _read_tokenizer_json(path: Path):
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UsageError(f"tokenizer '{path}' needs the tokenizers library: pip install 'lowcomm[hf]' "
+                         f"(or: pip install tokenizers)") from None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own Exception type with the parser's message
+        raise UsageError(f"tokenizer '{path}' cannot be read: {str(e).splitlines()[0] if str(e) else e}") from None
+
+
+def end_of_text_id(inner, path: Path | None) -> int | None:
+    """The id that ends a document: "<|endoftext|>" where the tokenizer has it, else what the
+    files beside `path` say (a prepared directory's meta.json; a Hugging Face directory's
+    tokenizer_config.json eos_token), else a common end-of-sequence token, else None."""
+    names = [END_OF_TEXT]
+    if path is not None:
+        beside = path.parent
+        meta = _json(beside / "meta.json")
+        if meta.get("format") == "lowcomm-tokens" and "eot_id" in meta:
+            return meta["eot_id"]
+        eos = _json(beside / "tokenizer_config.json").get("eos_token")
+        names.append(eos.get("content") if isinstance(eos, dict) else eos)
+    for name in names + ["<|end_of_text|>", "</s>", "<eos>", "<|im_end|>"]:
+        if isinstance(name, str) and (found := inner.token_to_id(name)) is not None:
+            return found
+    return None
+
+
+def _json(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def byte_level_tokenizer():
+    """The `tokenizers` tokenizer of byte text with documents: id = byte value (GPT-2's byte-level
+    alphabet, no merges) and "<|endoftext|>" = 256, so decode(encode(text)) == text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([END_OF_TEXT])
+    return tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for every byte (what the ByteLevel pre-tokenizer maps bytes to)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
 
 
 def load_tokenizer(spec: str | Path) -> ByteTokenizer | FileTokenizer:
