@@ -10,7 +10,7 @@ ACTIONS = ("prepare",)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", metavar="ACTION", help="prepare: tokenize SOURCE into --out")
-    parser.add_argument("source", metavar="SOURCE", nargs="?",
+    parser.add_argument("source", metavar="SOURCE",
                         help="a text file or directory (a file of it is a document), a JSONL or Parquet file (a row "
                              "is a document), a Hugging Face datasets directory (save_to_disk), 'shakespeare' or "
                              "'pydoc'")
@@ -32,9 +32,6 @@ def run(args) -> int:
 
     if args.action not in ACTIONS:
         raise UsageError(f"unknown action '{args.action}' for lowcomm data (actions: {', '.join(ACTIONS)})")
-    if args.source is None:
-        raise UsageError("lowcomm data prepare needs a SOURCE: a text file or directory, a JSONL or Parquet file, "
-                         "a datasets directory, 'shakespeare' or 'pydoc'")
     if not args.out:
         raise UsageError("lowcomm data prepare needs --out DIR: the token directory to write")
     done = prepare(args.source, args.tokenizer, args.out, text_field=args.text_field,

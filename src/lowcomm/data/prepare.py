@@ -78,9 +78,10 @@ def _write(src: Source, encoder: Encoder, out: Path, val_fraction: float, bar: P
         documents = _encode_into(target, src, encoder, val_fraction, bar)
         if documents["val"] == 0:
             target.move_tail_to_val(val_fraction)
-        if target.tokens["train"] == 0:
-            raise UsageError(f"data source '{src.spec}' holds no text" if not target.tokens["val"] else
-                             f"data source '{src.spec}' is too small: {target.tokens['val']} token(s)")
+        if not target.tokens["train"] or not target.tokens["val"]:
+            total = sum(target.tokens.values())
+            raise UsageError(f"data source '{src.spec}' holds no text" if not total else
+                             f"data source '{src.spec}' is too small to split: {total} token(s)")
         meta = {"vocab_size": encoder.vocab_size, "eot_id": encoder.eot_id,
                 "special_tokens": encoder.special_tokens(), "documents": documents, "source": src.label,
                 "tokenizer": asked, "source_kind": src.kind, "text_field": src.field if src.kind not in ("text", "directory") else None,

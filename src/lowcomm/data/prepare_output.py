@@ -65,6 +65,8 @@ class TokenDir:
         document, or too few for a document of validation: as --data text is split)."""
         self.files["train"].flush()
         n = self.tokens["train"]
+        if n < 2:  # nothing to split: prepare refuses the source
+            return
         n_val = max(1, int(n * fraction))
         cut = (n - n_val) * self.dtype.itemsize
         with (self.tmp / "train.bin").open("rb") as train:
