@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"draw from the K likeliest tokens only; 0 from all (default: {DEFAULTS['top_k']})")
     parser.add_argument("--seed", metavar="S", type=int, default=DEFAULTS["seed"],
                         help=f"seed of the draws: the same seed, the same text (default: {DEFAULTS['seed']})")
+    parser.add_argument("--tokenizer", metavar="T", default="",
+                        help="'bytes', a tokenizer.json or a directory holding one (default: the one beside the "
+                             "model; needed where the run's data came without one, e.g. nanoGPT's .bin)")
     parser.add_argument("--device", metavar="NAME", default="auto", choices=("auto", "cpu", "cuda"),
                         help="auto (cuda where a GPU is visible, else cpu), cpu or cuda (default: auto)")
 
@@ -46,7 +49,7 @@ def run(args) -> int:
     from ..models.sample import generate
 
     saved = read_saved(args.run_dir, "RUNDIR")
-    tokenizer = run_tokenizer(saved.path, args.run_dir)
+    tokenizer = run_tokenizer(saved.path, args.run_dir, args.tokenizer)
     prompt = prompt_ids(tokenizer, args.prompt, saved.vocab_size)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no GPU is visible")
@@ -61,16 +64,19 @@ def run(args) -> int:
     return 0
 
 
-def run_tokenizer(model_dir: Path, spec: str):
-    """The tokenizer beside the weights: tokenizer.json, or the note naming one without a file
-    (bytes)."""
+def run_tokenizer(model_dir: Path, spec: str, given: str = ""):
+    """--tokenizer where given, else the one beside the weights: tokenizer.json, or the note
+    naming one without a file (bytes)."""
     from ..data.tokenizer import load_tokenizer
     from ..models.save import TOKENIZER_NOTE
+    if given:
+        return load_tokenizer(given)
     if (model_dir / "tokenizer.json").is_file():
         return load_tokenizer(model_dir)
     if (model_dir / TOKENIZER_NOTE).is_file():
         return load_tokenizer((model_dir / TOKENIZER_NOTE).read_text().strip())
-    raise UsageError(f"RUNDIR '{spec}': {model_dir} holds no tokenizer (tokenizer.json) to turn text into tokens")
+    raise UsageError(f"RUNDIR '{spec}': {model_dir} holds no tokenizer (the run's data came without one): "
+                     f"give --tokenizer")
 
 
 def prompt_ids(tokenizer, prompt: str, vocab_size: int) -> list[int]:

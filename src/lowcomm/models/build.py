@@ -48,7 +48,11 @@ def checkpoint_activations(model: nn.Module) -> None:
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise UsageError(f"--activation-checkpointing: the transformers model {type(model).__name__} does not "
                          f"support gradient checkpointing")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable = getattr(model, "activation_checkpointing_enable", None)  # its name from transformers 5 on
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def compile_model(model: nn.Module, device: torch.device) -> None:

@@ -37,7 +37,11 @@ def full_state(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor] |
     (each DTensor gathered: every rank must call it); `keep=False` (not the rank that writes):
     gathered and dropped, None. Tensors the model ties stay one tensor."""
     from torch.distributed.tensor import DTensor
-    state = unwrapped(model).state_dict()
+    model = unwrapped(model)
+    # the module's own tensors under the state dict's names: a sharding engine's state-dict hook
+    # may show each rank's shard there (engines/inside_fsdp.py: what a checkpoint keeps)
+    named = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    state = {k: named.get(k, v) for k, v in model.state_dict().items()}
     sharded = any(isinstance(v, DTensor) for v in state.values())
     if not sharded and not keep:
         return None

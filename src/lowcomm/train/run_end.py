@@ -79,7 +79,15 @@ def save_final_model(t, out_dir: Path | None) -> None:
     state = full_state(t.model, keep=out_dir is not None)
     if out_dir is None:
         return
-    tokenizer = describe_data(t.cfg.data.source, t.cfg.data.vocab_size).tokenizer
-    # a tokenizer with no file of its own (bytes) is named in a line of text (models/save.py)
-    files = {TOKENIZER_NOTE: f"{tokenizer}\n".encode()} if str(tokenizer) == BYTES else {"tokenizer.json": Path(tokenizer)}
-    save_model(t.model, state, out_dir / MODEL_DIR, t.cfg.model.seq_len, files)
+    save_model(t.model, state, out_dir / MODEL_DIR, t.cfg.model.seq_len, tokenizer_files(t.cfg))
+
+
+def tokenizer_files(cfg: C.RunConfig) -> dict:
+    """The tokenizer to put beside the final model: the data's tokenizer.json; bytes, which have
+    no file, named in a line of text (models/save.py); none where the data came without one."""
+    tokenizer = describe_data(cfg.data.source, cfg.data.vocab_size).tokenizer
+    if tokenizer is None:
+        return {}
+    if str(tokenizer) == BYTES:
+        return {TOKENIZER_NOTE: f"{BYTES}\n".encode()}
+    return {"tokenizer.json": Path(tokenizer)}
