@@ -80,6 +80,7 @@ def build_summary(cfg, *, world: int, backend: str, params: int, source: str, to
         "strategy_options": shown.get(cfg.strategy, {}),
         "workers": world,
         "backend": backend,
+        "precision": cfg.precision,  # --precision: the forward/backward's autocast (what is sent stays fp32)
         "model": cfg.model.preset,
         "steps": cfg.steps,
         "params": params,
