@@ -12,6 +12,7 @@ schedule; its scale in the run's state and through a checkpoint; overflow skips 
 """
 from __future__ import annotations
 
+import json
 import math
 import warnings
 
@@ -28,6 +29,7 @@ from lowcomm.strategies.diloco import DiLoCo
 from lowcomm.train.loop import check_steps
 
 from dist_utils import flat_params, rel_err, run_dist
+from tiny_runs import TINY
 
 STRATEGIES = available()
 STEPS, ACCUM, SEQ, MICRO, VOCAB = 12, 2, 16, 4, 64
@@ -149,6 +151,21 @@ def test_an_overflow_on_one_rank_is_skipped_and_halves_the_scale_where_it_is_ski
     assert out[0]["scale"] == out[1]["scale"] < INIT * 2 ** (STEPS // GROWTH_EVERY)
 
 
+@pytest.mark.procs
+def test_lowcomm_train_precision_bf16_computes_in_bf16_and_sends_what_fp32_sends(tmp_path, data_file):
+    summaries = {}
+    for precision in ("fp32", "bf16"):
+        out = tmp_path / precision
+        assert main(["train", *TINY, "--steps", "4", "--eval-every", "2", "--data", str(data_file),
+                     "--out", str(out), "--precision", precision]) == 0
+        summaries[precision] = json.loads((out / "summary.json").read_text())
+    fp32, bf16 = summaries["fp32"], summaries["bf16"]
+    assert (fp32["precision"], bf16["precision"]) == ("fp32", "bf16")
+    assert bf16["wire_bytes_total"] == fp32["wire_bytes_total"] == fp32["planned_wire_bytes_total"]
+    for key in ("final_train_loss", "final_val_loss"):  # the workers ran under autocast: close, not equal
+        assert bf16[key] != fp32[key] and abs(bf16[key] - fp32[key]) <= 0.03 * fp32[key], (key, bf16, fp32)
+
+
 # -- without a process ----------------------------------------------------------------------
 
 def test_fp16_is_refused_on_a_cpu_in_one_line_before_anything_is_written(tmp_path, capsys, data_file):
@@ -163,6 +180,24 @@ def test_fp16_is_refused_on_a_cpu_in_one_line_before_anything_is_written(tmp_pat
         make_run("ddp", make_model(), lowcomm.Comm(), make_sgd, precision="fp16")
     with pytest.raises(UsageError, match="unknown precision 'fp8'"):
         make_run("ddp", make_model(), lowcomm.Comm(), make_sgd, precision="fp8")
+
+
+def test_training_and_evaluation_forwards_run_under_the_runs_autocast():
+    from types import SimpleNamespace
+    from lowcomm.train.loop import evaluate_run
+
+    model = make_model()
+    seen = []
+    model.blocks[0].mlp[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    run = make_run("ddp", model, lowcomm.Comm(), make_sgd, precision="bf16")
+    run.step(lambda: batch(0, 0, 0), lowcomm.lm_loss)
+    assert seen == [torch.bfloat16] and {p.dtype for p in model.parameters()} == {torch.float32}
+    t = SimpleNamespace(run=run, flight=None, val=[batch(1, 0, 0)], comm=run.comm, device=torch.device("cpu"))
+    assert math.isfinite(evaluate_run(t)) and seen == [torch.bfloat16] * 2
+    with run.autocast():  # a loop of its own
+        run.backward(lowcomm.lm_loss(run.model, batch(2, 0, 0)))
+    assert seen == [torch.bfloat16] * 3
+    run.close()
 
 
 def test_the_scaler_halves_on_an_overflow_and_doubles_after_its_interval():
