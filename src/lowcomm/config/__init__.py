@@ -11,7 +11,7 @@ One module a job: schema.py (the dataclasses, presets and fixed choices), settin
 (setting a value by key, strategy options, links), tomlio.py (reading and writing TOML),
 checks.py (validate), flags.py (the run flags' table), nodes.py (one replica per node
 under torchrun). The names below are the package's interface.
-Imports: strategies, engines, contract, comm (what it configures), errors.
+Imports: strategies, engines, contract, comm (what it configures), models (what --init-from holds), errors.
 """
 from __future__ import annotations
 

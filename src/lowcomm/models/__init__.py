@@ -1,5 +1,7 @@
 """The models: lowcomm's GPT (gpt.py), a transformers causal LM (hf.py), a model's tensors and
-blocks as strategies see them (layout.py) and its size (size.py); build.py builds a run's model from its settings.
+blocks as strategies see them (layout.py) and its size (size.py); build.py builds a run's model from its settings;
+load.py / hf_load.py read a saved model (--init-from, lowcomm sample), save.py writes a run's final
+model (OUT/model/), sample.py generates text from one.
 
 Imports: errors.
 """
