@@ -6,9 +6,9 @@ backward under torch.autocast, and fp16's dynamic loss scaler.
     fp16   torch.autocast("cuda", torch.float16) and a loss scaler: CUDA only
 
 Autocast casts per op (a matmul's inputs to bf16/fp16; reductions, softmax and the loss stay
-fp32), so the parameters stay fp32, their gradients arrive in fp32 and every strategy's
-optimizer state and communication are those of an fp32 run: what each strategy sends is
-unchanged, byte for byte.
+fp32), so the parameters stay fp32 (or what --param-dtype makes them), their gradients arrive
+in the parameters' dtype and every strategy's optimizer state and communication are those of
+an fp32-compute run: what each strategy sends is unchanged, byte for byte.
 
 fp16's scaler (torch's GradScaler's schedule: scale 2**16, halved on an overflow, doubled after
 2000 steps without one) multiplies each micro-batch's loss by the scale, and a hook on every
@@ -136,7 +136,8 @@ def make_precision(precision: "str | Precision", model: nn.Module, inside: str |
     fp16 is refused off CUDA and with FSDP inside a replica, in one line."""
     if isinstance(precision, Precision):
         return precision
-    device = next(model.parameters()).device.type
+    first = next(model.parameters(), None)  # none at all: the strategy refuses the model, in its words
+    device = first.device.type if first is not None else "cpu"
     if precision == "fp16":
         if device != "cuda":
             raise UsageError(f"precision fp16 needs CUDA (the model is on {device}): use bf16 on a CPU")
