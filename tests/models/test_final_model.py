@@ -22,7 +22,7 @@ DIMS = ["--n-layer", "1", "--n-head", "2", "--d-model", "16"]
 
 
 @pytest.mark.procs
-def test_a_sharded_run_leaves_its_trained_model_and_a_run_continues_from_it(tmp_path, data_file):
+def test_a_sharded_run_leaves_its_trained_model_and_a_run_continues_from_it(tmp_path, data_file, capfd):
     first, second = tmp_path / "first", tmp_path / "second"
     assert main(["train", *RUN, *DIMS, "--steps", "3", "--replicas", "1", "--inside", "fsdp",
                  "--data", str(data_file), "--out", str(first)]) == 0
@@ -32,6 +32,13 @@ def test_a_sharded_run_leaves_its_trained_model_and_a_run_continues_from_it(tmp_
     trained = load_saved(saved, torch.device("cpu"), vocab_size=256)
     assert val_loss(trained, data_file) == pytest.approx(summary(first)["final_val_loss"], abs=1e-5)
 
+    # a preset of other dims, or an hf: model, is refused naming the saved model (nothing written)
+    assert main(["train", *RUN, "--steps", "1", "--init-from", str(first), "--model", "gpt2", "--data",
+                 str(data_file), "--out", str(second)]) == 2
+    assert error_line(capfd.readouterr().err) == (
+        f"error: --model gpt2 (12, 12, 768) disagrees with --init-from '{first}', which holds lowcomm's GPT "
+        f"(1 layer, 2 heads, width 16, vocabulary 256, context 16) (leave --model out)")
+    assert not second.exists()
     assert main(["train", *RUN, "--steps", "1", "--init-from", str(first), "--data", str(data_file),
                  "--out", str(second)]) == 0
     with torch.no_grad():
@@ -51,7 +58,7 @@ def test_the_model_directory_appears_whole_or_not_at_all(tmp_path):
     with pytest.raises(OSError):  # the tokenizer to copy is missing: nothing is left behind
         save_model(model, full_state(model), target, 16, {"tokenizer.json": tmp_path / "missing.json"})
     assert list(tmp_path.iterdir()) == []
-    save_model(model, full_state(model), target, 16, {"tokenizer.txt": b"bytes\n"})
+    save_model(model, full_state(model), target, 16, {"tokenizer.json": b"{}"})
     newer = tiny_gpt(seed=1)
     save_model(newer, full_state(newer), target, 16)  # a directory written over: replaced whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]

@@ -53,7 +53,9 @@ def test_a_run_from_a_save_pretrained_directory_starts_at_transformers_loss(tmp_
     assert final.config.n_layer == 2 and final.config.vocab_size == 256
     assert val_loss(final, data_file) == pytest.approx(summary(out)["final_val_loss"], abs=1e-5)
     assert not torch.equal(final.transformer.wte.weight, reference.transformer.wte.weight)  # it trained
-    assert (out / "model" / "tokenizer.txt").read_text() == "bytes\n"
+    from lowcomm.data.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(out / "model")  # the byte-level tokenizer.json: id = byte value
+    assert tokenizer.encode("It é") == list("It é".encode()) and tokenizer.decode([73, 116]) == "It"
 
 
 def refusal(capfd, tmp_path, *flags) -> str:

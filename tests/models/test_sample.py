@@ -8,19 +8,21 @@ import torch
 from tiny_runs import error_line
 
 from lowcomm.cli.main import main
+from lowcomm.data.tokenizer import byte_level_tokenizer
 from lowcomm.models import GPT
 from lowcomm.models.gpt import logits_of
 from lowcomm.models.sample import generate, next_token
 from lowcomm.models.save import full_state, save_model
 
 PROMPT = "It is a truth"
+BYTE_TOKENIZER = byte_level_tokenizer().to_str().encode()  # what a run on byte text leaves beside its model
 
 
 def saved_run(tmp_path, vocab_size=256, context=8):
-    """A run directory holding what a run leaves: model/ with its byte tokenizer named beside."""
+    """A run directory holding what a run leaves: model/ with the byte tokenizer beside."""
     torch.manual_seed(0)
     model = GPT(vocab_size, context, 1, 2, 16)
-    save_model(model, full_state(model), tmp_path / "run" / "model", context, {"tokenizer.txt": b"bytes\n"})
+    save_model(model, full_state(model), tmp_path / "run" / "model", context, {"tokenizer.json": BYTE_TOKENIZER})
     return tmp_path / "run", model
 
 
@@ -44,6 +46,11 @@ def test_sampling_continues_the_prompt_the_same_for_the_same_seed(tmp_path, caps
     assert first.startswith(PROMPT) and len(first.encode()) >= len(PROMPT) + 1
     assert sample(capsys, run, "--prompt", PROMPT, "--max-tokens", 30, "--seed", 1) == first
     assert sample(capsys, run, "--prompt", PROMPT, "--max-tokens", 30, "--seed", 2) != first
+    # no prompt: a new document, after a newline (the tokenizer's end-of-text id, 256, is not the model's)
+    expected = greedy(model, [10], 5, context=8)
+    assert sample(capsys, run, "--max-tokens", 5, "--temperature", 0) == bytes(expected).decode(errors="replace") + "\n"
+    assert sample(capsys, run, "--tokenizer", "bytes", "--max-tokens", 5, "--temperature", 0) == \
+        bytes(expected).decode(errors="replace") + "\n"
     # temperature 0 and top-k 1 both take the likeliest token; the prompt (13 bytes) is longer than
     # the model's context (8): the window slides
     expected = greedy(model, list(PROMPT.encode()), 12, context=8)
@@ -80,7 +87,7 @@ def test_bad_input_is_one_line(tmp_path, capfd):
         assert main(["sample", *map(str, args)]) == 2, args
         line = error_line(capfd.readouterr().err)
         assert words in line, (args, line)
-    (run / "model" / "tokenizer.txt").unlink()
+    (run / "model" / "tokenizer.json").unlink()
     assert main(["sample", str(run)]) == 2
     assert "holds no tokenizer" in error_line(capfd.readouterr().err)
 
@@ -91,7 +98,7 @@ def test_a_transformers_model_samples_through_the_same_loop(tmp_path, capsys):
     config = transformers.GPT2Config(vocab_size=256, n_positions=16, n_layer=1, n_head=2, n_embd=16,
                                      bos_token_id=0, eos_token_id=0)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
-    (tmp_path / "gpt2" / "tokenizer.txt").write_text("bytes\n")
+    (tmp_path / "gpt2" / "tokenizer.json").write_bytes(BYTE_TOKENIZER)
     out = sample(capsys, tmp_path / "gpt2", "--prompt", PROMPT, "--max-tokens", 20, "--temperature", 0)
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2").eval()
     expected = greedy(reference, list(PROMPT.encode()), 20, context=16)

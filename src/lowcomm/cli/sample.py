@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                           "read), or a model directory (save_pretrained's)")
     parser.add_argument("--prompt", metavar="TEXT", default="",
                         help="the text to continue (default: none: a new document, after the end-of-text token "
-                             "where the tokenizer has one, else after a newline)")
+                             "where the model has one, else after a newline)")
     parser.add_argument("--max-tokens", metavar="N", type=int, default=DEFAULTS["max_tokens"],
                         help=f"tokens to generate (default: {DEFAULTS['max_tokens']})")
     parser.add_argument("--temperature", metavar="T", type=float, default=DEFAULTS["temperature"],
@@ -65,16 +65,12 @@ def run(args) -> int:
 
 
 def run_tokenizer(model_dir: Path, spec: str, given: str = ""):
-    """--tokenizer where given, else the one beside the weights: tokenizer.json, or the note
-    naming one without a file (bytes)."""
+    """--tokenizer where given, else the tokenizer.json beside the weights."""
     from ..data.tokenizer import load_tokenizer
-    from ..models.save import TOKENIZER_NOTE
     if given:
         return load_tokenizer(given)
     if (model_dir / "tokenizer.json").is_file():
         return load_tokenizer(model_dir)
-    if (model_dir / TOKENIZER_NOTE).is_file():
-        return load_tokenizer((model_dir / TOKENIZER_NOTE).read_text().strip())
     raise UsageError(f"RUNDIR '{spec}': {model_dir} holds no tokenizer (the run's data came without one): "
                      f"give --tokenizer")
 
@@ -83,8 +79,9 @@ def prompt_ids(tokenizer, prompt: str, vocab_size: int) -> list[int]:
     """The prompt's token ids, checked against the model's vocabulary."""
     if prompt:
         ids = tokenizer.encode(prompt)
-    else:  # a new document: after an end-of-text token, or (byte text has none) after a line
-        ids = [tokenizer.eot_id] if tokenizer.eot_id is not None else tokenizer.encode("\n")
+    else:  # a new document: after the end-of-text token, or after a line where the model has none
+        eot = tokenizer.eot_id  # (a byte model's: 256, the tokenizer's, not one of its 256 ids)
+        ids = [eot] if eot is not None and eot < vocab_size else tokenizer.encode("\n")
     if not ids:
         raise UsageError(f"--prompt {prompt!r} gives no token")
     if max(ids) >= vocab_size:

@@ -52,8 +52,12 @@ class SavedModel:
 
     def describe(self) -> str:
         kind = "lowcomm's GPT" if not self.is_hf else f"a transformers '{self.architecture}' model"
-        return (f"{kind} ({self.n_layer} layers, {self.n_head} heads, width {self.d_model}, "
+        return (f"{kind} ({_count(self.n_layer, 'layer')}, {_count(self.n_head, 'head')}, width {self.d_model}, "
                 f"vocabulary {self.vocab_size}" + (f", context {self.context}" if self.context else "") + ")")
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def find_model_dir(spec: str | Path, label: str = "model directory") -> Path:

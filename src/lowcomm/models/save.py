@@ -24,7 +24,6 @@ from .gpt import GPT
 from .load import CONFIG, LOWCOMM_GPT, TIED, WEIGHTS
 
 FORMAT_VERSION = 1
-TOKENIZER_NOTE = "tokenizer.txt"  # names a tokenizer that has no file (bytes), where tokenizer.json would be
 
 
 def unwrapped(model: nn.Module) -> nn.Module:

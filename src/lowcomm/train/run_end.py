@@ -15,9 +15,9 @@ from ..metrics.summary import build_summary, describe
 from ..diagnose.trace import write_trace
 from ..models.layout import layout_of
 from ..models.load import MODEL_DIR
-from ..models.save import TOKENIZER_NOTE, full_state, save_model
+from ..models.save import full_state, save_model
 from ..data.info import describe as describe_data
-from ..data.tokenizer import BYTES
+from ..data.tokenizer import BYTES, byte_level_tokenizer
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -83,11 +83,12 @@ def save_final_model(t, out_dir: Path | None) -> None:
 
 
 def tokenizer_files(cfg: C.RunConfig) -> dict:
-    """The tokenizer to put beside the final model: the data's tokenizer.json; bytes, which have
-    no file, named in a line of text (models/save.py); none where the data came without one."""
+    """The tokenizer to put beside the final model: the data's tokenizer.json; for byte text, the
+    byte-level tokenizer.json (id = byte value; its end-of-text id, 256, is beyond a byte model's
+    vocabulary and never comes out of text); none where the data came without one."""
     tokenizer = describe_data(cfg.data.source, cfg.data.vocab_size).tokenizer
     if tokenizer is None:
         return {}
     if str(tokenizer) == BYTES:
-        return {TOKENIZER_NOTE: f"{BYTES}\n".encode()}
+        return {"tokenizer.json": byte_level_tokenizer().to_str().encode()}
     return {"tokenizer.json": Path(tokenizer)}
