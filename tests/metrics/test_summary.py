@@ -64,3 +64,17 @@ def test_a_run_without_outer_steps_gives_its_losses_side_by_side_as_before():
     totals = totals_of(record(s, loss, 4_000_000) for s, loss in LOSSES.items())
     text = describe(summary(totals))
     assert "Final train loss 3.2143, validation loss 4.5459. Sent" in text and "outer step" not in text
+
+
+def test_bytes_beyond_the_plan_are_explained_by_the_extra_micro_batches_that_sent_them():
+    """Adaptive acco with FSDP inside computes micro-batches past --accum, each with FSDP's
+    collectives: the summary's notes say why the counted bytes exceed the plan, and say nothing
+    when the micro-batches were the planned ones."""
+    from types import SimpleNamespace
+    from lowcomm.metrics.summary import _notes
+    cfg = SimpleNamespace(strategy="acco", steps=6, accum=1)  # plan: 6 steps x 2 halves + a start-up one
+    totals = Totals(2)
+    totals.wire, totals.micro_per_rank = 3_000_000, [18, 18]
+    assert any("beyond the plan" in n and "18, 18" in n for n in _notes(cfg, "gloo", [], totals, 2_000_000))
+    totals.micro_per_rank = [13, 13]
+    assert not any("beyond the plan" in n for n in _notes(cfg, "gloo", [], totals, 2_000_000))

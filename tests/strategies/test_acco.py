@@ -234,3 +234,27 @@ def test_acco_takes_ddps_batch_per_step_and_refuses_an_odd_micro_batch_in_one_li
     assert err == ["error: --micro-batch 7 is odd: acco computes each micro-batch in two halves, one in its "
                    "estimate round and one in its real round (give an even size)"]
     assert not out.exists()
+
+
+# -- across replica groups: the positions of a replica compute the same micro-batches ------------
+
+def _positions_disagreeing_on_the_round(rank, world):
+    """Adaptive acco on one replica of both ranks with FSDP inside, where the round looks still in
+    flight to position 0 only (forced: its in_flight answers True, position 1's False). A position
+    computing a micro-batch the other does not would wait in FSDP's gather for ever."""
+    model = make_model()
+    with lowcomm.wrap(model, make_optimizer, "acco", accum=ACCUM, replicas=1, inside="fsdp",
+                      max_accum=4 * ACCUM) as run:
+        run.strategy.rounds.in_flight = lambda: rank == 0
+        counts = []
+        for step in range(3):
+            while run.backward(lm_loss(run.model, micro_batch(rank, step))) is None:
+                pass
+            counts.append(run.result.micro_batches)
+    return counts
+
+
+@pytest.mark.procs
+def test_a_replicas_positions_agree_to_keep_computing_while_a_round_is_in_flight():
+    counts = run_dist(_positions_disagreeing_on_the_round, W, timeout=300)
+    assert counts[0] == counts[1], counts

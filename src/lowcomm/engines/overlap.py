@@ -235,6 +235,17 @@ class OverlappedStrategy(ShardedStrategy):
             return count, computing
         return replica_sum(self.inside.comm, (count, computing), self.flat.grads.device, counted=computing > 0)
 
+    def round_in_flight(self) -> bool:
+        """Whether the round is still in flight, as the whole replica sees it: across replica
+        groups every position must compute the same micro-batches (with FSDP inside a micro-batch
+        is itself collective: a position that computed one more than the others would wait for
+        them for ever), so the replica goes on only while the round is in flight on all of its
+        positions (one 8-byte all-reduce per micro-batch past --accum)."""
+        in_flight = self.rounds.in_flight()
+        if self.inside is None:
+            return in_flight
+        return replica_sum(self.inside.comm, (int(in_flight),), self.flat.grads.device)[0] == self.inside.comm.world
+
     def launch(self, estimate: bool, votes: tuple[int, int] | None = None) -> None:
         """Start the round on B with its votes (default: those of the micro-batches B holds). A
         computing rank whose B holds none is an elastic joiner (its B is a fresh worker's:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .levels import LEVEL_WORDS, LEVELS, has_levels, level_figures
+from ..strategies import registry
 
 
 class Totals:
@@ -118,10 +119,25 @@ def build_summary(cfg, *, world: int, backend: str, params: int, source: str, to
         # the local-SGD family (outer syncs): validation sees the model its last outer step made
         **({"rise_after_outer_step": totals.rise_after_sending, "last_after_outer_step": totals.last_after_sending}
            if "outer_syncs" in strategy_report else {}),
-        "notes": ["wire bytes follow the ring model of ALGORITHMS.md; on gloo a reduce_scatter "
-                  "runs as a full all-reduce, so its real transport is twice the counted bytes"]
-                 if backend == "gloo" and any(op.collective == "reduce_scatter" for op in plan) else [],
+        "notes": _notes(cfg, backend, plan, totals, planned_wire_bytes),
     }
+
+
+def _notes(cfg, backend: str, plan: list, totals: Totals, planned_wire_bytes: int) -> list[str]:
+    """What a reader of the byte counts needs told: gloo's reduce_scatter, and counted bytes above
+    the plan (an adaptive strategy computing more micro-batches than --accum, each of which costs
+    the collectives of the engine inside a replica: FSDP's gathers and reduce-scatters)."""
+    notes = []
+    if backend == "gloo" and any(op.collective == "reduce_scatter" for op in plan):
+        notes.append("wire bytes follow the ring model of ALGORITHMS.md; on gloo a reduce_scatter runs as a full "
+                     "all-reduce, so its real transport is twice the counted bytes")
+    planned_micro = cfg.steps * cfg.accum * registry.get(cfg.strategy).micro_batch_parts + 1  # + a start-up one
+    if totals.wire > planned_wire_bytes and max(totals.micro_per_rank, default=0) > planned_micro:
+        notes.append(f"{(totals.wire - planned_wire_bytes) / 1e6:,.2f} MB were sent beyond the plan, which assumes "
+                     f"--accum micro-batches a step: adaptive rounds computed more (micro-batches per rank: "
+                     f"{', '.join(map(str, totals.micro_per_rank))}), each with the collectives of the engine "
+                     f"inside its replica")
+    return notes
 
 
 def describe(s: dict) -> str:

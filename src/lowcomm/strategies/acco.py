@@ -172,7 +172,7 @@ class ACCO(OverlappedStrategy):
         self.round_micro += 1
         # Keep computing while the round is in flight: at least accum, at most max_accum.
         if self.round_micro < self.accum or (not self.deterministic and self.round_micro < self.max_accum
-                                             and self.rounds.in_flight()):
+                                             and self.round_in_flight()):
             return False
         return self.land(ctx) is True
 
