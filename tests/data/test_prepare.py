@@ -107,7 +107,8 @@ def test_a_tokenizer_json_is_copied_as_given_and_encodes_the_documents(bpe_dir, 
     prepare(str(src), str(given), tmp_path / "tok")
     meta, train, _ = read(tmp_path / "tok")
     assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == given.read_bytes()
-    assert meta["tokenizer"] == str(given) and meta["tokenizer_sha256"] == hashlib.sha256(given.read_bytes()).hexdigest()
+    assert meta["tokenizer"] == str(given)
+    assert meta["tokenizer_sha256"] == hashlib.sha256(given.read_bytes()).hexdigest()
     tokenizer = load_tokenizer(given)
     tokenizer.inner.encode_special_tokens = True
     held_out = {9, 19, 29, 39}  # 0.1 of 40 documents
@@ -173,6 +174,10 @@ def test_parquet_and_datasets_directories_are_read_with_pyarrow(tmp_path):
     got = read(tmp_path / "from_ds")
     assert np.array_equal(got[1], expected[1]) and np.array_equal(got[2], expected[2])
     assert got[0]["source_kind"] == "datasets"
+    with pa.ipc.new_file(tmp_path / "c.arrow", table.schema) as writer:  # an arrow file alone (IPC file format)
+        writer.write_table(table, max_chunksize=2)
+    prepare(str(tmp_path / "c.arrow"), "bytes", tmp_path / "from_arrow", val_fraction=0.2)
+    assert np.array_equal(read(tmp_path / "from_arrow")[1], expected[1])
     # A DatasetDict: its train split is read (prepare makes its own validation split)
     write_saved_dataset(tmp_path / "dd" / "train", pa, [table])
     write_saved_dataset(tmp_path / "dd" / "test", pa, [pa.table({"id": [9], "text": ["not this"]})])

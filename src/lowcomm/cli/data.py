@@ -15,8 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "is a document), a Hugging Face datasets directory (save_to_disk), 'shakespeare' or "
                              "'pydoc'")
     parser.add_argument("--tokenizer", metavar="T", default="bytes",
-                        help="bytes (id = byte, end-of-text 256), bpe:N (train a byte-level BPE of N tokens on SOURCE), "
-                             "a tokenizer.json, or a Hugging Face tokenizer directory (default: bytes)")
+                        help="bytes (id = byte, end-of-text 256), bpe:N (train a byte-level BPE of N tokens on "
+                             "SOURCE), a tokenizer.json, or a Hugging Face tokenizer directory (default: bytes)")
     parser.add_argument("--out", metavar="DIR", help="the token directory to write: train.bin, val.bin, "
                         "tokenizer.json, meta.json (required)")
     parser.add_argument("--text-field", metavar="NAME", help="the field (JSONL) or column (Parquet, datasets) "

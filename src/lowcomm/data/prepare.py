@@ -84,7 +84,7 @@ def _write(src: Source, encoder: Encoder, out: Path, val_fraction: float, bar: P
                              f"data source '{src.spec}' is too small to split: {total} token(s)")
         meta = {"vocab_size": encoder.vocab_size, "eot_id": encoder.eot_id,
                 "special_tokens": encoder.special_tokens(), "documents": documents, "source": src.label,
-                "tokenizer": asked, "source_kind": src.kind, "text_field": src.field if src.kind not in ("text", "directory") else None,
+                "tokenizer": asked, "source_kind": src.kind, "text_field": src.field if src.has_rows else None,
                 "val_fraction": val_fraction, "val_split": "documents" if documents["val"] else "end of the text"}
         return target.commit(meta, encoder.to_json())
 

@@ -34,6 +34,10 @@ class PrepareBar:
             words = f"{self.tokens:,} tokens  {rate:,.0f} tokens/s" if self.tokens else ""
             self._bar.update(self._task, completed=min(done_bytes, self.total), tokens=words)
 
+    def describe(self, description: str) -> None:
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, description=description)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()

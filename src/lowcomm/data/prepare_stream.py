@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .sources import Piece, Source
 
-BATCH_CHARS = 4 << 20
+BATCH_CHARS = 1 << 20  # 16 pieces of 64 KB: work for every core; 4 MB batches held ~100 MB more (measured)
 BATCH_PIECES = 8192
 DEPTH = 3
 
@@ -36,6 +36,8 @@ def texts(source: Source, progress=None) -> Iterator[list[str]]:
         if progress is not None:
             progress.advance(batch.done)
         yield [text for text, _ in batch.pieces]
+    if progress is not None:
+        progress.describe("learning the merges")  # the trainer's second phase, after the last text
 
 
 def _batched(source: Source) -> Iterator[Batch]:

@@ -37,6 +37,7 @@ class Source:
         self.field = text_field or "text"
         self.files, self.label, self.kind = _resolve(spec)
         rows = [f for f in self.files if _format(f) != "text"]
+        self.has_rows = bool(rows)  # --text-field applies
         if text_field is not None and not rows:
             raise UsageError(f"--text-field {text_field}: data source '{spec}' is text, not JSONL, Parquet "
                              f"or a datasets directory")
@@ -241,7 +242,8 @@ def _ipc_reader(pa, path: Path):
         return schema, _stream_rows(pa, path), lambda: pa.ipc.open_stream(pa.memory_map(str(path)))
     except pa.ArrowInvalid:
         reader = pa.ipc.open_file(pa.memory_map(str(path)))
-        return reader.schema, reader.count_rows(), lambda: (reader.get_batch(i) for i in range(reader.num_record_batches))
+        batches = range(reader.num_record_batches)
+        return reader.schema, reader.count_rows(), lambda: (reader.get_batch(i) for i in batches)
 
 
 def _stream_rows(pa, path: Path) -> int:
