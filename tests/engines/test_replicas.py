@@ -41,7 +41,8 @@ LOCAL_SGD = {"sync_every": 2, "sync_by": "steps"}
 OPTIONS = {"diloco": LOCAL_SGD, "sparseloco": LOCAL_SGD,
            "streaming_diloco": {**LOCAL_SGD, "fragments": 2, "fragment_delay": 1},
            "onebit_adam": {"freeze_variance_after": 2},  # 1-bit from step 3
-           "powersgd": {"start": 2}}  # compressed from step 3
+           "powersgd": {"start": 2},  # compressed from step 3
+           "dpu": {"warmup_steps": 2}}  # delayed from step 3: its first delayed step starts no round
 # The compressors that round run in float64 here: the replica's mean gradient and a single worker's
 # differ in the last bits (4.9e-8 for ddp), so in float32 an element within that of a quantization
 # boundary can take the other level, and Adam carries the difference on (quantized: 4.9e-4 on one
@@ -169,7 +170,7 @@ def _planned(name, inside, level):
     if level == "intra":
         # FSDP gathers and reduces in the parameters' dtype; its plan prices fp32, what runs train in
         itemsize = DTYPE.get(name, torch.float32).itemsize if inside == "fsdp" else 4
-        return planned_bytes([plans.intra], K, R, lambda op: op.occurrences(N_STEPS)) * itemsize // 4
+        return planned_bytes([plans.intra], K, R, lambda op: cls.intra_occurrences(op, N_STEPS, options)) * itemsize // 4
     return planned_bytes(plans.cross, R, K, lambda op: cls.plan_occurrences(op, N_STEPS, options))
 
 

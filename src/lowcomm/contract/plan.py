@@ -103,6 +103,12 @@ class Planned:
         """How often `op` runs in a run of `steps` trainer steps (transients included)."""
         return op.occurrences(steps)
 
+    @classmethod
+    def intra_occurrences(cls, op: PlannedOp, steps: int, options: Options) -> int:
+        """How often `op` of the plan inside a replica runs in `steps` trainer steps (default: as
+        its cadence says; a strategy whose rounds skip a step says which of these go with them)."""
+        return op.occurrences(steps)
+
     # Share of one step's compute that this strategy's collectives run behind: 0 means
     # they start after the compute and are exposed in full (zero1, diloco); 1 means a
     # whole step of compute can hide them (acco, dpu). A strategy with a finer schedule

@@ -51,7 +51,7 @@ def level_summary(every: torch.Tensor, strategy, layout: ModelLayout, world: int
     """summary.json's `levels` from gather_levels' tensor, with each level's planned bytes."""
     cls, size = type(strategy), world // replicas
     plans = level_plans(strategy, layout, replicas)
-    counts = {"intra": ([plans.intra], size, replicas, lambda op: op.occurrences(steps)),
+    counts = {"intra": ([plans.intra], size, replicas, lambda op: cls.intra_occurrences(op, steps, strategy.options)),
               "cross": (plans.cross, replicas, size, lambda op: cls.plan_occurrences(op, steps, strategy.options))}
     out = {}
     for i, level in enumerate(LEVELS):

@@ -23,7 +23,7 @@ from ..comm import CommStats
 from ..contract.context import StepContext
 from ..engines.flat import ShardedOptions
 from ..contract.options import option
-from ..engines.overlap import OverlappedStrategy
+from ..engines.overlap import VOTES, OverlappedStrategy
 from .registry import register
 
 
@@ -47,6 +47,11 @@ class DPU(OverlappedStrategy):
     def plan_occurrences(cls, op, steps, options):
         # A round every step, except the first delayed one (its gradient is applied a step later).
         return steps - 1 if steps > options.warmup_steps else steps
+
+    @classmethod
+    def intra_occurrences(cls, op, steps, options):
+        # The votes inside a replica go with the rounds; the gradient sum inside it runs every step.
+        return cls.plan_occurrences(op, steps, options) if op == VOTES else op.occurrences(steps)
 
     @classmethod
     def exposed_comm_s(cls, plan, cost, options):
