@@ -6,7 +6,10 @@ corpora of a few kB written here (the bad inputs and the atomic writes: test_pre
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,7 @@ from lowcomm.cli.main import main
 from lowcomm.data import describe, load_tokens
 from lowcomm.data import sources
 from lowcomm.data.prepare import prepare
+from lowcomm.data.prepare_progress import PrepareBar
 from lowcomm.data.tokenizer import load_tokenizer
 
 DOCS = ["The quick brown fox jumps over the lazy dog.\n", "Héllo, wörld! ☃ 12345\n\nsecond paragraph",
@@ -64,6 +68,22 @@ def test_bytes_are_the_text_s_bytes_with_end_of_text_after_each_document(tmp_pat
         assert tokenizer.encode(doc.replace("<|endoftext|>", "")) == list(doc.replace("<|endoftext|>", "").encode())
         assert tokenizer.decode(tokenizer.encode(doc)) == doc
     assert tokenizer.decode(train.tolist()) == "<|endoftext|>".join(DOCS[:4]) + "<|endoftext|>"
+
+
+def test_the_progress_bar_shows_tokens_their_rate_and_the_time_left():
+    from rich.console import Console
+    screen = io.StringIO()
+    bar = PrepareBar(1_000_000, console=Console(file=screen, force_terminal=True, width=150))
+    bar.start("tokenizing")
+    bar.advance(100_000, 23_456)
+    time.sleep(0.05)  # rich tells the time left from the rate between two updates
+    bar.advance(250_000, 100_000)
+    bar.close()
+    shown = screen.getvalue()
+    assert "tokenizing" in shown and "25%" in shown and "123,456 tokens" in shown and "tokens/s" in shown
+    assert re.search(r"\d+:\d\d:\d\d", shown)  # the time left
+    quiet = PrepareBar(10, enabled=False, console=Console(file=io.StringIO(), force_terminal=True))
+    assert quiet._bar is None
 
 
 def test_the_token_directory_is_what_data_reads(tmp_path):
@@ -158,6 +178,13 @@ def test_jsonl_rows_are_documents_and_a_null_or_blank_row_is_skipped(tmp_path):
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"body": d}) for d in DOCS))
     prepare(str(tmp_path / "b.jsonl"), "bytes", tmp_path / "tok2", text_field="body", val_fraction=0.2)
     assert np.array_equal(read(tmp_path / "tok2")[1], train)
+    (tmp_path / "c.json").write_bytes((tmp_path / "c.jsonl").read_bytes())  # .json given itself: JSON lines
+    prepare(str(tmp_path / "c.json"), "bytes", tmp_path / "tok3", val_fraction=0.2)
+    assert np.array_equal(read(tmp_path / "tok3")[1], train)
+    (tmp_path / "texts").mkdir()  # in a text directory, a .json file is a text document like the others
+    (tmp_path / "texts" / "config.json").write_text('{"a": 1}')
+    prepare(str(tmp_path / "texts"), "bytes", tmp_path / "tok4", val_fraction=0.5)
+    assert np.concatenate(read(tmp_path / "tok4")[1:]).tolist() == list(b'{"a": 1}') + [256]
 
 
 def test_parquet_and_datasets_directories_are_read_with_pyarrow(tmp_path):

@@ -12,13 +12,13 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 class PrepareBar:
     """A bar per pass (training a BPE reads the source once more); nothing when disabled or not a terminal."""
 
-    def __init__(self, total_bytes: int, enabled: bool = True):
+    def __init__(self, total_bytes: int, enabled: bool = True, console: Console | None = None):
         self.total, self.tokens, self.started = max(total_bytes, 1), 0, time.perf_counter()
         self._bar = None
-        if enabled and sys.stderr.isatty():
+        if enabled and (console is not None or sys.stderr.isatty()):
             self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
                                  TextColumn("{task.fields[tokens]}"), TimeRemainingColumn(),
-                                 console=Console(stderr=True), transient=False)
+                                 console=console or Console(stderr=True), transient=False)
             self._bar.start()
         self._task = None
 

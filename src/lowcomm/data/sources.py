@@ -24,7 +24,7 @@ from .token_files import LLMC_FORMATS, find
 
 PIECE_CHARS = 1 << 16  # an encode_batch item: larger pieces encoded markedly slower (measured at 1 MB)
 READ_BYTES = 1 << 16
-JSONL_SUFFIXES = {".jsonl", ".ndjson", ".json"}
+JSONL_SUFFIXES = {".jsonl", ".ndjson"}  # and .json given as SOURCE itself (in a directory: a text file)
 ARROW_BATCH_ROWS = 1024
 Piece = tuple[str, bool]  # (text, whether it ends its document)
 
@@ -36,14 +36,18 @@ class Source:
         self.spec, self.done, self.not_utf8 = spec, 0, []
         self.field = text_field or "text"
         self.files, self.label, self.kind = _resolve(spec)
-        rows = [f for f in self.files if _format(f) != "text"]
+        self.formats = {f: _format(f) for f in self.files}
+        if len(self.files) == 1 and self.files[0].suffix == ".json" and self.kind == "text":
+            self.formats[self.files[0]] = self.kind = "jsonl"
+        rows = [f for f, kind in self.formats.items() if kind != "text"]
         self.has_rows = bool(rows)  # --text-field applies
         if text_field is not None and not rows:
             raise UsageError(f"--text-field {text_field}: data source '{spec}' is text, not JSONL, Parquet "
                              f"or a datasets directory")
         self.total = sum(_size(f) for f in self.files) if self.files else len(_pydoc_topics_bytes())
         for f in rows:
-            _check_rows(f, self.field)
+            if self.formats[f] != "jsonl":  # JSONL is told row by row, with the line
+                _check_columns(f, self.field)
 
     def pieces(self) -> Iterator[Piece]:
         self.done, self.not_utf8 = 0, []
@@ -55,7 +59,7 @@ class Source:
             return
         for f in self.files:
             start = self.done
-            kind = _format(f)
+            kind = self.formats[f]
             yield from self._text(f) if kind == "text" else self._jsonl(f) if kind == "jsonl" else self._arrow(f)
             self.done = start + _size(f)
 
@@ -251,10 +255,8 @@ def _stream_rows(pa, path: Path) -> int:
     return sum(b.num_rows for b in pa.ipc.open_stream(pa.memory_map(str(path))))
 
 
-def _check_rows(f: Path, field: str) -> None:
-    """Refuse, before anything is written, a JSONL, Parquet or datasets source without `field`."""
-    if _format(f) == "jsonl":
-        return  # told row by row, with the line
+def _check_columns(f: Path, field: str) -> None:
+    """Refuse, before anything is written, a Parquet or datasets source without `field`."""
     schema, _, _ = _arrow_tables(f)
     if field not in schema.names:
         raise UsageError(f"data file '{f}' has no column '{field}' (columns: {', '.join(schema.names) or 'none'}; "
