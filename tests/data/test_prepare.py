@@ -86,6 +86,20 @@ def test_the_progress_bar_shows_tokens_their_rate_and_the_time_left():
     assert quiet._bar is None
 
 
+def test_pydoc_topics_text_not_utf8_and_an_out_inside_the_source(tmp_path, capsys):
+    from pydoc_data.topics import topics
+    prepare("pydoc", "bytes", tmp_path / "pydoc")
+    meta = read(tmp_path / "pydoc")[0]
+    assert sum(meta["documents"].values()) == len([t for t in topics.values() if t])
+    src = text_dir(tmp_path / "texts", ["plain text\n", "more text\n"])
+    (src / "latin1.txt").write_bytes("café crème\n".encode("latin-1"))
+    prepare(str(src), "bytes", src / "tok", val_fraction=0.34)
+    assert "latin1.txt' is not UTF-8" in capsys.readouterr().err
+    assert bytes(read(src / "tok")[2][:-1].tolist()).decode() == "caf\ufffd cr\ufffdme\n"
+    prepare(str(src), "bytes", src / "tok", val_fraction=0.34, overwrite=True)  # its own --out is not read
+    assert read(src / "tok")[0]["documents"] == {"train": 2, "val": 1}
+
+
 def test_the_token_directory_is_what_data_reads(tmp_path):
     prepare(str(text_dir(tmp_path / "texts", DOCS * 4)), "bytes", tmp_path / "tok")
     meta, train, val = read(tmp_path / "tok")

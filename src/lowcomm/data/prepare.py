@@ -50,8 +50,8 @@ def prepare(source: str, tokenizer: str, out: str | Path, text_field: str | None
     if not 0 < val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
     spec = parse_spec(tokenizer)
-    src = Source(source, text_field)
     out = Path(out).expanduser()
+    src = Source(source, text_field, skip=out)
     check_out(out, overwrite)
     started = time.perf_counter()
     bar = PrepareBar(src.total, enabled=not quiet)

