@@ -14,6 +14,7 @@ group made from the quorum (membership.py) and sends state over that group (tran
 from __future__ import annotations
 
 import os
+import threading
 from datetime import timedelta
 
 from ..errors import UsageError
@@ -50,3 +51,50 @@ def start(min_workers: int):
 
 def client(address: str):
     return _torchft().LighthouseClient(addr=address, connect_timeout=timedelta(seconds=30))
+
+
+class NativeBeats:
+    """A worker's heartbeats sent from torchft's native threads (a ManagerServer of its own, used
+    for nothing else), beside the Python heartbeat thread's: a Python thread beats only when it
+    gets the interpreter's lock, which another thread may hold for seconds at a time on a loaded
+    machine (gc.collect() and destroy_process_group() as a quorum re-forms, an import, a long C
+    call), and the lighthouse then left a live member out of the quorum (at a load of 20-38 on 2
+    cores: a joiner, in the fault matrix). A killed or SIGSTOPped process still stops beating at
+    once, so HEARTBEAT_TIMEOUT_MS stays short. The Membership stops these beats (stop()) when its
+    training thread is stuck, and keep()s them going otherwise; they ride out a lighthouse restart."""
+
+    def __init__(self, address: str, replica_id: str):
+        self.address, self.replica_id = address, replica_id
+        self._lock = threading.Lock()
+        self._server, self._starting, self._wanted = None, False, False
+
+    def keep(self) -> None:
+        """Beating, or starting to: the start waits for the lighthouse's answer (up to a heartbeat
+        timeout), so it runs on a thread of its own, never on the caller's."""
+        with self._lock:
+            self._wanted = True
+            if self._server is not None or self._starting:
+                return
+            self._starting = True
+        threading.Thread(target=self._start, name="lowcomm-native-beats", daemon=True).start()
+
+    def _start(self) -> None:
+        try:
+            server = _torchft().ManagerServer(
+                replica_id=self.replica_id, lighthouse_addr=self.address, hostname="localhost", bind="127.0.0.1:0",
+                store_addr="", world_size=1, heartbeat_interval=timedelta(seconds=HEARTBEAT_S),
+                connect_timeout=timedelta(milliseconds=HEARTBEAT_TIMEOUT_MS), quorum_retries=0)
+        except Exception:  # the lighthouse away (or not torchft's): the next keep() tries again
+            server = None
+        with self._lock:
+            self._starting = False
+            if self._wanted:
+                self._server, server = server, None
+        if server is not None:  # stopped while it started
+            server.shutdown()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._wanted, server, self._server = False, self._server, None
+        if server is not None:
+            server.shutdown()
