@@ -63,6 +63,9 @@ def test_the_model_directory_appears_whole_or_not_at_all(tmp_path):
     save_model(newer, full_state(newer), target, 16)  # a directory written over: replaced whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
     assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")  # a file as the umask makes it: the weights too (safetensors writes them 0600)
+    assert {p.stat().st_mode & 0o777 for p in target.iterdir()} == {probe.stat().st_mode & 0o777}
     loaded = load_saved(read_saved(target), torch.device("cpu"))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), newer.state_dict().values()))
     assert loaded.head.weight is loaded.tok_emb.weight  # still tied

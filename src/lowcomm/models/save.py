@@ -74,6 +74,7 @@ def save_model(model: nn.Module, state: dict[str, torch.Tensor], directory: Path
                 (tmp / name).write_bytes(content)
             else:
                 shutil.copyfile(content, tmp / name)
+        _readable_as(tmp / CONFIG, tmp)
         _replace(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -94,6 +95,14 @@ def _save_gpt(model: GPT, state: dict, directory: Path, seq_len: int) -> None:
     weights = {k: v.contiguous() for k, v in state.items() if k not in TIED}
     save_file(weights, str(directory / WEIGHTS), metadata={"format": "pt"})
     (directory / CONFIG).write_text(json.dumps(gpt_config(model, seq_len), indent=2) + "\n")
+
+
+def _readable_as(reference: Path, directory: Path) -> None:
+    """Every file in `directory` with `reference`'s mode (what the umask gives a new file):
+    safetensors writes its file private (0600), which a shared run directory's readers cannot open."""
+    mode = reference.stat().st_mode & 0o777
+    for f in directory.iterdir():
+        os.chmod(f, mode)
 
 
 def _replace(tmp: Path, directory: Path) -> None:
