@@ -39,8 +39,9 @@ def load_hf_causal_lm(path: Path, config, weights: bool = True) -> nn.Module:
         return auto_model.from_config(config)
     try:
         with no_progress_bars():
-            model, info = auto_model.from_pretrained(str(path), config=config, dtype=torch.float32, local_files_only=True,
-                                                     use_safetensors=True, output_loading_info=True)
+            model, info = auto_model.from_pretrained(str(path), config=config, dtype=torch.float32,
+                                                     local_files_only=True, use_safetensors=True,
+                                                     output_loading_info=True)
     except Exception as e:
         raise UsageError(f"'{path}': its weights do not load into its config's model: {_one_line(e)}") from None
     missing, mismatched = info.get("missing_keys") or [], info.get("mismatched_keys") or []

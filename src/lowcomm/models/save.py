@@ -39,7 +39,8 @@ def full_state(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor] |
     model = unwrapped(model)
     # the module's own tensors under the state dict's names: a sharding engine's state-dict hook
     # may show each rank's shard there (engines/inside_fsdp.py: what a checkpoint keeps)
-    named = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    named = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False))}
     state = {k: named.get(k, v) for k, v in model.state_dict().items()}
     sharded = any(isinstance(v, DTensor) for v in state.values())
     if not sharded and not keep:
