@@ -8,8 +8,8 @@ first commit point after each.
 
 With replica groups (a launcher's slot of 2 processes is one replica) the same holds position by
 position: zero1 across 2 replicas equals the plain run, resumes bit for bit, goes on with 1
-replica from a checkpoint of 2 and with 2 again when `lowcomm join` adds one; diloco with FSDP
-inside heals a restarted replica shard by shard, and its checkpoint resumes bit for bit."""
+replica from a checkpoint of 2 and with 2 again when `lowcomm join` adds one; diloco and zero1 with
+FSDP inside heal a restarted replica shard by shard, and their checkpoints resume bit for bit."""
 from __future__ import annotations
 
 import json
@@ -216,21 +216,25 @@ def test_zero1_across_elastic_replicas_equals_the_plain_run_and_goes_on_with_the
     assert [len(r["members"]) for r in records] == [4] * 4 + [2] * (join["step"] - 4) + [4] * (STEPS - join["step"])
 
 
+# With FSDP inside: diloco (its outer state on each position's shards), and zero1 (its optimizer
+# state sharded across the replicas at each position, on the shards each position owns). The
+# other strategies that run with FSDP inside keep their cross-replica state as one of these does.
+@pytest.mark.parametrize("strategy", [["diloco", "--sync-every", "4"], ["zero1"]], ids=lambda s: s[0])
 def test_a_replica_with_fsdp_inside_heals_position_by_position_and_its_checkpoint_resumes_bit_for_bit(
-        tmp_path, capfd, monkeypatch):
-    # diloco with FSDP inside each replica of 2: a process holds its shard of every tensor; slot 1's
-    # process 1 (rank 3) is killed after step 5, mid-round, and its replica restarted as a joiner
+        strategy, tmp_path, capfd, monkeypatch):
+    # FSDP inside each replica of 2: a process holds its shard of every tensor; slot 1's process 1
+    # (rank 3) is killed after step 5 (diloco: mid-round), and its replica restarted as a joiner
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("LOWCOMM_TEST_KILL_AT", "3:5")
     run = tmp_path / "run"
-    flags = ["--strategy", "diloco", "--sync-every", "4", *TWO, "--inside", "fsdp"]
+    flags = ["--strategy", *strategy, *TWO, "--inside", "fsdp"]
     _, err = lowcomm(capfd, "train", *REPLICAS, *flags, "--checkpoint-every", "4", "--keep", "3", "--max-restarts", "1",
                      "--out", str(run))
     monkeypatch.delenv("LOWCOMM_TEST_KILL_AT")
     assert "replica 1 (process 1) failed: killed by signal SIGKILL" in err
     records = jsonl(run / "steps.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    healed = jsonl(run / "membership.jsonl")[-1]  # at the sync that found rank 3 gone
+    healed = jsonl(run / "membership.jsonl")[-1]  # at the commit (diloco: the sync) that found rank 3 gone
     assert healed["healed"] == [2, 3] and healed["committed"][2:] == [-1, -1]
     shards = healed["state_sha256"]  # position p of the new replica holds position p's shards, bit for bit
     assert shards[2:] == shards[:2] == healed["resumed_sha256"][:2] and shards[0] != shards[1]
