@@ -94,7 +94,7 @@ def report(name: str, r: dict) -> None:
           f"({r['tokens_per_s'] / TARGET_TOKENS_PER_S:.2f}x the 0.5M target), CPU/wall {r['cpu_per_wall']:.2f}, "
           f"{r['tokens'] / (r['cpu_per_wall'] * r['wall_s']):,.0f} tokens per CPU-second, "
           f"peak RSS {r['peak_rss_bytes'] / 1e6:,.0f} MB ({r['peak_rss_bytes'] / TARGET_PEAK_BYTES:.2f}x the 1 GB "
-          f"target; {r['peak_rss_bytes'] / peak_target:.2f}x it scaled to this input), load "
+          f"target for 2 GB), load "
           f"{r['load_before']:.1f} -> {r['load_after']:.1f}")
 
 
