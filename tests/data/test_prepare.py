@@ -148,6 +148,10 @@ def test_a_tokenizer_json_is_copied_as_given_and_encodes_the_documents(bpe_dir, 
     held_out = {9, 19, 29, 39}  # 0.1 of 40 documents
     assert documents(train, meta["eot_id"]) == [tokenizer.encode(d) for i, d in enumerate(DOCS * 8)
                                                 if i not in held_out]
+    # a prepared directory as the tokenizer: the ids of the run that trained it, its end-of-text from meta.json
+    prepare(str(src), str(trained), tmp_path / "again", val_fraction=0.25)
+    for name in ("train.bin", "val.bin", "tokenizer.json"):
+        assert (tmp_path / "again" / name).read_bytes() == (trained / name).read_bytes()
 
 
 def test_a_hugging_face_tokenizer_directory_ends_documents_with_its_eos_token(tmp_path):
