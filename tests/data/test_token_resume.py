@@ -1,5 +1,6 @@
 """Training on token files, and resuming it bit for bit: the data's order comes from the seed and
-the stream's position is in the checkpoint, alike for a prepared directory, nanoGPT's files and
+the stream's position is in the checkpoint, alike for a directory `lowcomm data prepare` wrote
+(a bpe:300 trained on a small corpus), nanoGPT's files and
 llm.c's shards (two training shards read as one stream), in a plain run resumed with --resume and
 in an elastic run resumed from a commit point's checkpoint. The launcher's part (the vocabulary
 found and recorded, the run's data named in summary.json, the loader's time in steps.jsonl) in one
@@ -18,7 +19,8 @@ import torch
 
 from lowcomm import checkpoint as K
 from lowcomm.cli.main import build_parser, config_from_args, main
-from token_data import ids, write_llmc, write_nanogpt, write_prepared
+from tiny_runs import TEXT
+from token_data import ids, write_llmc, write_nanogpt
 
 from dist_utils import run_dist
 
@@ -29,7 +31,12 @@ FLAGS = ["--workers", "2", "--n-layer", "1", "--n-head", "2", "--d-model", "16",
 
 def sources(root: Path) -> dict[str, Path]:
     """The three layouts, each with a vocabulary of its own (the model's follows it)."""
-    prepared = write_prepared(root / "prepared", ids(3000, 300), ids(400, 300, seed=1), vocab=300)
+    texts = root / "texts"
+    texts.mkdir()
+    for i in range(12):  # documents: prepare holds every tenth or so out for validation
+        (texts / f"{i:02d}.txt").write_text(TEXT[i * 500:(i + 1) * 500] + f" document {i}\n")
+    prepared = root / "prepared"
+    assert main(["data", "prepare", str(texts), "--tokenizer", "bpe:300", "--out", str(prepared), "--quiet"]) == 0
     nanogpt = write_nanogpt(root / "nanogpt", ids(3000, 90, seed=2), ids(400, 90, seed=3)).parent  # no meta.pkl
     for i in (1, 2):
         write_llmc(root / "llmc" / f"web_train_{i:06d}.bin", ids(1500, 50257, seed=i))
@@ -63,10 +70,10 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
 
 
-def _lives(rank, world, root):
+def _lives(rank, world, root, data_of):
     """Each source straight through (checkpoints at CKPT and the end), then resumed from CKPT."""
     found = {}
-    for name, data in sources(Path(root)).items():
+    for name, data in data_of.items():
         out = Path(root) / f"run-{name}"
         straight, vocab = _train(config(data, out), rank, world)
         straight_records = _records(out) if rank == 0 else None
@@ -82,8 +89,11 @@ def _lives(rank, world, root):
 def test_token_files_train_and_resume_bit_for_bit(tmp_path):
     for name in ("prepared", "nanogpt", "llmc"):
         (tmp_path / f"run-{name}").mkdir()
-    lives = run_dist(_lives, 2, str(tmp_path), timeout=600)
-    for name, vocab in (("prepared", 300), ("nanogpt", 90), ("llmc", 50257)):
+    data_of = sources(tmp_path)  # written here, once: the ranks only read them
+    prepared_vocab = json.loads((data_of["prepared"] / "meta.json").read_text())["vocab_size"]
+    assert 257 < prepared_vocab <= 300
+    lives = run_dist(_lives, 2, str(tmp_path), data_of, timeout=600)
+    for name, vocab in (("prepared", prepared_vocab), ("nanogpt", 90), ("llmc", 50257)):
         for rank in range(2):
             life = lives[rank][name]
             assert life["vocab"] == vocab, name
@@ -119,7 +129,7 @@ def test_an_elastic_run_on_token_files_resumes_bit_for_bit(tmp_path, capfd, monk
             "--keep", "3"]
     assert main([*argv, "--out", str(whole)]) == 0, capfd.readouterr().err
     uninterrupted = json.loads((whole / "summary.json").read_text())
-    assert "prepared tokens" in uninterrupted["data"] and "vocab 300" in uninterrupted["data"]
+    assert "prepared tokens" in uninterrupted["data"] and "from meta.json" in uninterrupted["data"]
     resumed = tmp_path / "resumed"  # as a run stopped after step 4 would have left it
     shutil.copytree(whole, resumed)
     shutil.rmtree(resumed / "ckpt-000008")
