@@ -1,5 +1,5 @@
-"""A live member keeps beating while its interpreter's lock is held: its heartbeats go out from
-torchft's native threads (elastic/lighthouse.py, NativeBeats), so a worker that holds the lock
+"""A live member keeps beating while its interpreter's lock is held: its heartbeats go out from a
+process of their own too (elastic/lighthouse.py, BeatsProcess), so a worker that holds the lock
 for seconds (gc.collect() and destroy_process_group() as a quorum re-forms, an import, a long C
 call, all stretched by a loaded machine) is not taken for dead by the lighthouse, whose timeout
 stays short (a killed worker is dropped about a second after its last beat)."""
@@ -57,7 +57,7 @@ def test_a_member_holding_its_interpreter_lock_for_seconds_keeps_beating():
         assert child.returncode == 0 and held, out
         start, end = map(float, held.groups())
         # past a heartbeat timeout into the hold, until it ends: a Python thread's beats had
-        # stopped there (0 heartbeating), the native ones go on
+        # stopped there (0 heartbeating), those of the beats' own process go on
         timeout_s = lighthouse.HEARTBEAT_TIMEOUT_MS / 1000
         during = [n for when, n in seen if start + 1.5 * timeout_s < when < end - 0.2]
         assert during and all(n == 1 for n in during), (end - start, seen)

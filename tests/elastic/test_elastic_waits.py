@@ -62,6 +62,23 @@ class FakeStore:
         return self.counts[key]
 
 
+class NoBeatsProcess:
+    """The heartbeats' own process (lighthouse.BeatsProcess), not started: a fake lighthouse
+    answers in this process only."""
+
+    def __init__(self, address, replica_id):
+        pass
+
+    def keep(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def close(self):
+        pass
+
+
 @pytest.fixture
 def member(monkeypatch):
     """member(fails) -> a Membership on a fake lighthouse whose calls raise `fails` first."""
@@ -71,6 +88,7 @@ def member(monkeypatch):
         stores = []
         monkeypatch.setattr(membership.dist, "TCPStore", lambda *a, **k: stores.append(FakeStore()) or stores[-1])
         monkeypatch.setattr(lighthouse, "client", lambda address: FakeClient(fails))
+        monkeypatch.setattr(lighthouse, "BeatsProcess", NoBeatsProcess)  # no lighthouse to beat to
         m = membership.Membership(address, "127.0.0.1", 1, slot=slot, timeout_s=5.0, speaks=speaks)
         m.stores = stores
         made.append(m)

@@ -14,8 +14,11 @@ group made from the quorum (membership.py) and sends state over that group (tran
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 from ..errors import UsageError
 
@@ -26,6 +29,7 @@ HEARTBEAT_TIMEOUT_MS = 1000   # a dead worker is dropped this long after its las
 # than a commit interval, or a joiner could form a quorum of its own.
 JOIN_TIMEOUT_MS = 600_000
 QUORUM_TICK_MS = 20
+BEATS = Path(__file__).with_name("beats_serve.py")
 
 
 def _torchft():
@@ -53,48 +57,61 @@ def client(address: str):
     return _torchft().LighthouseClient(addr=address, connect_timeout=timedelta(seconds=30))
 
 
-class NativeBeats:
-    """A worker's heartbeats sent from torchft's native threads (a ManagerServer of its own, used
-    for nothing else), beside the Python heartbeat thread's: a Python thread beats only when it
-    gets the interpreter's lock, which another thread may hold for seconds at a time on a loaded
-    machine (gc.collect() and destroy_process_group() as a quorum re-forms, an import, a long C
-    call), and the lighthouse then left a live member out of the quorum (at a load of 20-38 on 2
-    cores: a joiner, in the fault matrix). A killed or SIGSTOPped process still stops beating at
-    once, so HEARTBEAT_TIMEOUT_MS stays short. The Membership stops these beats (stop()) when its
-    training thread is stuck, and keep()s them going otherwise; they ride out a lighthouse restart."""
+
+class BeatsProcess:
+    """A worker's heartbeats sent from a small process of its own (beats_serve.py), beside the
+    worker's Python heartbeat thread: a thread beats only when it gets the interpreter's lock,
+    which another thread may hold for seconds at a time on a loaded machine (gc.collect() and
+    destroy_process_group() as a quorum re-forms, an import, a long C call), and the lighthouse
+    then left a live member out of a quorum (at a load of 20-38 on 2 cores: a joiner, in the
+    fault matrix). A killed or SIGSTOPped worker still stops beating at once, so
+    HEARTBEAT_TIMEOUT_MS stays short. The Membership stop()s these beats when its training thread
+    is stuck and keep()s them going otherwise. Where /proc is missing (a stopped worker could not
+    be told), there is no such process: the thread's beats alone, as before."""
 
     def __init__(self, address: str, replica_id: str):
         self.address, self.replica_id = address, replica_id
-        self._lock = threading.Lock()
-        self._server, self._starting, self._wanted = None, False, False
+        self._proc: subprocess.Popen | None = None
+        self._beating = False
+        self._usable = os.path.isdir("/proc/self")
+        self._lock = threading.Lock()  # the heartbeat thread says, the worker's close() ends
 
     def keep(self) -> None:
-        """Beating, or starting to: the start waits for the lighthouse's answer (up to a heartbeat
-        timeout), so it runs on a thread of its own, never on the caller's."""
         with self._lock:
-            self._wanted = True
-            if self._server is not None or self._starting:
-                return
-            self._starting = True
-        threading.Thread(target=self._start, name="lowcomm-native-beats", daemon=True).start()
-
-    def _start(self) -> None:
-        try:
-            server = _torchft().ManagerServer(
-                replica_id=self.replica_id, lighthouse_addr=self.address, hostname="localhost", bind="127.0.0.1:0",
-                store_addr="", world_size=1, heartbeat_interval=timedelta(seconds=HEARTBEAT_S),
-                connect_timeout=timedelta(milliseconds=HEARTBEAT_TIMEOUT_MS), quorum_retries=0)
-        except Exception:  # the lighthouse away (or not torchft's): the next keep() tries again
-            server = None
-        with self._lock:
-            self._starting = False
-            if self._wanted:
-                self._server, server = server, None
-        if server is not None:  # stopped while it started
-            server.shutdown()
+            self._say(True)
 
     def stop(self) -> None:
         with self._lock:
-            self._wanted, server, self._server = False, self._server, None
-        if server is not None:
-            server.shutdown()
+            self._say(False)
+
+    def _say(self, beating: bool) -> None:
+        if not self._usable or (beating == self._beating and (self._proc is None or self._proc.poll() is None)):
+            return
+        try:
+            if self._proc is None or self._proc.poll() is not None:
+                if not beating:
+                    return
+                self._proc = subprocess.Popen(
+                    [sys.executable, str(BEATS), self.address, self.replica_id, str(HEARTBEAT_S),
+                     str(HEARTBEAT_TIMEOUT_MS)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+            self._proc.stdin.write("1\n" if beating else "0\n")
+            self._proc.stdin.flush()
+            self._beating = beating
+        except OSError:  # it ended meanwhile: started again at the next keep()
+            self._beating = False
+
+    def close(self) -> None:
+        """End the process (closing its pipe ends it; a worker killed closes it the same way)."""
+        with self._lock:
+            proc, self._proc, self._usable = self._proc, None, False
+        if proc is not None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

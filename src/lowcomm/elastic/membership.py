@@ -89,7 +89,7 @@ class Membership:
         self._client, self._beats = self._retry_while_away(self._first_beat, "its first heartbeat")
         self._beat_failed, self._beats_back_at = False, 0.0  # see settling()
         self._progress_at, self._asking = time.monotonic(), False  # see progress()
-        self._native = lighthouse.NativeBeats(address, self.id)  # beats that need no interpreter lock
+        self._beater = lighthouse.BeatsProcess(address, self.id)  # beats that need no interpreter lock
         threading.Thread(target=self._heartbeat, name="lowcomm-heartbeat", daemon=True).start()
 
     def _first_beat(self):
@@ -131,9 +131,9 @@ class Membership:
     def _heartbeat(self) -> None:
         while not self._stop.wait(lighthouse.HEARTBEAT_S):
             if not self._asking and time.monotonic() - self._progress_at > 2 * self.timeout_s:
-                self._native.stop()
+                self._beater.stop()
                 continue
-            self._native.keep()
+            self._beater.keep()
             try:
                 # A beat outliving the lighthouse's heartbeat timeout is worthless: give up on it
                 # then, so that beats resume at once when a stopped lighthouse is restarted.
@@ -143,7 +143,7 @@ class Membership:
                 continue
             if self._beat_failed:
                 self._beat_failed, self._beats_back_at = False, time.monotonic()
-        self._native.stop()  # closed: one that a last keep() above restarted, too
+        self._beater.close()  # closed: one that a last keep() above restarted, too
 
     def settling(self) -> bool:
         """Whether the lighthouse may not yet know every live worker: it is away, or came back
@@ -261,7 +261,7 @@ class Membership:
 
     def close(self) -> None:
         self._stop.set()
-        self._native.stop()
+        self._beater.close()
         leave()
 
 
