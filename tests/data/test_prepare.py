@@ -205,8 +205,9 @@ def test_jsonl_rows_are_documents_and_a_null_or_blank_row_is_skipped(tmp_path):
     assert np.concatenate(read(tmp_path / "tok4")[1:]).tolist() == list(b'{"a": 1}') + [256]
 
 
-def test_parquet_and_datasets_directories_are_read_with_pyarrow(tmp_path):
+def test_parquet_and_datasets_directories_are_read_with_pyarrow(tmp_path, monkeypatch):
     pa = pytest.importorskip("pyarrow")
+    monkeypatch.setattr(sources, "PYTHON_ROWS", 1)  # each batch of 2 rows turned into strings a row at a time
     import pyarrow.parquet as pq
     table = pa.table({"id": list(range(len(DOCS))), "text": DOCS})
     pq.write_table(table, tmp_path / "c.parquet", row_group_size=2)

@@ -25,7 +25,8 @@ from .token_files import LLMC_FORMATS, find
 PIECE_CHARS = 1 << 16  # an encode_batch item: larger pieces encoded markedly slower (measured at 1 MB)
 READ_BYTES = 1 << 16
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}  # and .json given as SOURCE itself (in a directory: a text file)
-ARROW_BATCH_ROWS = 1024
+ARROW_BATCH_ROWS = 256  # Parquet rows decoded at a time
+PYTHON_ROWS = 64  # rows turned into Python strings at a time (a datasets batch may be 1,000 long documents)
 Piece = tuple[str, bool]  # (text, whether it ends its document)
 
 
@@ -114,8 +115,9 @@ class Source:
         seen = 0
         try:
             for batch in batches([self.field]):
-                for i, text in enumerate(batch.column(0).to_pylist()):
-                    yield from _row_pieces(text, f"{f}: row {seen + i}", self.field)
+                for at in range(0, batch.num_rows, PYTHON_ROWS):
+                    for i, text in enumerate(batch.column(0).slice(at, PYTHON_ROWS).to_pylist()):
+                        yield from _row_pieces(text, f"{f}: row {seen + at + i}", self.field)
                 seen += batch.num_rows
                 self.done = start + size * seen // max(rows, 1)
         except pa.ArrowException as e:
