@@ -21,7 +21,9 @@ LIBRARY = {"contract", "engines", "strategies", "comm", "compress", "models", "d
 TOP = {"__init__.py", "__main__.py", "errors.py"}  # the face; every other module has a folder
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
-BUDGETS = {"contract/base.py": 200}  # the Strategy base class: one screen or so
+BUDGETS = {"contract/base.py": 200,  # the Strategy base class: one screen or so
+           # a strategy is its paper: the schedule, pricing and elastic rules are its engine's
+           "strategies/diloco.py": 200, "strategies/streaming_diloco.py": 200, "strategies/sparseloco.py": 200}
 
 
 def module_name(path: Path) -> str:

@@ -2,7 +2,8 @@
 
 The algorithm (a strategy file) runs the inner steps and the outer optimizer; this engine
 keeps everything between them, and never calls back into the algorithm: the strategy
-calls it. A fragment's sync goes
+calls it, through the schedule that orders these steps (outer_schedule.py's OuterSchedule,
+a subclass: synchronous, streaming, one period late, eager). A fragment's sync goes
 
     issue(t)     Δ_f,r = θ_f,global − θ_f,r (a snapshot), its reduction started (outer_wire.py)
     in flight    the strategy runs `delay` more inner steps on the stale local θ
@@ -15,7 +16,7 @@ and their fp32 θ_global; the schedule (fragment f of F syncs at the trainer ste
 and its error-feedback residuals; what is in flight, landed and pending; the step info
 the --sync-by time clock needs (sync_by_time.py); --eager's stand-in offsets (eager.py); the
 state to checkpoint, where a reduction still in flight is this rank's part of it, sent again
-(`reissue`) on the group of the run that loads it; and the plan.
+(`reissue`) on the group of the run that loads it. The plan's price: outer_contract.py.
 
 Why not overlap.py's Background engine: its job runs the collectives on a communication
 thread, and a job still in flight when the trainer step ends races the trainer's own
@@ -36,8 +37,7 @@ from ..comm import Comm
 from ..contract.context import flat_of, write_flat
 from .eager import StandIn
 from .outer_wire import Outgoing, OuterWire, Ticket, WireFormat
-from ..contract.plan import PlannedOp
-from .sync_by_time import SlotClock, calibration_op, is_calibration
+from .sync_by_time import SlotClock
 
 
 def sync_offset(f: int, every: int, fragments: int) -> int:
@@ -48,43 +48,6 @@ def sync_offset(f: int, every: int, fragments: int) -> int:
 def syncs_at(t: int, offset: int, every: int) -> bool:
     """Whether a fragment at `offset` syncs at trainer step t (from 1; never at step 0)."""
     return t >= (offset or every) and (t - offset) % every == 0
-
-
-def comm_plan(sizes: list[list[int]], world: int, every: int, fmt: WireFormat, timed: bool) -> list[PlannedOp]:
-    """What one rank sends: each non-empty fragment's sync at its offset in the period
-    (sizes: every fragment's tensor sizes, empty fragments included), and the --sync-by time
-    calibration."""
-    F, plan = len(sizes), []
-    for f, tensors in enumerate(sizes):
-        if tensors:
-            plan += fmt.plan(tensors, world, every, sync_offset(f, every, F), f, fednova=timed)
-    return plan + ([calibration_op(world)] if timed else [])
-
-
-def plan_occurrences(op: PlannedOp, steps: int) -> int:
-    """Regular syncs before the run's last step, then the final sync (every fragment) at it."""
-    if steps < 1:
-        return 0
-    if is_calibration(op):
-        return 1 if steps >= 2 else 0
-    return op.occurrences(steps - 1) + 1
-
-
-def exposed_s(plan: list[PlannedOp], price, rate, hidden_s: float, steps: int | None,
-              synchronous_until: int = 0) -> float:
-    """Seconds a step waits for the syncs of `plan` (price(op): one occurrence's time; rate(op):
-    occurrences per step): a regular sync runs behind `hidden_s` of inner steps before it is
-    waited for (τ of them, a period with --outer-delay 1, none otherwise), but for those up to
-    step `synchronous_until` (--outer-delay-warmup), which wait in full; the final sync of a
-    run of `steps` steps (every fragment at the last step) has nothing left to hide behind, so
-    all of its time is exposed -- the fragments issued together, one after another on the link."""
-    total = 0.0
-    for op in plan:
-        counted = steps and not is_calibration(op)
-        final = 1 / steps if counted else 0.0
-        warm = op.occurrences(min(synchronous_until, steps - 1)) / steps if counted else 0.0
-        total += max(0.0, price(op) - hidden_s) * (rate(op) - final - warm) + price(op) * (final + warm)
-    return total
 
 
 def merges_at(step: int, every: int, fragments: int, delay: int) -> bool:

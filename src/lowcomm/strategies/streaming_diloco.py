@@ -18,8 +18,9 @@ size, a parameter never split. Fragments left empty (fewer blocks than F) never 
 
 Everything else (outer optimizer, wire formats, --sync-by time, the final sync of every
 fragment at the run's last step, evaluation of θ_global) is DiLoCo's (diloco.py), and the
-syncs are the outer-sync engine's (outer_sync.py, which also says why the collectives are
-issued asynchronously from the compute thread rather than on a communication thread).
+syncs and their schedule are the outer-sync engine's (outer_schedule.py; outer_sync.py says why
+the collectives are issued asynchronously from the compute thread rather than on a
+communication thread).
 Under --sync-by time τ counts trainer steps (slots), and the step-time exchange rides on
 each fragment's sync.
 """
