@@ -16,11 +16,12 @@ the output head, and position) and the final norm are in fragment 0. A model wit
 known blocks: contiguous groups of parameters (in `parameters()` order) of nearly equal
 size, a parameter never split. Fragments left empty (fewer blocks than F) never sync.
 
-Everything else (outer optimizer, wire formats, --sync-by time, the final sync of every
-fragment at the run's last step, evaluation of θ_global) is DiLoCo's (diloco.py), and the
-syncs and their schedule are the outer-sync engine's (outer_schedule.py; outer_sync.py says why
-the collectives are issued asynchronously from the compute thread rather than on a
-communication thread).
+The step is DiLoCo's (diloco.py: inner step; for each mean that landed, the outer step;
+merge), and so are the outer optimizer and the evaluation of θ_global. When each fragment
+syncs, lands and merges, the final sync of every fragment at the run's last step, the wire
+formats and --sync-by time are the outer-sync engine's (engines/outer_schedule.py;
+outer_sync.py says why the collectives are issued asynchronously from the compute thread
+rather than on a communication thread).
 Under --sync-by time τ counts trainer steps (slots), and the step-time exchange rides on
 each fragment's sync.
 """
