@@ -38,7 +38,8 @@ def test_a_descent_its_noise_and_a_non_finite_loss_are_not_spikes():
 
 def _outputs(tmp_path, steps: int) -> StepOutputs:
     cfg = SimpleNamespace(steps=steps, strategy="diloco", resume_from="", tensorboard="", wandb="")
-    trainer = SimpleNamespace(cfg=cfg, rank=0, world=1, step=0, run=SimpleNamespace(levels=[], strategy=None))
+    trainer = SimpleNamespace(cfg=cfg, rank=0, world=1, step=0, loader_s={},
+                              run=SimpleNamespace(levels=[], strategy=None))
     return StepOutputs(trainer, tmp_path, quiet=False)
 
 
