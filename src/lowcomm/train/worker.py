@@ -167,6 +167,7 @@ def announce(t: Trainer) -> None:
     cfg = t.cfg
     print(f"lowcomm: {cfg.strategy} on {t.world} worker(s) ({t.backend}), "
           f"{model_name(cfg)} {num_params(t.model) / 1e6:.2f}M params, data {t.source}"
+          + (f", {cfg.precision} autocast" if cfg.precision != "fp32" else "")
           + (f", resumed after step {t.step}" if cfg.resume_from else ""), flush=True)
 
 
