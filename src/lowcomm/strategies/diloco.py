@@ -10,9 +10,10 @@
 so equal --steps means equal tokens with ddp. When each fragment syncs, when its mean lands
 and how the workers restart is the outer-sync engine's schedule (engines/outer_schedule.py,
 shared with Streaming DiLoCo and SparseLoCo: synchronous, streaming, one period late with a
-warm-up, eager; what a joiner receives under --elastic); the wire beyond the paper (bf16,
-int8/int4, a compressor SPEC with error feedback) is outer_wire.py, phases fitted to each
-worker's speed sync_by_time.py. Evaluation and the saved model see θ_global.
+warm-up, eager); the plan's price of it and what a joiner receives under --elastic are
+outer_contract.py's; the wire beyond the paper (bf16, int8/int4, a compressor SPEC with error
+feedback) is outer_wire.py, phases fitted to each worker's speed sync_by_time.py. Evaluation
+and the saved model see θ_global.
 """
 from __future__ import annotations
 
