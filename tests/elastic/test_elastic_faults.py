@@ -88,6 +88,15 @@ def behind_a_peer(q: dict) -> bool:
     return all(0 <= q["committed"][q["slots"].index(s)] < ahead for s in q["healed"])
 
 
+def failed_join(q: dict, before: dict | None) -> bool:
+    """Is quorum `q` the members going on after a join that failed while its group formed: the
+    same members as the quorum before, the joiner lost with no collective of the strategy's in
+    flight (the join's own quorum left no record: it failed before writing one)?"""
+    fault = q.get("fault")
+    return (before is not None and fault is not None and q["slots"] == before["slots"]
+            and not set(fault["lost"]) & set(before["slots"]) and all(v is None for v in fault["in"].values()))
+
+
 def read_or_empty(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
@@ -246,7 +255,10 @@ def test_every_strategy_survives_every_fault_in_turn_with_one_state(name, tmp_pa
     joiner_commits = sorted(step for step, by_slot in commits.items() if 3 in by_slot)
     assert joiner_commits and len(commits[joiner_commits[0]]) >= 3, commits[joiner_commits[0]]
     # Each quorum with the members it healed: a joiner, or (shown as []) only members behind a peer
-    # that finished a commit they did not finish before the fault.
+    # that finished a commit they did not finish before the fault. A join that failed while its
+    # group formed (at a load of 30, forming it outlasted --member-timeout) is not one of the
+    # faults: the members went on as they were, and the joiner came in at a later quorum.
+    quorums = [q for q, before in zip(quorums, [None, *quorums]) if not failed_join(q, before)]
     seen = [(q["slots"], [] if q["slots"] == [0, 1, 2] and behind_a_peer(q) else q["healed"]) for q in quorums]
     # The survivors of the kill form a quorum of their own only when the restarted worker is late.
     alone = [([0, 2, 3], [])] if seen[2] == ([0, 2, 3], []) else []
