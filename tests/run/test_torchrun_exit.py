@@ -68,13 +68,6 @@ def torchrun(script, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
 
 
-@pytest.fixture
-def script(tmp_path):
-    path = tmp_path / "readme_loop.py"
-    path.write_text(SCRIPT)
-    return path
-
-
 def ended_cleanly(done: subprocess.CompletedProcess) -> None:
     tail = done.stdout[-3000:]
     assert done.returncode == 0 and "terminate called" not in done.stdout, tail
@@ -83,33 +76,44 @@ def ended_cleanly(done: subprocess.CompletedProcess) -> None:
         assert len(steps) == 2 and min(steps) > 0, tail
 
 
+# Every job of this file, run side by side in one pool: what is checked is each job's exit and
+# output, not its time, and a job is mostly three imports of torch (the agent's, each worker's);
+# four at a time keep 2 cores busy through a job's waits (its rendezvous, the agent's polling).
+# Each job has its own rendezvous port (--standalone: a free one) and its own output; at a load
+# of 40 a job stays well within its 240 s.
+ENDINGS = [("made", "destroy"), ("wrap", "destroy"), ("wrap", "none")]
+JOBS, AT_A_TIME = 20, 4
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict:
+    """{(group, ending): its job} for each ending, and "loop": the twenty jobs of the README loop."""
+    script = tmp_path_factory.mktemp("torchrun") / "readme_loop.py"
+    script.write_text(SCRIPT)
+    asked = [*ENDINGS, *[("made", "destroy")] * JOBS]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(AT_A_TIME) as pool:
+        done = list(pool.map(lambda args: torchrun(script, *args, FAMILIES), asked))
+    print(f"{len(asked)} torchrun jobs, {AT_A_TIME} at a time, in {time.perf_counter() - t0:.0f} s")
+    return {**dict(zip(ENDINGS, done)), "loop": done[len(ENDINGS):]}
+
+
 @pytest.mark.procs
-@pytest.mark.parametrize("group,ending", [("made", "destroy"), ("wrap", "destroy"), ("wrap", "none")])
-def test_no_gloo_thread_outlives_the_group(script, group, ending):
+@pytest.mark.parametrize("group,ending", ENDINGS)
+def test_no_gloo_thread_outlives_the_group(jobs, group, ending):
     """A script that destroys its group, or leaves wrap()'s own to lowcomm, has no gloo thread
     after that: none is left to race the interpreter's exit."""
-    done = torchrun(script, group, ending, FAMILIES)
+    done = jobs[group, ending]
     ended_cleanly(done)
     assert done.stdout.count("gloo threads left: []") == 2, done.stdout[-3000:]
 
 
-# Jobs run side by side: what is checked is each job's exit, not its time, and a job is mostly
-# three imports of torch (the agent's, each worker's); four at a time keep 2 cores busy through a
-# job's waits (its rendezvous, the agent's polling). Each job has its own rendezvous port
-# (--standalone: a free one) and its own output; at a load of 40 a job stays well within its 240 s.
-JOBS, AT_A_TIME = 20, 4
-
-
 @pytest.mark.procs
-def test_the_readme_loop_exits_0_in_twenty_torchrun_jobs(script):
+def test_the_readme_loop_exits_0_in_twenty_torchrun_jobs(jobs):
     """Twenty torchrun jobs of the README loop, each training every family and destroying its
     group: each must exit 0 (measured: see docs/python-api.md)."""
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(AT_A_TIME) as pool:
-        jobs = list(pool.map(lambda _: torchrun(script, "made", "destroy", FAMILIES), range(JOBS)))
-    for number, done in enumerate(jobs, 1):
+    for number, done in enumerate(jobs["loop"], 1):
         try:
             ended_cleanly(done)
         except AssertionError as e:
             raise AssertionError(f"job {number} of {JOBS}: {e}") from None
-    print(f"{JOBS} torchrun jobs, {AT_A_TIME} at a time, in {time.perf_counter() - t0:.0f} s")
