@@ -18,7 +18,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from ..errors import UsageError
-from ..strategies.diloco import outer_step_suffix
+from ..engines.outer_options import outer_step_suffix
 
 BENCH_FILE = "bench.json"
 

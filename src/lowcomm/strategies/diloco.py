@@ -27,7 +27,7 @@ from ..contract.base import Strategy
 from ..contract.context import all_finite
 from ..contract.options import option
 from ..engines.outer_contract import OuterSyncContract
-from ..engines.outer_options import OuterSyncOptions, outer_step_suffix  # (the suffix: metrics/runs.py's)
+from ..engines.outer_options import OuterSyncOptions, outer_step_suffix
 from ..engines.outer_schedule import OuterSchedule
 from ..engines.outer_wire import PRECISIONS
 from ..engines.token_weights import WEIGHTS
