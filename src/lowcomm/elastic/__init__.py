@@ -7,6 +7,7 @@ Built from torchft's lighthouse (membership by heartbeat and quorum) and plain c
 - support.py   what an elastic run can take (one line refusing the rest) and what it reads of its
                strategy's declarations (contract/elastic.py: local state, commit points, re-cut);
 - lighthouse.py the launcher's lighthouse (torchft's LighthouseServer) and the workers' client;
+               each worker's heartbeats also from a process of their own (beats_serve.py);
 - keeper.py    the lighthouse in its own process (lighthouse_serve.py), restarted when it dies;
 - membership.py a quorum at a commit point, and the c10d group of its members;
 - transfer.py  the live state sent from a peer to a worker that joins or fell behind;

@@ -1,6 +1,7 @@
 """torchft's lighthouse: the one place that decides who is in the run.
 
-Every worker heartbeats to it (HEARTBEAT_S); at a commit point the workers ask it for a quorum
+Every worker heartbeats to it (HEARTBEAT_S; from a thread, and from a process of its own:
+BeatsProcess); at a commit point the workers ask it for a quorum
 and it answers every one of them with the same members. A worker whose heartbeats stop for
 HEARTBEAT_TIMEOUT_MS (a SIGKILL, a crash) is left out of the next quorum. The launcher runs it
 in its own process and restarts it there when it dies (keeper.py).
@@ -55,7 +56,6 @@ def start(min_workers: int):
 
 def client(address: str):
     return _torchft().LighthouseClient(addr=address, connect_timeout=timedelta(seconds=30))
-
 
 
 class BeatsProcess:
