@@ -34,11 +34,11 @@ $(STAMP): pyproject.toml Makefile | $(PYTHON)
 bench: install
 	$(PYTHON) -m lowcomm bench $(BENCH_FLAGS)
 
-# Two pytest workers (pytest-xdist), each test module on one of them (loadscope: a module's shared
-# spawns run once): most tests wait on processes they started, so two lanes fill the two cores.
-# 1,350 tests took 571 s this way against 682 s one after another on 2 quiet cores.
+# Two pytest workers (pytest-xdist): most tests wait on processes they started, so two lanes fill
+# the two cores. 1,350 tests on 2 quiet cores: 571 s (-n 2), 599 s (-n 2 --dist loadscope: a module
+# a worker, its long tail on one), 682 s one after another.
 test: install
-	$(PYTHON) -m pytest -q -n 2 --dist loadscope $(PYTEST_FLAGS)
+	$(PYTHON) -m pytest -q -n 2 $(PYTEST_FLAGS)
 
 # The marks are described in pyproject.toml; a test that starts a process has one (tests/conftest.py).
 test-fast: install
