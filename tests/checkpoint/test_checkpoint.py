@@ -27,6 +27,7 @@ from lowcomm.strategies import available, get
 from lowcomm.strategies.registry import reproducible_flags
 
 from dist_utils import run_dist
+from tiny_runs import trained
 
 pytestmark = pytest.mark.procs
 
@@ -75,15 +76,7 @@ def saved_params(ckpt: Path, rank: int = 0) -> dict:
 
 
 def _train(cfg, rank, world):
-    from lowcomm.train.worker import build, run_plain
-    t = build(cfg, rank, world, local_rank=0)
-    try:
-        if cfg.resume_from:
-            K.load(t, K.read(Path(cfg.resume_from)))
-        run_plain(t, Path(cfg.out) if rank == 0 else None, quiet=True)
-    finally:
-        t.run.close()
-    return flat(t.model)
+    return flat(trained(cfg, rank, world).model)
 
 
 def _straight_life(rank, world, names, root):

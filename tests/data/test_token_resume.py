@@ -19,7 +19,7 @@ import torch
 
 from lowcomm import checkpoint as K
 from lowcomm.cli.main import build_parser, config_from_args, main
-from tiny_runs import TEXT
+from tiny_runs import TEXT, trained
 from token_data import ids, write_llmc, write_nanogpt
 
 from dist_utils import run_dist
@@ -54,14 +54,7 @@ def config(data: Path, out: Path, *extra: str):
 
 
 def _train(cfg, rank, world):
-    from lowcomm.train.worker import build, run_plain
-    t = build(cfg, rank, world, local_rank=0)
-    try:
-        if cfg.resume_from:
-            K.load(t, K.read(Path(cfg.resume_from)))
-        run_plain(t, Path(cfg.out) if rank == 0 else None, quiet=True)
-    finally:
-        t.run.close()
+    t = trained(cfg, rank, world)
     vocab = t.model.tok_emb.num_embeddings
     return torch.cat([p.detach().reshape(-1).clone() for p in t.model.parameters()]), vocab
 

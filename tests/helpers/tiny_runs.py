@@ -1,5 +1,6 @@
 """The tiny CLI run that the launcher, diagnosis and metrics tests start (its flags and its text),
-how to find the worker processes a launcher started, and the one `error:` line a failed run prints.
+how to find the worker processes a launcher started, the one `error:` line a failed run prints, and
+one rank's plain run inside a test's own process group (`trained`).
 The `data_file` fixture that writes TEXT is in tests/conftest.py."""
 from __future__ import annotations
 
@@ -64,3 +65,18 @@ def unwritable_dir(tmp: Path) -> Path:
     locked.mkdir()
     locked.chmod(0o500)
     return locked
+
+
+def trained(cfg, rank: int, world: int):
+    """One rank's plain run of `cfg` in a process group the caller made (a resumed run when
+    cfg.resume_from is set): the Trainer it ended with, its strategy closed."""
+    from lowcomm import checkpoint
+    from lowcomm.train.worker import build, run_plain
+    t = build(cfg, rank, world, local_rank=0)
+    try:
+        if cfg.resume_from:
+            checkpoint.load(t, checkpoint.read(Path(cfg.resume_from)))
+        run_plain(t, Path(cfg.out) if rank == 0 else None, quiet=True)
+    finally:
+        t.run.close()
+    return t
