@@ -32,6 +32,8 @@ QUORUM_QUIET_S = 60.0                  # a quorum this long in coming: the worke
 #                                        (and again every QUORUM_QUIET_S, up to --quorum-timeout)
 STORE_QUIET_S = 20.0                   # a new group this long in forming on the launcher's store: said once
 STORE_TIMEOUT_S = 300.0                # the launcher's store unanswered this long: the worker fails
+ARRIVED = "arrived"                    # on a quorum's prefix: how many of its members reached form_group
+FORM_FACTOR, FORM_MIN_S = 6.0, 60.0    # how long a quorum's members wait for each other before connecting
 JOINS_POLL_S = 0.2                     # how often a member reads the joiners' count (joins())
 
 
@@ -298,14 +300,35 @@ class Waiting:
             return str(e)
 
 
-def form_group(view: View, store: dist.Store, timeout_s: float) -> None:
+def form_group(view: View, store: dist.Store, timeout_s: float, arrive_s: float | None = None) -> None:
     """The quorum's gloo default group, on `store` under a prefix unique to the quorum, and the
     driver's control group beside it, both failing a collective after `timeout_s` (a frozen
-    member fails the others'; new_group's own timeout is 30 min). The previous group is left first."""
+    member fails the others'; new_group's own timeout is 30 min). The previous group is left first.
+
+    gloo's connect waits for every member's address only `timeout_s` (the collective timeout it
+    is given), and a member of a new quorum may still be leaving its old group, collecting
+    garbage or restoring state: on a loaded machine (load 30+) a member 10 s late failed the
+    group's forming again and again until the run gave up. So the members first wait for each
+    other on the store, up to `arrive_s` (default: FORM_FACTOR x `timeout_s`, at least
+    FORM_MIN_S), and connect only once all have arrived."""
     prefix = dist.PrefixStore(f"lowcomm/elastic/q{view.quorum}/", store)
+    wait_for_members(prefix, view.world, arrive_s if arrive_s is not None else max(FORM_MIN_S, FORM_FACTOR * timeout_s))
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group("gloo", store=prefix, rank=view.rank, world_size=view.world, timeout=timeout)
     control.register_control(dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout))
+
+
+def wait_for_members(store: dist.Store, world: int, bound_s: float, poll_s: float = 0.01) -> None:
+    """Every one of the quorum's `world` members has reached its forming (each adds 1 to a count
+    on the quorum's own prefix); TimeoutError (what a lost peer raises: the quorum is asked again)
+    when some have not within `bound_s`."""
+    store.add(ARRIVED, 1)
+    deadline = time.monotonic() + bound_s
+    while (arrived := int(store.add(ARRIVED, 0))) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {arrived} of the quorum's {world} members reached its group "
+                               f"within {bound_s:g} s (timed out)")
+        time.sleep(poll_s)
 
 
 def waiting_for_peers(e: BaseException) -> bool:
