@@ -10,8 +10,10 @@ Time is split the way a user cares about it:
   is exposed for its whole duration; an async op only for the time its
   `wait()` blocks. Strategies whose waiting happens inside torch (DDP's
   reducer) report it through `add_exposed`.
-Bookkeeping traffic (metrics, checksums) goes through `meta_*` and is counted
-apart from the strategy's own bytes.
+Bookkeeping traffic (metrics, checksums, an elastic run's agreements: objects.py) goes through
+`meta_*` and is counted apart from the strategy's own bytes, in `meta`. Traffic that is not a
+step's but pays the link as a step's does (an elastic heal: objects.py) is counted in
+`books[name]` and recorded in the flight ring under its name.
 """
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ class _Issued(NamedTuple):
     span: object  # the tracer's span, or None
     eid: int  # its event in the flight recorder (0: none)
     modeled_s: float = 0.0  # the link model's duration of the op (0: no emulated link)
+    book: str | None = None  # counted in Comm.books[book], not the steps' counters
 
 
 class Comm:
@@ -100,6 +103,7 @@ class Comm:
         self.stats = CommStats()
         self.by_op: dict[str, CommStats] = {}
         self.meta = CommStats()
+        self.books: dict[str, CommStats] = {}  # traffic apart from the steps' (see the docstring)
         self.last_issue_s = 0.0  # perf_counter() of the latest issue (DDP's exposed time)
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -130,12 +134,12 @@ class Comm:
 
     def _add(self, op: str | None = None, wire: int = 0, ops: int = 0,
              busy_s: float = 0.0, exposed_s: float = 0.0, meta: bool = False,
-             emulated_s: float = 0.0, modeled_s: float = 0.0) -> None:
+             emulated_s: float = 0.0, modeled_s: float = 0.0, book: str | None = None) -> None:
         if getattr(self._local, "overlapped", False):
             exposed_s = 0.0
         with self._lock:
-            targets = [self.meta] if meta else [self.stats]
-            if op is not None and not meta:
+            targets = [self.meta] if meta else [self.books.setdefault(book, CommStats())] if book else [self.stats]
+            if op is not None and not meta and not book:
                 targets.append(self.by_op.setdefault(op, CommStats()))
             for s in targets:
                 s.wire_bytes += wire
@@ -151,7 +155,7 @@ class Comm:
             torch.cuda.current_stream(tensor.device).synchronize()
 
     def _run(self, op: str, nbytes: int, launch, result, async_op: bool, meta: bool = False,
-             local=None):
+             local=None, book: str | None = None):
         """The one lifecycle of every collective: issue, launch, complete.
 
         Issue: note the time (last_issue_s is DDP's exposed time); with a link,
@@ -166,15 +170,16 @@ class Comm:
         if not dist.is_initialized():  # a single process without a group: do the op's local effect
             if local is not None:
                 local()
-            self._add(op, 0, 1, meta=meta)
+            self._add(op, 0, 1, meta=meta, book=book)
             return Handle(self, None, result) if async_op else None
-        issued = self._issue(op, nbytes, meta)
+        issued = self._issue(op, nbytes, meta, book)
         if not async_op:
             return self._run_sync(issued, launch, result)
         return self._run_async(issued, launch, result)
 
-    def _issue(self, op: str, nbytes: int, meta: bool) -> _Issued:
-        """Note the issue time, queue the op on the emulated link, open its trace span."""
+    def _issue(self, op: str, nbytes: int, meta: bool, book: str | None = None) -> _Issued:
+        """Note the issue time, queue the op on the emulated link, open its trace span (and its
+        event in the flight ring: under `book`'s name when it has one)."""
         wire = wire_bytes(op, nbytes, self.world)
         link = None if meta else self.link
         t0 = time.perf_counter()
@@ -182,12 +187,12 @@ class Comm:
         modeled = None if link is None else link.schedule(op, nbytes, self.world, t0)
         modeled_end = None if modeled is None else modeled[1]
         span = None if self.tracer is None else \
-            self.tracer.open_comm(op, t0, wire, nbytes, meta, *(modeled or (t0, t0)), level=self.level)
+            self.tracer.open_comm(book or op, t0, wire, nbytes, meta, *(modeled or (t0, t0)), level=self.level)
         seq = next(self._seqs)
         eid = 0 if self.flight is None else \
-            self.flight.open(_FLIGHT_CODE[op], t0, seq, nbytes, wire, self._level_code, meta)
+            self.flight.open(_FLIGHT_CODE[book or op], t0, seq, nbytes, wire, self._level_code, meta)
         return _Issued(op, wire, meta, t0, modeled_end, span, eid,
-                       0.0 if link is None else link.duration(op, nbytes, self.world))
+                       0.0 if link is None else link.duration(op, nbytes, self.world), book)
 
     def _run_sync(self, issued: _Issued, launch, result) -> None:
         """Launch, block until max(real end, modeled end), count it all as exposed."""
@@ -204,7 +209,7 @@ class Comm:
             _sleep_until(issued.modeled_end)
             end = time.perf_counter()
         self._add(op, issued.wire, 1, busy_s=end - t0, exposed_s=end - t0, meta=meta,
-                  emulated_s=end - real_end, modeled_s=issued.modeled_s)
+                  emulated_s=end - real_end, modeled_s=issued.modeled_s, book=issued.book)
         if issued.eid:
             self.flight.close(issued.eid, end)
         if span is not None:
@@ -214,7 +219,7 @@ class Comm:
     def _run_async(self, issued: _Issued, launch, result) -> Handle:
         """Launch and return a Handle; busy time is counted when the transport finishes."""
         work = launch(True)
-        self._add(issued.op, issued.wire, 1, meta=issued.meta, modeled_s=issued.modeled_s)
+        self._add(issued.op, issued.wire, 1, meta=issued.meta, modeled_s=issued.modeled_s, book=issued.book)
         handle = Handle(self, work, result, issued.modeled_end)
         self._in_flight.add(handle)
         real_future = _work_future(work)
@@ -237,12 +242,12 @@ class Comm:
         can end up collected on gloo's own thread, whose process group then dies inside
         itself (SIGABRT at exit)."""
         op, t0, meta, span, modeled_end = issued.op, issued.t0, issued.meta, issued.span, issued.modeled_end
-        eid, flight = issued.eid, self.flight
+        eid, flight, book = issued.eid, self.flight, issued.book
 
         def done(fut=None):
             real_end = time.perf_counter()
             end = real_end if modeled_end is None or modeled_end < real_end else modeled_end
-            self._add(op, busy_s=end - t0, emulated_s=end - real_end, meta=meta)
+            self._add(op, busy_s=end - t0, emulated_s=end - real_end, meta=meta, book=book)
             if eid:
                 flight.close(eid, end, failed=_failed(fut))
             if span is not None:

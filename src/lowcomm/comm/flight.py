@@ -44,7 +44,8 @@ _EID = struct.Struct("<q")
 _T1 = struct.Struct("<d")
 _T1_AT, _FLAGS_AT = 48, 58  # offsets of t1 and flags inside a slot
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier")
+# "heal": an elastic run's state sent to the members behind (a broadcast; comm/objects.py)
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier", "heal")
 SPANS = ("micro-batch", "wait", "optimizer", "evaluate", "checkpoint")
 NAMES = COLLECTIVES + SPANS
 CODE = {name: i for i, name in enumerate(NAMES)}

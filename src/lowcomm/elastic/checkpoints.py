@@ -25,9 +25,9 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-import torch.distributed as dist
-
 from ..checkpoint import read, read_state, save
+from ..comm.objects import all_gather_object
+from ..checkpoint.recut import load_recut
 from ..data.loader import stream_position
 from ..errors import RunError, UsageError
 
@@ -59,8 +59,7 @@ def run_dir(worker) -> Path:
     the members agree on that first, so that none waits in a write the others do not start."""
     host, _, steps = (worker.lead_log or "").partition(":")
     folder = Path(steps).parent
-    reached = [None] * worker.view.world
-    dist.all_gather_object(reached, bool(steps) and (host == socket.gethostname() or folder.is_dir()))
+    reached = all_gather_object(worker.t.comm, bool(steps) and (host == socket.gethostname() or folder.is_dir()))
     if not all(reached):
         away = [worker.view.slots[r] for r, ok in enumerate(reached) if not ok]
         raise RunError(f"cannot write a checkpoint into {folder} on {host}, beside the run's records: process(es) "
@@ -74,24 +73,11 @@ def load(worker, view) -> float:
     Returns the wall seconds of the run's earlier parts."""
     t, found = worker.t, read(Path(worker.cfg.resume_from))
     same = found.world == view.world
-    # Ranks are numbered replica by replica (K a replica, as when the checkpoint was written: a
-    # resume keeps K), so the checkpoint's ranks at this position are position, position + K, ...
-    K = view.size()
-    at_position = range(view.rank % K, found.world, K)
-    rank = view.rank if view.rank < found.world else at_position[0]
-    state = read_state(found, None if found.replicated and not same else rank)
-    s = t.run.strategy
     if same:  # step, strategy, data position and RNG: as if never stopped
+        state = read_state(found, view.rank)
         t.load_state_dict(state)
-    else:  # this rank's state (replica 0's for a rank it has not: as a joiner's); sharded: put together
-        whole = state["strategy"]
-        if s.sharded_state:  # sharded across the replicas at this position
-            whole = s.whole_from_shards([whole if r == rank else read_state(found, r)["strategy"]
-                                         for r in at_position])
-        joiner = view.rank >= found.world
-        t.run.load_state_dict(s.member_state(s.as_joiner(whole) if joiner else whole))
-        if joiner:
-            s.join_from_peer()
+    else:  # re-cut as a plain --resume does (checkpoint/recut.py), with K a replica as when written
+        state = load_recut(t.run, found, view.rank, view.size())
         t.step = found.step
     worker.step = t.step
     if not same:  # the stream's committed position, alike in every rank's loader state
