@@ -7,7 +7,7 @@ Every registered strategy, in two shared W=2 spawns (spawning is the expensive p
   on disk and must end with bit-identical parameters and the same steps.jsonl losses.
 One zero1 run in three parts: --stop-at (in the first spawn), then through the CLI a truncated
 checkpoint refused and the previous one used by --resume, and --max-restarts after a worker
-SIGKILLs itself; a checkpoint missing a rank's file and another world size are refused too.
+SIGKILLs itself; a checkpoint missing a rank's file is refused too.
 Suite time is a budget: the whole file is 2 shared spawns and 2 CLI launches.
 """
 from __future__ import annotations
@@ -163,8 +163,8 @@ def test_stop_at_resume_refusals_and_restart(lives, tmp_path, monkeypatch, capsy
     shared spawn, `lives`); the newest is then truncated, so `--resume` refuses it in one line and continues from step 2; rank 1 then
     SIGKILLs itself after step 4 and --max-restarts relaunches both workers from the checkpoint of
     step 3. The run ends with the uninterrupted run's parameters and losses, every step logged
-    once. A checkpoint missing a rank's file is refused too, and another world size is refused
-    for sharded state."""
+    once. A checkpoint missing a rank's file is refused too; another world size takes the same
+    checkpoint (its sharded state re-cut)."""
     straight_records, root = lives[1], lives[3]
     out = tmp_path / "run"
     shutil.copytree(root / "stopped", out)
@@ -202,8 +202,7 @@ def test_stop_at_resume_refusals_and_restart(lives, tmp_path, monkeypatch, capsy
     found = K.latest(out, cfg, 2, warn=warned.append)
     assert found.step == STEPS - 1 and warned == [f"warning: checkpoint {out / K.name_of(STEPS)} refused: file "
                                                   f"__1_0.distcp is missing; trying the previous one"]
-    with pytest.raises(K.WorldSizeError, match="written by 2 workers .* cannot be resharded to 3"):
-        K.latest(out, cfg, 3, warn=warned.append)
+    assert K.latest(out, cfg, 3, warn=warned.append) == found  # re-cut for 3 (test_resume_other_world.py)
 
 
 def test_min_workers_may_change_on_resume_and_a_checkpoint_hashed_with_it_is_still_taken():

@@ -11,8 +11,9 @@ run's output directory:
 
 One module a job: layout.py (names, manifest checksums, the config hash), state.py (the
 trainer's state as DCP stores it, and loading it back), write.py (requests and the atomic
-write), choose.py (verifying one, choosing the newest usable one), resume.py (`--resume`
-and relaunches after a failure), storage.py (any run file written when the disk may be full).
+write), choose.py (verifying one, choosing the newest usable one), recut.py (a checkpoint of
+another number of workers re-cut for this one: a plain and an elastic resume alike), resume.py
+(`--resume` and relaunches after a failure), storage.py (any run file written when the disk may be full).
 The names below are the package's interface. Imports: config, contract, errors.
 """
 from .choose import Found, WorldSizeError, check_world, latest, read, verify

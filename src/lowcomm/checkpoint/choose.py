@@ -73,12 +73,14 @@ def _found(path: Path, manifest: dict) -> Found:
                  int(manifest.get("per_replica", 1)))
 
 
-def check_world(found: Found, strategy: str, world: int) -> None:
-    """A checkpoint of another world size loads only where its strategy state is replicated."""
-    if found.world != world and not found.replicated:
-        raise WorldSizeError(f"checkpoint {found.path} was written by {found.world} workers and strategy "
-                             f"'{strategy}' keeps per-rank (sharded) state that cannot be resharded to "
-                             f"{world} workers; resume with --workers {found.world}")
+def check_world(found: Found, cfg: C.RunConfig, world: int) -> None:
+    """A checkpoint of another world size is re-cut for this one (recut.py), unless its state is
+    kept by position in replicas of another size."""
+    from .recut import refusal
+    from ..config.nodes import per_replica
+    why = refusal(found, cfg.strategy, world, per_replica(cfg))
+    if why:
+        raise WorldSizeError(why)
 
 
 def read(path: Path) -> Found:
@@ -97,7 +99,7 @@ def latest(out_dir: Path, cfg: C.RunConfig, world: int, warn=None) -> Found | No
         try:
             found = verify(path, cfg, world)
             if not cfg.elastic:  # an elastic run continues with the workers it finds (elastic/checkpoints.py)
-                check_world(found, cfg.strategy, world)  # the run's problem, not this checkpoint's: no fallback
+                check_world(found, cfg, world)  # the run's problem, not this checkpoint's: no fallback
             return found
         except UsageError as e:
             if isinstance(e, WorldSizeError):

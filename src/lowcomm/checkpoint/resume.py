@@ -84,10 +84,13 @@ def prepare_resume(cfg: C.RunConfig, create: bool) -> Path | None:
 
 
 def _other_membership(found: Found, cfg: C.RunConfig) -> str:
-    """How a checkpoint of another number of workers is taken (UsageError where it cannot be:
-    choose.check_world)."""
+    """How a checkpoint of another number of workers is taken (recut.py; UsageError where it
+    cannot be: choose.check_world)."""
     if not cfg.elastic:
-        return f"{found.world} workers, resuming on {cfg.workers}: the replicated state is loaded"
+        how = ("the replicated state is loaded" if found.replicated else
+               "the state is re-cut (a sharded one put together and cut anew; a worker the checkpoint has no "
+               "state for takes worker 0's, its own parts fresh)")
+        return f"{found.world} workers, resuming on {cfg.workers}: {how}"
     K = per_replica(cfg)
     if K == 1:
         return (f"{found.world} workers, resuming on {cfg.workers}: an elastic run goes on with the workers it finds "

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..config.nodes import per_replica
 from ..errors import RunError
 from .choose import Found
 
@@ -123,15 +124,16 @@ def _template(found: Found, wanted: list[str]) -> dict:
 
 
 def load(trainer, found: Found) -> dict:
-    """Load checkpoint `found` into the trainer: rank-local reads of its own namespace (or, for
-    replicated state written by another world size, the shared one and fresh data/RNG).
-    Returns the run's bookkeeping saved with it ({"wall_s": ...})."""
-    same_world = found.world == trainer.world
-    state = read_state(found, trainer.rank if same_world else None)
-    if not same_world:  # replicated strategy state on a new world size: the data order starts anew
-        trainer.run.load_state_dict(state["strategy"])
+    """Load checkpoint `found` into the trainer: rank-local reads of its own namespace; written by
+    another world size, its strategy state re-cut for this one (recut.py, as an elastic run's first
+    quorum does) with fresh data order and RNG. Returns the run's bookkeeping saved with it
+    ({"wall_s": ...})."""
+    if found.world != trainer.world:
+        from .recut import load_recut  # (it imports this module)
+        load_recut(trainer.run, found, trainer.rank, per_replica(trainer.cfg))
         trainer.step = found.step
         return {}
+    state = read_state(found, trainer.rank)
     trainer.load_state_dict(state)
     if trainer.step != found.step:
         raise RunError(f"checkpoint {found.path} holds step {trainer.step}, its name says {found.step}")
