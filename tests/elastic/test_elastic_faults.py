@@ -94,10 +94,17 @@ def behind_a_peer(q: dict) -> bool:
 def failed_join(q: dict, before: dict | None) -> bool:
     """Is quorum `q` the members going on after a join that failed while its group formed: the
     same members as the quorum before, the joiner lost with no collective of the strategy's in
-    flight (the join's own quorum left no record: it failed before writing one)?"""
+    flight (the join's own quorum left no record: it failed before writing one; a survivor may have
+    been in the quorum's agreements or its heal, which the flight ring records too)?"""
     fault = q.get("fault")
     return (before is not None and fault is not None and q["slots"] == before["slots"]
-            and not set(fault["lost"]) & set(before["slots"]) and all(v is None for v in fault["in"].values()))
+            and not set(fault["lost"]) & set(before["slots"]) and all(not_the_strategys(v) for v in fault["in"].values()))
+
+
+def not_the_strategys(lost_in: dict | None) -> bool:
+    """A survivor's collective when it found a peer gone is none of the strategy's traffic: none,
+    bookkeeping (the quorum's agreements) or the heal of the members behind."""
+    return lost_in is None or lost_in.get("bookkeeping", False) or lost_in.get("name") == "heal"
 
 
 def read_or_empty(path: Path) -> str:
