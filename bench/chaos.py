@@ -3,6 +3,7 @@
     python bench/chaos.py                                    # W=4, every strategy, ~5 min fault-free each
     python bench/chaos.py --minutes 2 --strategies diloco    # shorter
     python bench/chaos.py --seeds 0,1 --strategies diloco    # two seeds: the mean, the spread, the noise floor
+    python bench/chaos.py --link 100mbit,1ms --minutes 1     # instead: what a join's heal costs on that link
 
 For each strategy, all runs `lowcomm train --elastic --workers W --min-workers 2` on one machine:
 
@@ -28,6 +29,9 @@ tokens; target within 2 %); the time a survivor spends not training per fault (t
 quorum that trains on without the member lost: a kill, a stop, the joiner killed); the mean time
 from a fault to the next committed step; and from a restart (the launcher's line) to the joiner's
 first committed step.
+
+With --link, no faults: per strategy one run on that emulated link and one `lowcomm join` in it;
+the row gives the state the joiner's heal moved, its seconds and the plan's price for those bytes.
 """
 from __future__ import annotations
 
@@ -225,17 +229,22 @@ def recoveries(m: dict, faults: list[tuple[float, str]], lines: list[tuple[float
             "survivor_idle_s": mean(idle), "survivor_idle_max_s": max(idle, default=float("nan"))}
 
 
+def calibrated(args, strategy: str, seed: int, calib: Path, extra: tuple = ()) -> tuple[int, int]:
+    """(steps, validation every): a short fault-free run (in `calib`, with `extra` flags) measures
+    the seconds a step takes; the runs then train about --minutes (a multiple of H: local SGD)."""
+    unit = args.sync_every if strategy in LOCAL_SGD else 1
+    steps = 3 * (args.sync_every if strategy in LOCAL_SGD else 10)
+    run_clean(calib, flags(args, strategy, steps, steps, seed) + list(extra))
+    step_s = measured(calib)["seconds"] / steps
+    steps = max(unit, round(args.minutes * 60 / step_s / unit) * unit)
+    return steps, max(unit, round(steps / 10 / unit) * unit)
+
+
 def bench(strategy: str, seed: int, args, root: Path, kinds: list[str]) -> dict:
     """The fault-free and the faulted run of `strategy` at `seed` (the training's and the faults')."""
     name = strategy if len(args.seeds) == 1 else f"{strategy}-seed{seed}"
     print(f"{name}:", flush=True)
-    calib = root / f"{name}-calibrate"
-    steps = 3 * (args.sync_every if strategy in LOCAL_SGD else 10)
-    run_clean(calib, flags(args, strategy, steps, steps, seed))
-    step_s = measured(calib)["seconds"] / steps
-    unit = args.sync_every if strategy in LOCAL_SGD else 1
-    steps = max(unit, round(args.minutes * 60 / step_s / unit) * unit)
-    every = max(unit, round(steps / 10 / unit) * unit)
+    steps, every = calibrated(args, strategy, seed, root / f"{name}-calibrate")
     clean_out, chaos_out = root / f"{name}-clean", root / f"{name}-chaos"
     run_clean(clean_out, flags(args, strategy, steps, every, seed))
     proc = launch(chaos_out, flags(args, strategy, steps, every, seed))
@@ -254,6 +263,46 @@ def bench(strategy: str, seed: int, args, root: Path, kinds: list[str]) -> dict:
     return {"strategy": strategy, "seed": seed, "steps": steps, "clean": clean, "chaos": faulted, "faults": chaos.faults,
             **recoveries(faulted, chaos.faults, lines),
             "val_clean_at_tokens": loss_at(clean["curve"], faulted["tokens"])}
+
+
+def heal_cost(strategy: str, args, root: Path) -> dict:
+    """The --link row: an elastic run on the emulated link, calibrated as bench() is, with one
+    `lowcomm join` once it has committed a step; what the joiner's heal moved and took
+    (membership.jsonl's `heal`: the lead's seconds in the transfer) against the plan's price for
+    moving that state: one latency + bytes / bandwidth, LinkModel.duration of a broadcast, the
+    formula the planner prices every collective with."""
+    from lowcomm.comm.link import LinkModel, split_link_spec
+    print(f"{strategy} on --link {args.link}:", flush=True)
+    seed, link = args.seeds[0], ("--link", args.link)
+    steps, _ = calibrated(args, strategy, seed, root / f"{strategy}-link-calibrate", link)
+    out = root / f"{strategy}-link"
+    proc = launch(out, flags(args, strategy, steps, steps, seed) + list(link))
+    lines, logged = read_stderr(proc), out / "steps.jsonl"
+    while proc.poll() is None and not (logged.exists() and logged.stat().st_size):
+        time.sleep(0.2)
+    joiner = subprocess.Popen([sys.executable, "-m", "lowcomm", "join", str(out)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    finish(proc, lines)
+    joiner.wait(60)
+    summary = json.loads((out / "summary.json").read_text())
+    model = LinkModel.parse(*split_link_spec(args.link))
+    heals = [dict(q["heal"], world=len(q["slots"])) for q in jsonl(out / "membership.jsonl") if q.get("heal")]
+    for h in heals:
+        h["plan_s"] = model.duration("broadcast", h["bytes"], h["world"])
+    return {"strategy": strategy, "steps": steps, "model_bytes": 4 * summary["params"], "heals": heals}
+
+
+def report_heals(rows: list[dict], link: str) -> None:
+    print(f"\nA heal on --link {link}: the state a joiner receives (pickled, membership.jsonl's heal.bytes), "
+          f"the lead's seconds in the transfer, and the plan's price for it (one latency + bytes / bandwidth)")
+    print(f"{'':>18} {'state MB':>9} {'x model':>8} {'heal s':>8} {'plan s':>8} {'ratio':>6}")
+    for r in rows:
+        for h in r["heals"] or [None]:
+            if h is None:
+                print(f"{r['strategy']:>18} no heal (the joiner came after the last commit point: longer --minutes)")
+                continue
+            print(f"{r['strategy']:>18} {h['bytes'] / 1e6:>9.2f} {h['bytes'] / r['model_bytes']:>8.2f} "
+                  f"{h['seconds']:>8.2f} {h['plan_s']:>8.2f} {h['seconds'] / h['plan_s']:>6.2f}")
 
 
 def ratio_and_loss(r: dict) -> tuple[float, float]:
@@ -313,6 +362,8 @@ def main() -> int:
     p.add_argument("--seeds", default="0", help="comma-separated: each strategy runs at each seed (the "
                    "training's and the faults'), and the report gives the mean and the spread")
     p.add_argument("--keep", help="keep the runs under this directory (default: a temporary one)")
+    p.add_argument("--link", help="instead of the faults: what one join's heal costs on this emulated link "
+                   "(lowcomm's --link, e.g. 100mbit,1ms), per strategy, against the plan's price")
     args = p.parse_args()
     args.seeds = [int(x) for x in args.seeds.split(",")]
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="lowcomm-chaos-"))
@@ -323,6 +374,15 @@ def main() -> int:
         kinds.append("join")
     else:
         skipped = "join: skipped (this lowcomm has no `lowcomm join`)"
+    if args.link:
+        from lowcomm.strategies import available
+        names = available() if args.strategies == "all" else args.strategies.split(",")
+        print(f"W={args.workers}, ~{args.minutes:g} min a run; runs in {root}; load {os.getloadavg()[0]:.1f}", flush=True)
+        rows = [heal_cost(strategy, args, root) for strategy in names]
+        (root / "heals.json").write_text(json.dumps(rows, indent=1))
+        report_heals(rows, args.link)
+        print(f"load {os.getloadavg()[0]:.1f} at the end")
+        return 0
     print(f"W={args.workers}, ~{args.minutes:g} min fault-free, a fault every ~{args.fault_every:g} s of "
           f"{', '.join(kinds)}; runs in {root}; load {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
