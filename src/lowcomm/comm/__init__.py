@@ -1,6 +1,7 @@
 """Every byte a strategy sends: Comm counts, times and (on request) slows it to an emulated link
 (comm.py, link.py, pacer.py); replica groups (groups.py); compressed collectives; the flight
-ring each Comm writes (flight.py).
+ring each Comm writes (flight.py); Python objects through a Comm (objects.py: an elastic run's
+agreements, counted as bookkeeping, and its heal, counted apart and paced by the link).
 
 Imports: compress, errors.
 """
