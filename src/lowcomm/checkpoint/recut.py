@@ -43,8 +43,15 @@ def load_recut(run, found: Found, rank: int, per_replica: int) -> dict:
     whole = state["strategy"]
     if s.sharded_state:  # sharded across the ranks at this position
         whole = s.whole_from_shards([whole if r == own else read_state(found, r)["strategy"] for r in at_position])
-    joiner = rank >= found.world
-    run.load_state_dict(s.member_state(s.as_joiner(whole) if joiner else whole))
-    if joiner:
-        s.join_from_peer()
+    load_member(run, whole, joining=rank >= found.world)
     return state
+
+
+def load_member(run, whole: dict, joining: bool) -> None:
+    """Load into `run` this member's cut (member_state) of a commit's whole state: its own, or, as
+    a joiner, a peer's with its local parts fresh, then what follows from the peer's state (an
+    elastic run's heal and rollback load their snapshots so too)."""
+    s = run.strategy
+    run.load_state_dict(s.member_state(s.as_joiner(whole) if joining else whole))
+    if joining:
+        s.join_from_peer()

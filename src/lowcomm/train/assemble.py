@@ -10,9 +10,13 @@ past --workers, with an unshaped pace.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
+
+import torch
+from torch import nn
 
 from .. import config as C
 from ..comm import Comm, control
@@ -21,6 +25,7 @@ from ..comm.groups import ReplicaGroups, ReplicaLayout
 from ..diagnose.flight_cost import alternate
 from ..diagnose.trace import Tracer
 from ..run.build import build as build_run, make_pacer, replica_groups, world_comm
+from ..data.loader import ShardedBatches, StreamBatches
 from ..run.driver import RunDriver
 from . import faults
 from .optim import adamw_factory, lr_schedule
@@ -35,6 +40,83 @@ class Seat:
     @property
     def world(self) -> int:
         return self.layout.world
+
+
+@dataclass
+class Trainer:
+    """Everything one rank trains with, built once by `build`."""
+    cfg: C.RunConfig
+    rank: int
+    world: int
+    device: torch.device
+    backend: str
+    comm: Comm
+    model: torch.nn.Module
+    run: RunDriver
+    loader: ShardedBatches | StreamBatches  # a plain run's shard, an elastic member's draws of the run's stream
+    val: list
+    source: str
+    tracer: Tracer | None
+    flight: FlightRecorder | None  # None only when bench/always_on.py measures a run without it
+    mem_before: int = 0  # peak memory before the model was built (the runtime's own: torch, the groups)
+    step: int = 0  # trainer steps done
+    wall_before: float = 0.0  # wall seconds of the run's earlier parts (a resumed run)
+    # seconds next_batch spent reading each step's batches (step -> s), until steps.jsonl takes them
+    loader_s: dict = field(default_factory=dict)
+
+    def next_batch(self):
+        """The next micro-batch on the device; its reading time is the current step's loader_s."""
+        start = time.perf_counter()
+        x, y = self.loader.next()
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        step = self.step + 1  # the step being trained (self.step counts those done)
+        self.loader_s[step] = self.loader_s.get(step, 0.0) + time.perf_counter() - start
+        return x, y
+
+    def state_dict(self) -> dict:
+        """The whole trainer-level state at a step boundary: the strategy's (parameters,
+        optimizer, buffers), the data loader's reading position and the RNG states."""
+        return {"step": self.step, "strategy": self.run.state_dict(),
+                "loader": self.loader.state_dict(), "rng": _rng_state(self.device)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step = sd["step"]
+        self.run.load_state_dict(sd["strategy"])
+        self.loader.load_state_dict(sd["loader"])
+        _set_rng_state(sd["rng"], self.device)
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def build_trainer(cfg: C.RunConfig, seat: Seat, device: torch.device, backend: str, model: Callable[[], nn.Module],
+                  data: Callable[[], tuple], flight: FlightRecorder | None, tracer: Tracer | None, *,
+                  check: Callable | None = None, before_groups: Callable[[Comm], None] | None = None,
+                  member_timeout: float | None = None, options=None, fault_rank: int | None = None,
+                  mem_before: int = 0) -> Trainer:
+    """The one assembly of a rank's Trainer, for a plain run and for each membership of an elastic
+    one: its Comm and replica groups (`connect`), then its model (`model()`: a plain run builds
+    θ0 here; an elastic member brings the one it keeps), `check(model, comm)` (a plain run's
+    agreement on θ0), its data (`data()`: loader, validation batches, source label) and the
+    strategy on the groups (`strategy_run`)."""
+    comm, levels = connect(cfg, seat, flight, before_groups=before_groups, member_timeout=member_timeout)
+    net = model()
+    if check is not None:
+        check(net, comm)
+    loader, val, source = data()
+    run = strategy_run(cfg, net, comm, levels, seat, flight, tracer, device, options=options, fault_rank=fault_rank)
+    return Trainer(cfg, seat.rank, seat.world, device, backend, comm, net, run, loader, val, source, tracer, flight,
+                   mem_before=mem_before)
 
 
 def connect(cfg: C.RunConfig, seat: Seat, flight: FlightRecorder | None,

@@ -1,6 +1,7 @@
 """Test-only fault injection, kept out of the training loop: `inject(run, rank)` returns the
 run unchanged unless a LOWCOMM_TEST_* variable asks for a fault, and then a stand-in whose
-step() misbehaves at the asked step (the tests of supervision and recovery use it):
+step() misbehaves at the asked step (the tests of supervision and recovery use it); `watched(member)`
+does the same for an elastic member's membership policy (its commit points and its re-forms):
 
     LOWCOMM_TEST_HANG_AT=RANK:STEP    that rank blocks forever before that step (alive but stuck)
     LOWCOMM_TEST_STOP_AT=RANK:STEP    that rank SIGSTOPs itself before that step (frozen, as by a debugger
@@ -54,6 +55,35 @@ class _FaultyRun:
         result = self._run.step(next_batch, nan_loss_if_asked(self._rank, step, loss_fn))
         kill_if_asked(self._rank, step)
         return result
+
+
+def watched(member):
+    """An elastic member (train/elastic.py's ElasticWorker, the loop's membership policy), or a
+    stand-in for it that injects the --elastic faults the environment asks for."""
+    if not any(os.environ.get(f"LOWCOMM_TEST_{name}") for name in ("HOLD_FOR_JOINER", "COMMIT_HASHES",
+                                                                   "KILL_BEFORE_LOG")):
+        return member
+    return _FaultyMember(member)
+
+
+class _FaultyMember:
+    """The member with faults at its commit points; everything else is the member's own."""
+
+    def __init__(self, member):
+        self._member = member
+
+    def __getattr__(self, name):
+        return getattr(self._member, name)
+
+    def committed(self, t, records: list[dict]) -> None:
+        w = self._member
+        w.committed(t, records)
+        note_commit_if_asked(w.slot, w.step, lambda: w.hash_of(w.snapshot))
+        kill_if_asked(w.view.rank, w.step, "KILL_BEFORE_LOG")
+
+    def leaves(self, step: int, joins: int) -> bool:
+        w = self._member
+        return w.leaves(step, max(joins, hold_for_joiner_if_asked(step, w.m, w.joins_seen, w.since)))
 
 
 def hang_if_asked(rank: int, step: int) -> None:

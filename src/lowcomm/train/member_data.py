@@ -3,9 +3,9 @@ and its share of the run's validation batches, the same whatever the membership.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .. import config as C
+from ..comm import Comm
 from ..data import val_batches
 from ..data.loader import StreamBatches
 from ..elastic.membership import View
@@ -24,12 +24,12 @@ def loader_for(cfg: C.RunConfig, train, view: View, start: int) -> StreamBatches
                          cfg.seed, start, rank, world, position, positions)
 
 
-def commit_position(loader: StreamBatches) -> None:
+def commit_position(loader: StreamBatches, comm: Comm) -> None:
     """At a commit point: the stream's position, as far as the member that drew most (acco's
     rounds can draw unevenly; the draws the others are short of it are skipped, never read
-    twice). A collective: every member calls it."""
+    twice). A collective over the members' `comm` (bookkeeping: not the steps' wire bytes)."""
     drawn = torch.tensor([loader.drawn], dtype=torch.int64)
-    dist.all_reduce(drawn, op=dist.ReduceOp.MAX)
+    comm.meta_all_reduce(drawn, "max")
     loader.committed = loader.frontier(int(drawn))
 
 

@@ -1,5 +1,5 @@
-"""A torchrun job (or a launcher's slot of K processes) as one replica of an elastic run
-(replicas.py): its entries. The run on each quorum's group is assembled as a plain run's is
+"""The entries of an elastic run's processes: a worker the launcher starts (`elastic_entry`), and a
+torchrun job (or a launcher's slot of K processes) as one replica of an elastic run (replicas.py). The run on each quorum's group is assembled as a plain run's is
 (assemble.py, from ElasticWorker._build), with the replica machinery of a plain run (for every
 elastic run: a flat one's workers are replicas of one process).
 
@@ -75,4 +75,20 @@ def run_replica(cfg, local: int, size: int, job: dist.Store, lighthouse: str, ou
         return run_elastic(cfg, fault_rank, m, out, quiet, joining)
     finally:
         watch.done()
+        m.close()
+
+
+def elastic_entry(_i: int, slot: int, cfg, store_port: int, lighthouse_address: str, out_dir: str | None,
+                  quiet: bool, joining: bool) -> None:
+    """Entry of an elastic worker the launcher started (or restarted, `joining`): one process a replica."""
+    from .elastic import run_elastic
+    from .worker import ask_checkpoint_on_sigterm
+    from ..elastic.membership import Membership
+
+    m = Membership(lighthouse_address, "127.0.0.1", store_port, slot, support.member_timeout(cfg),
+                   speaks=slot == 0, quorum_timeout_s=cfg.quorum_timeout)  # speaks: one line, not one a worker
+    ask_checkpoint_on_sigterm(cfg)
+    try:
+        run_elastic(cfg, slot, m, Path(out_dir) if out_dir else None, quiet, joining)
+    finally:
         m.close()

@@ -18,8 +18,7 @@ and the sync's `outer.tokens_per_member` in steps.jsonl shows the tokens that di
 """
 from __future__ import annotations
 
-import torch.distributed as dist
-
+from ..comm.objects import all_gather_object
 from ..metrics.runlog import absent_vector
 
 
@@ -51,19 +50,18 @@ class RoundState:
         newest round step any of them kept, or all on the commit. Returns that step, or None."""
         kept = self.kept is not None and self.kept["base"] == w.snapshot["step"]
         mine = (self.kept["step"], self.kept["state"]["draws"]) if kept else None
-        every = [None] * w.view.world
-        dist.all_gather_object(every, mine)
+        every = all_gather_object(w.t.comm, mine)
         steps = [s for s in every if s is not None]
         if not steps:
             self.kept = None
             return None
         target, draws = max(steps)
         if mine is not None and mine[0] == target:
-            w._load(self.kept["state"])
+            w.load(self.kept["state"])
             w.progress.pending = list(self.kept["pending"])
         else:  # in the round from here, having trained none of it
             committed = w.snapshot
-            w._load({"step": target, "strategy": {**committed["strategy"], "steps_done": target}, "draws": draws})
+            w.load({"step": target, "strategy": {**committed["strategy"], "steps_done": target}, "draws": draws})
             w.progress.pending = [absent_vector() for _ in range(target - committed["step"])]
             self.kept = None
         return target

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import resource
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -37,8 +38,23 @@ def gather_trace(t, out_dir: Path | None, **metadata) -> None:
                                                      "link": C.to_dict(t.cfg)["link"], **metadata})
 
 
-def summarize(t, run, out_dir: Path | None, quiet: bool) -> dict | None:
-    """Gather every rank's measurements; rank 0 writes summary.json (and trace.json)."""
+def stop(t, out_dir: Path | None) -> None:
+    """A part of a run stopped with a checkpoint (--stop-at, a signal): no communication thread
+    left behind, the trace so far; summary.json is written by the part that reaches --steps."""
+    t.run.release()
+    gather_trace(t, out_dir, stopped_after_step=t.step)
+
+
+def finish(t, result, out_dir: Path | None, quiet: bool, extra: Callable[[], dict] | None = None) -> dict | None:
+    """The run's end, for a plain run and an elastic one alike: every rank closes its strategy
+    (collective: all end on the same final parameters), then `summarize`, with `extra()`'s keys
+    (collective where the caller's is: every rank calls it) in summary.json."""
+    t.run.close()
+    return summarize(t, result, out_dir, quiet, extra() if extra is not None else None)
+
+
+def summarize(t, run, out_dir: Path | None, quiet: bool, extra: dict | None = None) -> dict | None:
+    """Gather every rank's measurements; rank 0 writes summary.json (with `extra`'s keys) and trace.json."""
     comm, strategy = t.comm, t.run.strategy
     now = peak_memory_bytes(t.device)
     peaks = comm.meta_all_gather(torch.tensor([float(now), float(now - t.mem_before)], device=t.device)).cpu()
@@ -66,7 +82,8 @@ def summarize(t, run, out_dir: Path | None, quiet: bool) -> dict | None:
         traced=t.tracer is not None, strategy_report=strategy.report(), plan=plan, planned_wire_bytes=planned)
     summary.update(replicas=replicas, inside=t.cfg.inside if replicas < t.world else None, levels=levels,
                    peak_mem_added_bytes=int(added),
-                   machine=machine_at_end(0 if t.device.type == "cuda" else t.cfg.local_workers * t.cfg.threads))
+                   machine=machine_at_end(0 if t.device.type == "cuda" else t.cfg.local_workers * t.cfg.threads),
+                   **(extra or {}))
     write_json_atomic(out_dir / "summary.json", summary)
     if not quiet:
         print(describe(summary), flush=True)

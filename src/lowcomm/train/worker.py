@@ -5,7 +5,6 @@ import gc
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -26,8 +25,7 @@ from ..data.loader import ShardedBatches
 from .. import models
 from ..models.layout import meta_layout
 from ..config.nodes import check_numbering, under_torchrun
-from ..run.driver import RunDriver
-from .assemble import Seat, connect, strategy_run
+from .assemble import Seat, Trainer, build_trainer
 from .loop import FixedMembers, LoopResult, Progress, evaluate, loop  # noqa: F401 (evaluate: callers import it here)
 
 
@@ -81,86 +79,26 @@ def check_model(cfg: C.RunConfig) -> None:
     cfg.strategy_options().check_model(layout)
 
 
-@dataclass
-class Trainer:
-    """Everything one rank trains with, built once by `build`."""
-    cfg: C.RunConfig
-    rank: int
-    world: int
-    device: torch.device
-    backend: str
-    comm: Comm
-    model: torch.nn.Module
-    run: RunDriver
-    loader: ShardedBatches
-    val: list
-    source: str
-    tracer: Tracer | None
-    flight: FlightRecorder | None  # None only when bench/always_on.py measures a run without it
-    mem_before: int = 0  # peak memory before the model was built (the runtime's own: torch, the groups)
-    step: int = 0  # trainer steps done
-    wall_before: float = 0.0  # wall seconds of the run's earlier parts (a resumed run)
-    # seconds next_batch spent reading each step's batches (step -> s), until steps.jsonl takes them
-    loader_s: dict = field(default_factory=dict)
-
-    def next_batch(self):
-        """The next micro-batch on the device; its reading time is the current step's loader_s."""
-        start = time.perf_counter()
-        x, y = self.loader.next()
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        step = self.step + 1  # the step being trained (self.step counts those done)
-        self.loader_s[step] = self.loader_s.get(step, 0.0) + time.perf_counter() - start
-        return x, y
-
-    def state_dict(self) -> dict:
-        """The whole trainer-level state at a step boundary: the strategy's (parameters,
-        optimizer, buffers), the data loader's reading position and the RNG states."""
-        return {"step": self.step, "strategy": self.run.state_dict(),
-                "loader": self.loader.state_dict(), "rng": _rng_state(self.device)}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.step = sd["step"]
-        self.run.load_state_dict(sd["strategy"])
-        self.loader.load_state_dict(sd["loader"])
-        _set_rng_state(sd["rng"], self.device)
-
-
-def _rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
-    """Model, data, strategy, emulation and tracing of one rank (group already initialised)."""
+    """A plain run's rank (group already initialised): its seat in the world, θ0 built and checked
+    alike on every rank, its shard of the data (assemble.build_trainer)."""
     backend = dist.get_backend()
     device = pick_device(cfg, backend, local_rank)
     mem_before = run_end.peak_memory_bytes(device)
     # the world: a flat run's one level, else bookkeeping beside the replica groups
     seat = Seat(rank, ReplicaLayout(world, cfg.replicas or world), rank)
-    flight = FlightRecorder.for_rank(rank)  # always on: the last events, for a post-mortem
     # under torchrun every rank's replica count agreed, and a node per replica where the nodes chose it
     numbering = (lambda comm: check_numbering(comm, seat.layout, cfg.replicas_by_node, device)) if under_torchrun() else None
-    comm, levels = connect(cfg, seat, flight, before_groups=numbering)
-    model = build_model(cfg, device)
-    verify_identical_params(model, comm)
 
-    data = load_tokens(cfg.data.source, cfg.data.val_fraction, cfg.data.vocab_size, quiet=rank != 0)
-    layout = seat.layout
-    loader = ShardedBatches(data.train, layout.replica(rank), layout.replicas, cfg.model.seq_len,
-                            cfg.loader_micro_batch, cfg.seed, layout.position(rank), layout.size)
-    val = val_batches(data.val, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches)
-    tracer = Tracer(rank) if cfg.trace else None
-    run = strategy_run(cfg, model, comm, levels, seat, flight, tracer, device)
-    return Trainer(cfg, rank, world, device, backend, comm, model, run, loader, val, data.label, tracer, flight,
-                   mem_before=mem_before)
+    def data():
+        tokens, layout = load_tokens(cfg.data.source, cfg.data.val_fraction, cfg.data.vocab_size, quiet=rank != 0), seat.layout
+        loader = ShardedBatches(tokens.train, layout.replica(rank), layout.replicas, cfg.model.seq_len,
+                                cfg.loader_micro_batch, cfg.seed, layout.position(rank), layout.size)
+        return loader, val_batches(tokens.val, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches), tokens.label
+    # the flight recorder always on (the last events, for a post-mortem)
+    return build_trainer(cfg, seat, device, backend, lambda: build_model(cfg, device), data, FlightRecorder.for_rank(rank),
+                         Tracer(rank) if cfg.trace else None, check=verify_identical_params, before_groups=numbering,
+                         mem_before=mem_before)
 
 
 def announce(t: Trainer) -> None:
@@ -190,11 +128,9 @@ def train(cfg: C.RunConfig, rank: int, world: int, local_rank: int, out_dir: Pat
                 pass
         raise
     if result.stopped:  # a part of a run: summary.json is written by the part that reaches cfg.steps
-        t.run.release()
-        run_end.gather_trace(t, out_dir, stopped_after_step=t.step)
+        run_end.stop(t, out_dir)
         return None
-    t.run.close()  # collective: every rank ends on the same final parameters
-    return run_end.summarize(t, result, out_dir, quiet)
+    return run_end.finish(t, result, out_dir, quiet)
 
 
 def run_plain(t: Trainer, out_dir: Path | None, quiet: bool) -> LoopResult:
