@@ -8,6 +8,7 @@ here by hand from ALGORITHMS.md (S = bytes of the full logical tensor):
     all_gather      (W-1)/W * S (S = gathered output) = (W-1) * s
     broadcast       S                   all_to_all      (W-1)/W * S (S = send buffer)
 
+Python objects gathered through a Comm (an elastic run's agreements) are counted as bookkeeping.
 The collectives' values are checked too, and one ddp and one zero1 step's
 StepResult.wire_bytes equal 2(W-1)/W * P * 4 (zero1: P padded to a multiple of W).
 """
@@ -17,10 +18,13 @@ from fractions import Fraction
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import lowcomm
 from lowcomm.comm import latency_hops, wire_bytes
+from lowcomm.comm.flight import FlightRecorder
+from lowcomm.comm.objects import all_gather_object, pickled
 
 from dist_utils import run_dist
 
@@ -201,8 +205,24 @@ def _strategy_steps(rank: int, world: int) -> dict:
     return out
 
 
+def _object_gathers(rank: int, world: int) -> dict:
+    """An elastic run's agreements (comm/objects.py): unequal pickles on the ranks, gathered as
+    torch gathers them, counted and recorded as bookkeeping."""
+    comm = lowcomm.Comm()
+    comm.flight = FlightRecorder(rank)
+    mine = ("hash" * (rank + 1), rank, None if rank else {"in": "all_reduce"})
+    theirs = [None] * world
+    dist.all_gather_object(theirs, mine)
+    before, meta_before = comm.snapshot(), comm.meta.copy()
+    got = all_gather_object(comm, mine)
+    return {"same": got == theirs, "steps_untouched": (comm.snapshot() - before).wire_bytes == 0,
+            "meta_wire": (comm.meta - meta_before).wire_bytes, "longest": max(pickled(o).numel() for o in theirs),
+            "events": [(e.name, e.meta, e.state) for e in comm.flight.events()]}
+
+
 def _run_all(rank: int, world: int) -> dict:
-    return {"collectives": _collectives(rank, world), "steps": _strategy_steps(rank, world)}
+    return {"collectives": _collectives(rank, world), "steps": _strategy_steps(rank, world),
+            "objects": _object_gathers(rank, world)}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"W{w}")
@@ -239,6 +259,17 @@ def test_collective_values_are_correct(world_runs):
         bad = [k for k, ok in run["collectives"]["values_ok"].items() if not ok]
         assert not bad, f"rank {r}: wrong values from {bad}"
         assert len(run["collectives"]["values_ok"]) == 16
+
+
+@pytest.mark.procs
+def test_objects_are_gathered_as_torch_gathers_them_and_counted_as_bookkeeping(world_runs):
+    W, runs = world_runs
+    for run in runs:
+        g = run["objects"]
+        assert g["same"] and g["steps_untouched"], g
+        # two ring all-gathers: the W lengths (int64), then the W pickles padded to the longest
+        assert g["meta_wire"] == (W - 1) * 8 + (W - 1) * g["longest"], g
+        assert g["events"] == [("all_gather", True, "done")] * 2, g
 
 
 @pytest.mark.procs
