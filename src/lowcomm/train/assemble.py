@@ -25,9 +25,10 @@ from ..comm.groups import ReplicaGroups, ReplicaLayout
 from ..diagnose.flight_cost import alternate
 from ..diagnose.trace import Tracer
 from ..run.build import build as build_run, make_pacer, replica_groups, world_comm
-from ..data.loader import ShardedBatches, StreamBatches
+from ..data.loader import StreamBatches
 from ..run.driver import RunDriver
 from . import faults
+from .member_data import load_loader_state, loader_state
 from .optim import adamw_factory, lr_schedule
 
 
@@ -53,7 +54,7 @@ class Trainer:
     comm: Comm
     model: torch.nn.Module
     run: RunDriver
-    loader: ShardedBatches | StreamBatches  # a plain run's shard, an elastic member's draws of the run's stream
+    loader: StreamBatches  # its draws of the run's stream (member_data.py: a plain rank's are its shard's)
     val: list
     source: str
     tracer: Tracer | None
@@ -77,12 +78,12 @@ class Trainer:
         """The whole trainer-level state at a step boundary: the strategy's (parameters,
         optimizer, buffers), the data loader's reading position and the RNG states."""
         return {"step": self.step, "strategy": self.run.state_dict(),
-                "loader": self.loader.state_dict(), "rng": _rng_state(self.device)}
+                "loader": loader_state(self.loader), "rng": _rng_state(self.device)}
 
     def load_state_dict(self, sd: dict) -> None:
         self.step = sd["step"]
         self.run.load_state_dict(sd["strategy"])
-        self.loader.load_state_dict(sd["loader"])
+        load_loader_state(self.loader, sd["loader"])
         _set_rng_state(sd["rng"], self.device)
 
 

@@ -1,11 +1,14 @@
-"""What a member of an elastic run reads: its draws of the run's training data stream,
-and its share of the run's validation batches, the same whatever the membership."""
+"""What a rank reads: its draws of the run's training data stream (one loader, StreamBatches, for a
+plain rank and an elastic member: a plain rank's draws are those of its shard), its loader's state
+in a checkpoint, and an elastic member's share of the run's validation batches, the same whatever
+the membership."""
 from __future__ import annotations
 
 import torch
 
 from .. import config as C
 from ..comm import Comm
+from ..comm.groups import ReplicaLayout
 from ..data import val_batches
 from ..data.loader import StreamBatches
 from ..elastic.membership import View
@@ -22,6 +25,32 @@ def loader_for(cfg: C.RunConfig, train, view: View, start: int) -> StreamBatches
     rank, world, position, positions = view.shard()  # a replica of K processes: its shard, split K ways
     return StreamBatches(train, cfg.replicas or cfg.workers, cfg.model.seq_len, cfg.loader_micro_batch,
                          cfg.seed, start, rank, world, position, positions)
+
+
+def plain_loader(cfg: C.RunConfig, train, layout: ReplicaLayout, rank: int) -> StreamBatches:
+    """A plain run's rank `rank` of `layout`: the stream's draws of its replica's shard, from the
+    start (the stream of a membership of the run's size: what its shard's reader reads alone)."""
+    replica = layout.replica(rank)
+    return StreamBatches(train, layout.replicas, cfg.model.seq_len, cfg.loader_micro_batch, cfg.seed, 0, replica,
+                         layout.replicas, layout.position(rank), layout.size)
+
+
+def loader_state(loader: StreamBatches) -> dict:
+    """The loader's state in a checkpoint: the stream's position and the seed its epochs' orders
+    are drawn from (a resumed run reads on in the saved order)."""
+    return {**loader.state_dict(), "seed": loader.readers[0].seed}
+
+
+def load_loader_state(loader: StreamBatches, sd: dict) -> None:
+    """Read on from a saved state: a stream's, or the position in its one shard that a plain run's
+    loader saved before it was the stream (epoch, index: windows read, a draw's worth at a time)."""
+    if "epoch" in sd:
+        reader = loader.readers[loader.member]
+        read = int(sd["epoch"]) * len(reader.starts) + int(sd["index"])
+        sd = {**loader.state_dict(), "drawn": read // (reader.micro_batch * reader.positions), **sd}
+    loader.load_state_dict(sd)
+    for reader in loader.readers if "seed" in sd else ():
+        reader.load_state_dict({**reader.state_dict(), "seed": sd["seed"]})
 
 
 def commit_position(loader: StreamBatches, comm: Comm) -> None:

@@ -21,7 +21,7 @@ from ..checkpoint.storage import disk_full, first_failure
 from .outputs import StepOutputs
 from ..comm.flight import FlightRecorder
 from ..diagnose.trace import Tracer
-from ..data.loader import ShardedBatches
+from .member_data import plain_loader
 from .. import models
 from ..models.layout import meta_layout
 from ..config.nodes import check_numbering, under_torchrun
@@ -90,11 +90,10 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
     # under torchrun every rank's replica count agreed, and a node per replica where the nodes chose it
     numbering = (lambda comm: check_numbering(comm, seat.layout, cfg.replicas_by_node, device)) if under_torchrun() else None
 
-    def data():
-        tokens, layout = load_tokens(cfg.data.source, cfg.data.val_fraction, cfg.data.vocab_size, quiet=rank != 0), seat.layout
-        loader = ShardedBatches(tokens.train, layout.replica(rank), layout.replicas, cfg.model.seq_len,
-                                cfg.loader_micro_batch, cfg.seed, layout.position(rank), layout.size)
-        return loader, val_batches(tokens.val, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches), tokens.label
+    def data():  # this rank's draws of the run's stream (its shard's), its share of the validation windows
+        tokens = load_tokens(cfg.data.source, cfg.data.val_fraction, cfg.data.vocab_size, quiet=rank != 0)
+        val = val_batches(tokens.val, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches)
+        return plain_loader(cfg, tokens.train, seat.layout, rank), val, tokens.label
     # the flight recorder always on (the last events, for a post-mortem)
     return build_trainer(cfg, seat, device, backend, lambda: build_model(cfg, device), data, FlightRecorder.for_rank(rank),
                          Tracer(rank) if cfg.trace else None, check=verify_identical_params, before_groups=numbering,
