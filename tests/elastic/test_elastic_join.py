@@ -68,6 +68,13 @@ def test_a_worker_joined_from_another_terminal_trains_with_the_live_state(tmp_pa
     assert join["slots"] == [0, 1, 2] and join["committed"][2] == -1 and join["step"] == HOLD
     # The joiner's replicated state (θ_global, the outer state) equals its peers' when it starts training.
     assert len(set(join["state_sha256"])) == 1, join
+    # It came through the run's Comm: the heal's record is the pickled state (θ_global, the outer
+    # momentum, the inner AdamW, ...: more than the model's own bytes), no link priced it, and
+    # summary.json adds up the run's heals.
+    heal, heals = join["heal"], [q["heal"] for q in jsonl(out / "membership.jsonl") if q.get("heal")]
+    assert heal["from"] in (0, 1) and heal["bytes"] > 4 * summary["params"] and heal["seconds"] > 0, heal
+    assert heal["link_s"] == 0.0 and summary["elastic"]["heals"]["heals"] == len(heals) >= 1, summary["elastic"]
+    assert summary["elastic"]["heals"]["bytes"] == sum(h["bytes"] for h in heals)
     # Its steps are the run's: from the join on, every record names it, and it trained each of them.
     assert [r["members"] for r in records] == [[0, 1]] * HOLD + [[0, 1, 2]] * (STEPS - HOLD)
     assert summary["micro_batches_per_rank"][2] == (STEPS - HOLD) * summary["micro_batches_per_rank"][0] // STEPS
