@@ -93,7 +93,7 @@ def plan_bytes(name: str, params: int, world: int, steps: int, options: dict) ->
     opts = cls.Options(**options).validate(name)
     layout = layout_of(make_model())  # the CLI run's model (same dims)
     assert layout.numel == params
-    return sum(op.wire_bytes(world) * cls.plan_occurrences(op, steps, opts)
+    return sum(op.wire_bytes(world) * cls.cost.plan_occurrences(op, steps, opts)
                for op in cls.comm_plan(layout, world, opts))
 
 

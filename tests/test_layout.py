@@ -21,9 +21,10 @@ LIBRARY = {"contract", "engines", "strategies", "comm", "compress", "models", "d
 TOP = {"__init__.py", "__main__.py", "errors.py"}  # the face; every other module has a folder
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
-BUDGETS = {"contract/base.py": 200,  # the Strategy base class: one screen or so
-           # a strategy is its paper: the schedule, pricing and elastic rules are its engine's
-           "strategies/diloco.py": 200, "strategies/streaming_diloco.py": 200, "strategies/sparseloco.py": 200}
+BUDGETS = {"contract/base.py": 200}  # the Strategy base class: one screen or so
+# A strategy is its paper: the schedule, pricing and elastic rules are its engine's. Every
+# strategies/*.py but those named here, whose state is still declared inline.
+STRATEGY_LINES, STRATEGIES_OVER = 200, {"strategies/acco.py"}
 
 
 def module_name(path: Path) -> str:
@@ -158,7 +159,8 @@ def test_size_budgets():
     for path in sorted(SRC.rglob("*.py")):
         text = path.read_text()
         rel = path.relative_to(SRC).as_posix()
-        limit = BUDGETS.get(rel, MAX_FILE_LINES)
+        strategy = rel.startswith("strategies/") and rel not in STRATEGIES_OVER
+        limit = BUDGETS.get(rel, STRATEGY_LINES if strategy else MAX_FILE_LINES)
         if len(text.splitlines()) > limit:
             over.append(f"{rel}: {len(text.splitlines())} lines (budget {limit})")
         for node in ast.walk(ast.parse(text)):

@@ -170,8 +170,8 @@ def _planned(name, inside, level):
     if level == "intra":
         # FSDP gathers and reduces in the parameters' dtype; its plan prices fp32, what runs train in
         itemsize = DTYPE.get(name, torch.float32).itemsize if inside == "fsdp" else 4
-        return planned_bytes([plans.intra], K, R, lambda op: cls.intra_occurrences(op, N_STEPS, options)) * itemsize // 4
-    return planned_bytes(plans.cross, R, K, lambda op: cls.plan_occurrences(op, N_STEPS, options))
+        return planned_bytes([plans.intra], K, R, lambda op: cls.cost.intra_occurrences(op, N_STEPS, options)) * itemsize // 4
+    return planned_bytes(plans.cross, R, K, lambda op: cls.cost.plan_occurrences(op, N_STEPS, options))
 
 
 @pytest.mark.procs

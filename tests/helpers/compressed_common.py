@@ -80,7 +80,7 @@ def planned(name, options, n, world, shapes):
     cls = get(name)
     opts = cls.Options(**options).validate(name)
     plan = cls.comm_plan(ModelLayout(tuple(shapes)), world, opts)
-    return sum(op.wire_bytes(world) * cls.plan_occurrences(op, n, opts) for op in plan)
+    return sum(op.wire_bytes(world) * cls.cost.plan_occurrences(op, n, opts) for op in plan)
 
 
 def assert_bytes_equal_plans(results, cases, world, slack_per_op=False):

@@ -119,7 +119,7 @@ def plan_bytes(name: str, world: int, steps: int, options: dict) -> int:
     """What strategy `name`'s plan says one rank sends in a run of `steps` steps."""
     cls = get(name)
     opts = cls.Options(**options).validate(name)
-    return sum(op.wire_bytes(world) * cls.plan_occurrences(op, steps, opts)
+    return sum(op.wire_bytes(world) * cls.cost.plan_occurrences(op, steps, opts)
                for op in cls.comm_plan(layout_of(make_model()), world, opts))
 
 

@@ -250,9 +250,9 @@ def test_each_level_sends_what_level_plans_says_and_a_run_counts(capsys):
     for name, p in got.items():
         cls = get(name)
         options = cls.Options(**p["options"])
-        plans = cls.level_plans(layout, 2, 2, options)
+        plans = cls.cost.level_plans(cls, layout, 2, 2, options)
         intra = planned_bytes([plans.intra], 2, 2, lambda op: op.occurrences(steps))
-        cross = planned_bytes(plans.cross, 2, 2, lambda op: cls.plan_occurrences(op, steps, options))
+        cross = planned_bytes(plans.cross, 2, 2, lambda op: cls.cost.plan_occurrences(op, steps, options))
         levels = p["levels"]
         assert (levels["intra"]["ranks_per_group"], levels["cross"]["ranks_per_group"]) == (2, 2)
         assert levels["intra"]["wire_bytes_per_rank_per_step"] * W * steps == pytest.approx(intra, rel=1e-12), name
@@ -263,7 +263,7 @@ def test_each_level_sends_what_level_plans_says_and_a_run_counts(capsys):
     # owners' parts (K = 2 ranks: one hop, half of S each), and the cross plan of the position that
     # sends the most, on R = 2 ranks over the 1gbit link
     zero1 = get("zero1")
-    plans = zero1.level_plans(layout, 2, 2, zero1.Options())
+    plans = zero1.cost.level_plans(zero1, layout, 2, 2, zero1.Options())
     inside = sum(IN_LAT + op.nbytes / 2 / IN_BW for op in plans.intra)
     across = sum(LAT + op.nbytes / 2 / BW for op in plans.slowest_cross(2))
     assert got["zero1"]["exposed_comm_s"] == pytest.approx(inside + across, rel=1e-12)

@@ -28,7 +28,7 @@ def test_ddp_buckets_priced_in_runs_finish_when_priced_one_by_one(nbytes, first,
     """The plan prices DDP's equal buckets a run at a time (a 1e13-parameter model has 1.6
     million of them, which took minutes one by one): the same end, whichever of the NIC and
     the backward holds the buckets back."""
-    from lowcomm.strategies.ddp import bucket_runs, last_bucket_sent
+    from lowcomm.engines.costs import bucket_runs, last_bucket_sent
 
     for latency, per_byte in ((1e-3, 1e-6), (1e-6, 1e-9), (0.0, 1e-4), (0.0, 0.0)):
         for backward in (1e-3, 1.0, 100.0):
@@ -41,7 +41,7 @@ def test_ddp_buckets_priced_in_runs_finish_when_priced_one_by_one(nbytes, first,
 
 
 def test_ddp_buckets_of_a_huge_model_are_priced_a_run_at_a_time():
-    from lowcomm.strategies.ddp import bucket_runs, last_bucket_sent
+    from lowcomm.engines.costs import bucket_runs, last_bucket_sent
 
     asked = []
     runs = bucket_runs(4 * 10**13, 1048576, 25 * 2**20)

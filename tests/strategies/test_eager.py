@@ -179,5 +179,5 @@ def test_the_plan_labels_and_prices_eager_as_the_delayed_step():
     from lowcomm.strategies import get
     cls, layout = get("diloco"), layout_of(make_model())
     delayed, eager = (cls.Options(sync_every=4, outer_delay=1, eager=e).validate("diloco") for e in (False, True))
-    assert (cls.plan_label(delayed), cls.plan_label(eager)) == ("diloco H=4 delayed", "diloco H=4 eager")
+    assert (cls.cost.plan_label(cls, delayed), cls.cost.plan_label(cls, eager)) == ("diloco H=4 delayed", "diloco H=4 eager")
     assert cls.comm_plan(layout, 4, delayed) == cls.comm_plan(layout, 4, eager)

@@ -40,7 +40,7 @@ def run_disk_bytes(cfg) -> int:
         from ..plan.planner import model_layout
         from ..strategies import registry
         params = model_layout(cfg).numel
-        state = registry.get(cfg.strategy).model_state_bytes(params, cfg.workers, cfg.strategy_options())
+        state = registry.get(cfg.strategy).cost.model_state_bytes(params, cfg.workers, cfg.strategy_options())
         need += (cfg.keep + 1) * cfg.workers * state
     return need
 

@@ -6,6 +6,7 @@ evaluate, and ends a run collectively. A strategy is handed a `StepContext` (ctx
 implements only the hooks its algorithm needs:
 
     comm_plan(layout, world, options)  classmethod: what one rank sends (PlannedOp list); required
+    cost                   class: its engine's cost model, how the planner prices comm_plan (plan.py)
     update(ctx)            all `accum` micro-batch gradients are in: communicate and apply; required
                            unless after_backward is overridden
     begin_step(ctx)        before a step's first micro-batch (default: the lr schedule into ctx.lr)
@@ -60,13 +61,13 @@ from ..models.layout import ModelLayout, layout_of, trainable
 from .elastic import ElasticPart
 from .context import Schedule, StepContext, apply_schedule, tensor_bytes
 from .options import Options
-from .plan import Planned, PlannedOp
+from .plan import Cost, PlannedOp
 from .replica import ReplicaPart
 
 MakeOptimizer = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
-class Strategy(Planned, ReplicaPart, ElasticPart):
+class Strategy(ReplicaPart, ElasticPart):
     """Data-parallel training, one micro-batch at a time (see the module docstring)."""
 
     name: ClassVar[str] = ""
@@ -86,6 +87,9 @@ class Strategy(Planned, ReplicaPart, ElasticPart):
     # The CLI's loader cuts each --micro-batch into this many micro-batches (acco computes a
     # step's batch in two halves, one per round), so a step takes --micro-batch x --accum sequences.
     micro_batch_parts: ClassVar[int] = 1
+    # How `lowcomm plan` prices comm_plan's collectives: its engine's cost model (contract/plan.py;
+    # the engines' own in engines/costs.py, costs_sharded.py, outer_contract.py).
+    cost: ClassVar[type[Cost]] = Cost
 
     def __init__(self, model: nn.Module, comm: Comm, make_optimizer: MakeOptimizer, accum: int = 1,
                  schedule: Schedule | None = None, options: Options | None = None,

@@ -4,7 +4,8 @@ Each strategy answers `comm_plan(layout, world, options)` (layout: the model's
 `ModelLayout`, models/layout.py) with a list of PlannedOp. The contract tests check
 it against the bytes Comm counts, and the planner prices it with LinkModel's
 formulas (comm/wire.py), so the strategy's traffic has one source of truth.
-`Planned` holds what else `lowcomm plan` asks a strategy, with the defaults most keep.
+`Cost` is the price of an engine whose collectives start after the compute: the default cost
+model a strategy names (`Strategy.cost`), the base of the engines' own.
 """
 from __future__ import annotations
 
@@ -75,8 +76,8 @@ def owned_tensors_plan(layout, size: int) -> list[PlannedOp]:
 
 @dataclass(frozen=True)
 class StepCost:
-    """What `lowcomm plan` (plan/planner.py) tells a strategy about one trainer step when it
-    asks how much of its communication is exposed (Strategy.exposed_comm_s)."""
+    """What `lowcomm plan` (plan/planner.py) tells a cost model about one trainer step when it
+    asks how much of a plan's communication is exposed (Cost.exposed_comm_s)."""
     price: Callable[[str, int], float]  # modeled seconds of one collective of S bytes: LinkModel.duration
     compute_s: float                    # one step's compute on the slowest worker
     accum: int = 1                      # micro-batches per step
@@ -85,18 +86,33 @@ class StepCost:
                                         # one entry where every worker is alike)
 
 
-class Planned:
-    """What `lowcomm plan` (plan/planner.py) asks a strategy class, with defaults that fit a
-    strategy whose collectives start after its compute. A strategy overrides what its
-    schedule changes (ddp's buckets, acco's overlap, a warm-up's transients)."""
+# A steady-state horizon in trainer steps, divisible by every usual period (powers of two, 10^k,
+# 500): plan_rate counts occurrences between STEADY and 2*STEADY, past any transient.
+STEADY = 2**12 * 10**6
 
-    name: ClassVar[str] = ""
+
+class Cost:
+    """The price of an engine whose collectives start after the step's compute (zero1, diloco's
+    outer step without a delay, the compressed all-reduces): what `lowcomm plan` (plan/planner.py),
+    a run's level report (metrics/levels.py) and the contract tests ask about a strategy's plan,
+    besides the plan itself (Strategy.comm_plan). A strategy names its engine's cost model in a
+    line (`cost = BucketedAllReduce`); a model for another engine overrides what its schedule
+    changes (ddp's buckets, acco's overlapped rounds, the outer sync's delay: engines/costs.py,
+    engines/costs_sharded.py, engines/outer_contract.py). Never instantiated: class methods only.
+
+    It lives here because every strategy's default is this one and the contract imports no
+    engine; the engines' models live beside their engines, which strategies may import and
+    plan/ may call, while the library never imports plan/ (it imports train/ for the model)."""
+
+    # Share of one step's compute that the collectives run behind: 0 means they start after the
+    # compute and are exposed in full; 1 means a whole step of compute can hide them (acco, dpu).
+    comm_overlap: ClassVar[float] = 0.0
 
     @classmethod
-    def plan_label(cls, options: Options) -> str:
+    def plan_label(cls, strategy, options: Options) -> str:
         """The strategy as a plan's table names it, with the option that sets how often it
         talks where it has one (e.g. 'diloco H=64')."""
-        return cls.name
+        return strategy.name
 
     @classmethod
     def plan_occurrences(cls, op: PlannedOp, steps: int, options: Options) -> int:
@@ -106,26 +122,8 @@ class Planned:
     @classmethod
     def intra_occurrences(cls, op: PlannedOp, steps: int, options: Options) -> int:
         """How often `op` of the plan inside a replica runs in `steps` trainer steps (default: as
-        its cadence says; a strategy whose rounds skip a step says which of these go with them)."""
+        its cadence says; an engine whose rounds skip a step says which of these go with them)."""
         return op.occurrences(steps)
-
-    # Share of one step's compute that this strategy's collectives run behind: 0 means
-    # they start after the compute and are exposed in full (zero1, diloco); 1 means a
-    # whole step of compute can hide them (acco, dpu). A strategy with a finer schedule
-    # (ddp's buckets, streaming_diloco's delayed merge) overrides exposed_comm_s instead.
-    comm_overlap: ClassVar[float] = 0.0
-
-    @classmethod
-    def exposed_comm_s(cls, plan: list[PlannedOp], cost: StepCost, options: Options) -> float:
-        """Modeled seconds per trainer step that a worker waits on the network."""
-        comm = sum(cost.price(op.collective, op.nbytes) * cls.plan_rate(op, options, cost.steps) for op in plan)
-        return max(0.0, comm - cls.comm_overlap * cost.compute_s)
-
-    @classmethod
-    def micro_batches_per_step(cls, cost: StepCost, comm_s: float, options: Options) -> float:
-        """Micro-batches a worker computes per trainer step, averaged over the workers:
-        `accum`, except where a strategy computes more while it waits (adaptive acco)."""
-        return float(cost.accum)
 
     @classmethod
     def plan_rate(cls, op: PlannedOp, options: Options, steps: int | None = None) -> float:
@@ -136,14 +134,33 @@ class Planned:
         return (cls.plan_occurrences(op, 2 * STEADY, options) - cls.plan_occurrences(op, STEADY, options)) / STEADY
 
     @classmethod
-    def level_plans(cls, layout, replicas: int, size: int, options: Options) -> "LevelPlans":
-        """What one rank sends at each level with `replicas` replicas of `size` ranks. Here
-        (engines/inside.py): position p of a replica owns whole tensors (layout.positions);
-        inside, the gradients are reduce-scattered to their owners and the owners' updated
-        parameters all-gathered, every step; across, position p runs this strategy's own plan
-        on its tensors, on `replicas` ranks."""
-        return LevelPlans(owned_tensors_plan(layout, size),
-                          [cls.comm_plan(layout.subset(owned), replicas, options) for owned in layout.positions(size)])
+    def exposed_comm_s(cls, plan: list[PlannedOp], cost: StepCost, options: Options) -> float:
+        """Modeled seconds per trainer step that a worker waits on the network."""
+        comm = sum(cost.price(op.collective, op.nbytes) * cls.plan_rate(op, options, cost.steps) for op in plan)
+        return max(0.0, comm - cls.comm_overlap * cost.compute_s)
+
+    @classmethod
+    def micro_batches_per_step(cls, cost: StepCost, comm_s: float, options: Options) -> float:
+        """Micro-batches a worker computes per trainer step, averaged over the workers:
+        `accum`, except where an engine computes more while it waits (adaptive acco)."""
+        return float(cost.accum)
+
+    @classmethod
+    def level_plans(cls, strategy, layout, replicas: int, size: int, options: Options) -> LevelPlans:
+        """What one rank of `strategy` sends at each level with `replicas` replicas of `size`
+        ranks. Here (engines/inside.py): position p of a replica owns whole tensors
+        (layout.positions); inside, the gradients are reduce-scattered to their owners and the
+        owners' updated parameters all-gathered, every step; across, position p runs the
+        strategy's own plan on its tensors, on `replicas` ranks."""
+        return LevelPlans(owned_tensors_plan(layout, size), [strategy.comm_plan(layout.subset(owned), replicas, options)
+                                                             for owned in layout.positions(size)])
+
+    @classmethod
+    def fsdp_intra_extra(cls, one_micro_batch, options: Options) -> list[PlannedOp]:
+        """What one rank sends inside its replica with fsdp inside beyond FSDP's own collectives
+        for the step's micro-batches (`one_micro_batch()`: those of one micro-batch, as PlannedOps);
+        here nothing."""
+        return []
 
     @classmethod
     def model_state_bytes(cls, num_params: int, world: int, options: Options) -> int:
@@ -151,9 +168,8 @@ class Planned:
         included). Here: fp32 θ and ∇θ and AdamW's two moments, replicated on every worker."""
         return 16 * num_params
 
-
-# A steady-state horizon in trainer steps, divisible by every usual period (powers of two, 10^k,
-# 500): plan_rate counts occurrences between STEADY and 2*STEADY, past any transient.
-STEADY = 2**12 * 10**6
-
-
+    @classmethod
+    def fsdp_copy_bytes(cls, shard_params: int, replicas: int, options: Options) -> int:
+        """Bytes a rank holds with fsdp inside beyond its 1/K of model_state_bytes, for a shard of
+        `shard_params` values (the planner's memory column); here none."""
+        return 0

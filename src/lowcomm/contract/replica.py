@@ -69,19 +69,6 @@ class ReplicaPart:
             self.inside.share(self.replica_params, counted)
 
     @classmethod
-    def fsdp_intra_extra(cls, one_micro_batch, options) -> list:
-        """What one rank sends inside its replica with fsdp inside beyond FSDP's own collectives
-        for the step's micro-batches (`one_micro_batch()`: those of one micro-batch, as PlannedOps);
-        here nothing."""
-        return []
-
-    @classmethod
-    def fsdp_copy_bytes(cls, shard_params: int, replicas: int, options) -> int:
-        """Bytes a rank holds with fsdp inside beyond its 1/K of model_state_bytes, for a shard of
-        `shard_params` values (the planner's memory column); here none."""
-        return 0
-
-    @classmethod
     def runs_inside(cls, inside: str) -> bool:
         """Whether this strategy runs across replica groups with engine `inside` inside each."""
         return inside in vars(cls).get("inside_replica", ())

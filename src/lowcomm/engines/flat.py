@@ -34,6 +34,12 @@ from . import flat_reshard
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the model's own dtype
 
 
+def flat_bytes(num_params: int, world: int, options) -> int:
+    """S of one full flat buffer (padded to a multiple of W) in parameter precision."""
+    itemsize = torch.empty((), dtype=PARAM_DTYPES[options.param_dtype]).element_size()
+    return flat_numel(num_params, world) * itemsize
+
+
 def param_groups_of(reference: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[tuple[dict, list]]:
     """(hyperparameters, parameters in model order) of each param group of `reference`."""
     member = {id(p): g for g, group in enumerate(reference.param_groups) for p in group["params"]}
@@ -255,24 +261,6 @@ class ShardedStrategy(Strategy):
 
     def release(self) -> None:
         self.model.__dict__.pop("zero_grad", None)
-
-    @classmethod
-    def flat_bytes(cls, num_params: int, world: int, options) -> int:
-        """S of one full flat buffer (padded to a multiple of W) in parameter precision."""
-        itemsize = torch.empty((), dtype=PARAM_DTYPES[options.param_dtype]).element_size()
-        return flat_numel(num_params, world) * itemsize
-
-    @classmethod
-    def fsdp_copy_bytes(cls, shard_params, replicas, options):
-        return 2 * cls.flat_bytes(shard_params, replicas, options)  # flat θ and ∇θ: copies of FSDP's shards
-
-    @classmethod
-    def model_state_bytes(cls, num_params, world, options):
-        # flat θ and ∇θ in parameter precision; the fp32 master shard (unless it aliases
-        # fp32 parameters) and AdamW's two moments of the own shard
-        n, flat = flat_numel(num_params, world), cls.flat_bytes(num_params, world, options)
-        aliased = flat == 4 * n and not cls.separate_master
-        return 2 * flat + (0 if aliased else 4 * n // world) + 8 * n // world
 
     def optimizers(self):
         return [self.shard_opt.optimizer]

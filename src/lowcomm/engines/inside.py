@@ -203,7 +203,7 @@ def check_layout(workers: int, replicas: int, inside: str, strategy: str, suppor
 
 def inside_level_plans(inside: str, cls, layout, replicas: int, size: int, options, accum: int) -> LevelPlans:
     """What one rank of strategy `cls` sends inside replicas of `size` ranks running engine
-    `inside` ("ddp": the strategy's own `level_plans`; "fsdp": every unit's shards, whose
+    `inside` ("ddp": the strategy's cost model's `level_plans`; "fsdp": every unit's shards, whose
     all-gathers run once per micro-batch, hence `accum`), and across. The one place both a
     run's summary (metrics/levels.py) and the planner (plan/levels.py) price a replica."""
     if inside == "fsdp":
@@ -212,5 +212,5 @@ def inside_level_plans(inside: str, cls, layout, replicas: int, size: int, optio
         def fsdp_plans(micro_batches: int) -> LevelPlans:
             return fsdp_level_plans(cls, layout, replicas, size, options, micro_batches)
         plans = fsdp_plans(accum * cls.micro_batch_parts)  # acco computes a step's batch in two halves
-        return LevelPlans(plans.intra + cls.fsdp_intra_extra(lambda: fsdp_plans(1).intra, options), plans.cross)
-    return cls.level_plans(layout, replicas, size, options)
+        return LevelPlans(plans.intra + cls.cost.fsdp_intra_extra(lambda: fsdp_plans(1).intra, options), plans.cross)
+    return cls.cost.level_plans(cls, layout, replicas, size, options)

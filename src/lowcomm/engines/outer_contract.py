@@ -1,5 +1,6 @@
 """The contract members a strategy of the local-SGD family answers through its outer-sync
-engine: the plan's price of its schedule, and its rules under --elastic.
+engine: its plan, the plan's price of its schedule (OuterSyncCost, the strategy's cost model),
+and its rules under --elastic.
 
 A strategy that holds an `OuterSchedule` as `self.sync`, built from `OuterSyncOptions`
 (outer_options.py), names them in its bases: `class DiLoCo(OuterSyncContract, Strategy)`.
@@ -27,23 +28,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..contract.plan import PlannedOp
+from ..contract.plan import Cost, PlannedOp
+from .outer_options import outer_step_suffix
 from .outer_sync import sync_offset
 from .outer_wire import WireFormat
 from .sync_by_time import calibration_op, is_calibration
 from .token_weights import contribution
 
 
-class OuterSyncContract:
-    """Planned's and ElasticPart's members for a strategy on the outer-sync engine (a mixin,
-    named before Strategy in the bases)."""
-
-    min_contributors = 1  # --outer-weights tokens: an outer step needs this many workers that trained
-
-    @classmethod
-    def comm_plan(cls, layout, world, options):
-        sizes = layout.fragment_sizes(options.streaming()[0])
-        return comm_plan(sizes, world, options.sync_every, options.wire(), options.sync_by == "time")
+class OuterSyncCost(Cost):
+    """The outer-sync engine's price (the module docstring): what `lowcomm plan` asks of a
+    local-SGD strategy, named by it as its cost model (`cost = OuterSyncCost`)."""
 
     @classmethod
     def plan_occurrences(cls, op, steps, options):
@@ -54,6 +49,27 @@ class OuterSyncContract:
         return exposed_s(plan, lambda op: cost.price(op.collective, op.nbytes),
                          lambda op: cls.plan_rate(op, options, cost.steps), options.hidden_steps() * cost.compute_s,
                          cost.steps, options.outer_delay_warmup if options.outer_delay else 0)
+
+    @classmethod
+    def model_state_bytes(cls, num_params, world, options):  # θ, ∇θ, moments, θ_global, momentum (+ residual)
+        # (+ --eager's offset, the share standing in and the offset's momentum)
+        return (24 + 4 * (options.outer_compress != "none") + 12 * options.eager) * num_params
+
+    @classmethod
+    def plan_label(cls, strategy, options):
+        return f"{strategy.name} H={options.sync_every}" + outer_step_suffix(options.outer_delay, options.eager)
+
+
+class OuterSyncContract:
+    """The plan and ElasticPart's members for a strategy on the outer-sync engine (a mixin,
+    named before Strategy in the bases)."""
+
+    min_contributors = 1  # --outer-weights tokens: an outer step needs this many workers that trained
+
+    @classmethod
+    def comm_plan(cls, layout, world, options):
+        sizes = layout.fragment_sizes(options.streaming()[0])
+        return comm_plan(sizes, world, options.sync_every, options.wire(), options.sync_by == "time")
 
     @classmethod
     def commits_at(cls, options, step):

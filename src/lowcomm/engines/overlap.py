@@ -39,9 +39,9 @@ import torch
 
 from ..comm import Comm
 from ..contract.context import all_finite, fill_nan_if_nonfinite
-from .flat import FlatModel, ShardedStrategy, ShardOptimizer
+from .flat import FlatModel, ShardedStrategy, ShardOptimizer, flat_bytes
 from .inside import replica_sum
-from ..contract.plan import LevelPlans, PlannedOp
+from ..contract.plan import PlannedOp
 
 
 class Background:
@@ -201,7 +201,6 @@ class OverlappedStrategy(ShardedStrategy):
     the parameters the model holds while a round computes the next ones."""
 
     separate_master = True
-    comm_overlap = 1.0  # a round's communication runs behind the next micro-batches' compute
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -209,16 +208,7 @@ class OverlappedStrategy(ShardedStrategy):
 
     @classmethod
     def comm_plan(cls, layout, world, options):
-        return OverlappedRounds.plan(cls.flat_bytes(layout.numel, world, options))  # per round = per step
-
-    @classmethod
-    def level_plans(cls, layout, replicas, size, options):
-        plans = super().level_plans(layout, replicas, size, options)
-        return LevelPlans(plans.intra + [VOTES], plans.cross)
-
-    @classmethod
-    def fsdp_intra_extra(cls, one_micro_batch, options):
-        return [VOTES]  # a round's votes are summed inside the replica, whichever engine runs there
+        return OverlappedRounds.plan(flat_bytes(layout.numel, world, options))  # per round = per step
 
     def load_round(self, count: int) -> None:
         """The next round's B <- G of `count` micro-batches (across replica groups: the replica's

@@ -37,7 +37,7 @@ def worker_bytes(cfg) -> tuple[int, int]:
     n_layer, n_head, d_model = cfg.model.dims()
     s, b = cfg.model.seq_len, cfg.micro_batch
     params = model_layout(cfg).numel
-    state = registry.get(cfg.strategy).model_state_bytes(params, cfg.workers, cfg.strategy_options())
+    state = registry.get(cfg.strategy).cost.model_state_bytes(params, cfg.workers, cfg.strategy_options())
     vocab = describe(cfg.data.source, cfg.data.vocab_size).vocab_size  # the logits' width
     activations = 4 * n_layer * b * s * (16 * d_model + n_head * s) + 12 * b * s * vocab
     return WORKER_BASE + state + activations, params

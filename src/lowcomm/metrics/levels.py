@@ -3,7 +3,7 @@
 A flat run has one level, "cross" (every worker is a replica of one process); a run with
 --replicas R < W has "intra" (inside each replica of K = W/R ranks, --intra-link) and
 "cross" (the K groups of R ranks at the same position of every replica, --link). Each
-level's bytes are set beside its plan (Strategy.level_plans): the strategy's own plan on R
+level's bytes are set beside its plan (Strategy.cost.level_plans): the strategy's own plan on R
 ranks across (one per position of a replica), the inside engine's on K ranks inside (the
 engine asks the strategy: fsdp's all-gathers run once per micro-batch, so its plan needs accum).
 """
@@ -51,8 +51,8 @@ def level_summary(every: torch.Tensor, strategy, layout: ModelLayout, world: int
     """summary.json's `levels` from gather_levels' tensor, with each level's planned bytes."""
     cls, size = type(strategy), world // replicas
     plans = level_plans(strategy, layout, replicas)
-    counts = {"intra": ([plans.intra], size, replicas, lambda op: cls.intra_occurrences(op, steps, strategy.options)),
-              "cross": (plans.cross, replicas, size, lambda op: cls.plan_occurrences(op, steps, strategy.options))}
+    counts = {"intra": ([plans.intra], size, replicas, lambda op: cls.cost.intra_occurrences(op, steps, strategy.options)),
+              "cross": (plans.cross, replicas, size, lambda op: cls.cost.plan_occurrences(op, steps, strategy.options))}
     out = {}
     for i, level in enumerate(LEVELS):
         plan, ranks, groups, occurrences = counts[level]

@@ -2,7 +2,7 @@
 
 A flat cluster (R = W replicas of one process) has one level, "cross": the strategy's own
 comm_plan on the W workers over --link. With replica groups (R replicas of K = W/R ranks,
-engines/inside.py) the strategy's `level_plans` says what a rank sends inside its
+engines/inside.py) the strategy's cost model's `level_plans` says what a rank sends inside its
 replica (on K ranks, over --intra-link) and across replicas (one plan per position of a
 replica, on R ranks, over --link). A step waits for the position that sends the most
 (LevelPlans.slowest_cross); the bytes a cluster sends add up every position's plan.
@@ -94,17 +94,17 @@ def replica_state_bytes(cls, layout, workers: int, replicas: int, options: Optio
     tensors (every rank holds the whole model and computes every gradient); ddp splits no
     state: its own count. fsdp inside: every rank holds 1/K of every tensor and of its state
     (the units gathered for a forward or backward are transient, not counted), and what the
-    strategy keeps beside FSDP's shards (the zero1 family: a copy of them, cls.fsdp_copy_bytes)."""
+    strategy keeps beside FSDP's shards (the zero1 family: a copy of them, cls.cost.fsdp_copy_bytes)."""
     size = workers // replicas
     if size > 1 and inside == "fsdp":
         shard = -(-layout.numel // size)
-        return -(-cls.model_state_bytes(layout.numel, replicas, options) // size) + \
-            cls.fsdp_copy_bytes(shard, replicas, options)
+        return -(-cls.cost.model_state_bytes(layout.numel, replicas, options) // size) + \
+            cls.cost.fsdp_copy_bytes(shard, replicas, options)
     if size == 1 or not cls.owns_tensors:
-        return cls.model_state_bytes(layout.numel, workers if size == 1 else replicas, options)
+        return cls.cost.model_state_bytes(layout.numel, workers if size == 1 else replicas, options)
     numels = layout.numels
     part = max(sum(numels[j] for j in owned) for owned in layout.positions(size))
-    return cls.model_state_bytes(part, replicas, options) + 8 * (layout.numel - part)
+    return cls.cost.model_state_bytes(part, replicas, options) + 8 * (layout.numel - part)
 
 
 def divisors(n: int) -> list[int]:

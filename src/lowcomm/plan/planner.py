@@ -4,14 +4,14 @@ For N parameters, T tokens per step (all workers), W workers, one emulated link 
 worker (comm/link.py) and per-worker slowdowns f_r:
 
     compute_s   = max_r f_r * (T / W) * seconds_per_token       (6 N FLOPs per token / FLOP/s, or measured)
-    exposed_s   = Strategy.exposed_comm_s(plan, StepCost(...))  (what the strategy declares it overlaps)
+    exposed_s   = cost.exposed_comm_s(plan, StepCost(...))      (cost: the strategy's engine's cost model)
     step_s      = compute_s + overhead_s + exposed_s            (overhead_s: per-step work outside the
                                                                  forward/backward, measured by --calibrate)
     tokens/s    = T * micro_batches_per_step / accum / step_s   (adaptive acco computes more while it waits)
     bytes/token = W * sum_op wire_bytes(op) * rate(op) / T
-    memory      = Strategy.model_state_bytes(N, W, options)
+    memory      = cost.model_state_bytes(N, W, options)
 
-With replica groups (--replicas R of W, K = W/R ranks each; plan/levels.py) the strategy's
+With replica groups (--replicas R of W, K = W/R ranks each; plan/levels.py) the cost model's
 level_plans prices each level on its own link: inside a replica on K ranks (--intra-link),
 across replicas on R ranks (--link), the position of a replica that sends the most setting
 the step; exposed_s adds the inside collectives in full to what the strategy leaves exposed
@@ -20,7 +20,9 @@ across (see predict), and bytes/token counts both levels.
 Every collective is priced by LinkModel.duration, the formula the emulator sleeps by,
 and every strategy's traffic comes from its own comm_plan of the model's real layout
 (`model_layout`: the model built on the meta device; `--params N` sizes a GPT by the
-rule of models/size.py first): nothing here knows what a strategy sends or overlaps.
+rule of models/size.py first), what it overlaps from the cost model of its engine that it
+names (`Strategy.cost`: contract/plan.py, engines/costs.py, costs_sharded.py,
+outer_contract.py): nothing here knows what a strategy sends or overlaps.
 """
 from __future__ import annotations
 
@@ -194,7 +196,7 @@ def predict(name: str, cluster: Cluster, options: Options | None = None, steps: 
             seconds_per_token: float | None = None, overhead_s: float = 0.0) -> Prediction:
     """One strategy's step on `cluster` (its model's layout priced by the strategy's comm_plan):
     steady state, or averaged over a run of `steps` steps (warm-up steps and a final sync
-    included, as the strategy's plan_occurrences says)."""
+    included, as the strategy's cost model's plan_occurrences says)."""
     cls = get_strategy(name)
     options = options if options is not None else cls.Options()
     W, T = cluster.workers, cluster.tokens_per_step
@@ -203,7 +205,7 @@ def predict(name: str, cluster: Cluster, options: Options | None = None, steps: 
     compute = cluster.slowest * unit
     inside, across = cluster_levels(cls, cluster.layout, W, cluster.groups, options, cluster.link, cluster.intra_link,
                                     cluster.inside, cluster.accum)
-    rate, in_rate = (lambda op: cls.plan_rate(op, options, steps)), inside_rate(steps)
+    rate, in_rate = (lambda op: cls.cost.plan_rate(op, options, steps)), inside_rate(steps)
     plan = across.slowest(rate)  # flat: the strategy's one plan
     # Workers all alike (no --slowdown): one stands for all, so a plan of a million workers (and
     # --intra-link's try of every replica count) does not loop over each of them.
@@ -215,20 +217,20 @@ def predict(name: str, cluster: Cluster, options: Options | None = None, steps: 
     # backward), so all of their time is exposed, on top of what the strategy leaves exposed
     # across replicas. An unshaped --intra-link costs nothing; a flat cluster has no inside.
     intra_s = inside.comm_s(inside.plans[0], in_rate)
-    exposed = cls.exposed_comm_s(plan, cost, options) + intra_s
+    exposed = cls.cost.exposed_comm_s(plan, cost, options) + intra_s
     cross_s = across.comm_s(plan, rate)
     comm = cross_s + intra_s
     per_rank = {"intra": inside.wire_bytes_per_rank(in_rate), "cross": across.wire_bytes_per_rank(rate)}
     wire = per_rank["cross"] + per_rank["intra"]
     step = compute + overhead_s + exposed
     # tokens a step really computes: T, or more where workers keep computing while they wait
-    tokens = T * cls.micro_batches_per_step(cost, comm, options) / cluster.accum
+    tokens = T * cls.cost.micro_batches_per_step(cost, comm, options) / cluster.accum
     levels = {level.name: {"ranks_per_group": level.ranks, "groups": level.groups,
                            "wire_bytes_per_rank_per_step": per_rank[level.name],
                            "bytes_per_token": W * per_rank[level.name] / tokens, "comm_s": s}
               for level, s in ((inside, intra_s), (across, cross_s))}
     return Prediction(
-        strategy=name, label=cls.plan_label(options), step_s=step, compute_s=compute, overhead_s=overhead_s,
+        strategy=name, label=cls.cost.plan_label(cls, options), step_s=step, compute_s=compute, overhead_s=overhead_s,
         exposed_comm_s=exposed, comm_s=comm, idle_s=sum(compute - f * unit for f in factors) / len(factors),
         wire_bytes_per_rank_per_step=wire, bytes_per_token=W * wire / tokens,
         model_state_bytes=replica_state_bytes(cls, cluster.layout, W, cluster.groups, options, cluster.inside),
@@ -296,7 +298,7 @@ def recommend(ranked: list[Prediction], cluster: Cluster) -> str:
     best = ranked[0]
     ratio = cluster.price("all_reduce", 4 * cluster.params) / best.compute_s if best.compute_s > 0 else math.inf
     comm = f"communication (one fp32 gradient all-reduce, {format_seconds(ratio * best.compute_s)}) is {ratio:.2g}x compute"
-    overlapped = [p for p in ranked if get_strategy(p.strategy).comm_overlap > 0]
+    overlapped = [p for p in ranked if get_strategy(p.strategy).cost.comm_overlap > 0]
     waits_least = best.exposed_fraction <= min(p.exposed_fraction for p in ranked)
     if ratio < 0.05:
         why = f"{comm}: every strategy is compute-bound"

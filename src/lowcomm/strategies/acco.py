@@ -37,13 +37,13 @@ a round finds no rank computing (overlap.py), then the model gets the real θ.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..errors import UsageError
 from ..engines.flat import ShardedOptions
 from ..contract.options import option
 from ..engines.overlap import OverlappedStrategy
-from ..contract.plan import ONCE, LevelPlans, flat_numel
+from ..engines.costs_sharded import AccoCost, two_rounds
 from .registry import register
 
 
@@ -76,6 +76,7 @@ class ACCO(OverlappedStrategy):
     reproducible_options = {"deterministic": True}
     micro_batch_parts = 2          # a step's batch in two halves: the estimate round's, the real round's
     inside_replica = ("ddp", "fsdp")  # across replica groups: on the tensors each position owns (fsdp: its shards)
+    cost = AccoCost                # two overlapped rounds a step, adaptive; the start-up micro-batch
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -90,49 +91,8 @@ class ACCO(OverlappedStrategy):
         self.lr = float("nan")
 
     @classmethod
-    def micro_batches_per_step(cls, cost, comm_s, options):
-        """A round lasts as long as the slowest worker's `accum` half micro-batches or the
-        previous round's communication, whichever is longer; every worker keeps computing
-        meanwhile, up to max_accum (deterministic: exactly accum). In full micro-batches a step
-        (two rounds of halves) computes what one round computes in halves, so the ratio of a
-        round's time to a step's compute is the same as it was per round. The planner counts
-        the extra tokens."""
-        accum = cost.accum
-        if options.deterministic or not cost.worker_compute_s:
-            return float(accum)
-        bound = options.rounds_bound(accum)
-        round_s = max(max(cost.worker_compute_s), comm_s)
-        per_worker = [min(bound, max(accum, round_s * accum / c)) if c > 0 else bound for c in cost.worker_compute_s]
-        return sum(per_worker) / len(per_worker)
-
-    @classmethod
-    def model_state_bytes(cls, num_params, world, options):
-        # ZeRO-1's, plus the communication buffer B and the estimate round's snapshot of
-        # the master shard and its AdamW moments (extra_memory_bytes measures the same).
-        n = flat_numel(num_params, world)
-        return super().model_state_bytes(num_params, world, options) + cls.flat_bytes(num_params, world, options) \
-            + 12 * n // world
-
-    @classmethod
     def comm_plan(cls, layout, world, options):
         return two_rounds(super().comm_plan(layout, world, options))
-
-    @classmethod
-    def level_plans(cls, layout, replicas, size, options):
-        # Inside the replica, both rounds reduce the owners' gradients, share their parameters
-        # and count; the start-up micro-batch's gradients are reduced once more (the count goes
-        # with the first round). Across, each position's plan is comm_plan's: two rounds.
-        plans = super().level_plans(layout, replicas, size, options)
-        startup = [replace(op, every=ONCE, offset=1, what=f"{op.what}, at start-up")
-                   for op in plans.intra if op.collective == "reduce_scatter"]
-        return LevelPlans(two_rounds(plans.intra) + startup, plans.cross)
-
-    @classmethod
-    def fsdp_intra_extra(cls, one_micro_batch, options):
-        # With fsdp inside: each round's votes, and FSDP's collectives for the start-up micro-batch
-        # (the step's two rounds of halves are FSDP's plan at micro_batch_parts · accum).
-        startup = [replace(op, every=ONCE, offset=1, what=f"{op.what}, at start-up") for op in one_micro_batch()]
-        return two_rounds(super().fsdp_intra_extra(one_micro_batch, options)) + startup
 
     # --elastic (contract/elastic.py) -----------------------------------------------------------
     # θ (or θ̃, all-gathered), the optimizer state, the master copy and the round bookkeeping are
@@ -269,8 +229,3 @@ class ACCO(OverlappedStrategy):
         return {"rounds": 2 * self.real_rounds, "real_rounds": self.real_rounds,
                 "optimizer_steps": self.real_rounds, "deterministic": self.deterministic,
                 "max_accum": self.max_accum, "extra_memory_bytes_vs_zero1": self.extra_memory_bytes()}
-
-
-def two_rounds(round_plan):
-    """A step's traffic: the round's, once for the estimate round and once for the real one."""
-    return [replace(op, what=f"{op.what}, {which} round") for which in ("estimate", "real") for op in round_plan]

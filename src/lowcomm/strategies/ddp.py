@@ -4,19 +4,17 @@
     last micro-batch:                   backward; DDP all-reduces (mean) bucket by bucket
     θ <- opt(θ; mean gradient)
 
-The comm hook keeps DDP's overlap of all-reduce with backward intact while
-Comm counts every bucket's bytes. The time a rank waits for the last buckets
-after its backward compute ends is DDP's exposed communication. (No `from __future__ import annotations` here: DDP
-checks the comm hook's return annotation at runtime.)
+The comm hook keeps DDP's overlap of all-reduce with backward intact while Comm counts every bucket's
+bytes; the wait for the last buckets after the backward ends is DDP's exposed communication (the plan
+prices it: engines/costs.py). No `from __future__ import annotations`: DDP checks the hook's annotation.
 
 Across replica groups (--replicas): each bucket reduce-scattered inside the replica, this
 rank's 1/K all-reduced across replicas (overlapped as above), all-gathered inside at the end.
 
-In a process without a group (the Python API's single process) there is no DDP: torch's
-reducer needs a process group. The step's gradients then go through the same comm hook as
-one bucket once the last backward is in (Comm does the collective's local effect), and the
-training forward runs on `SingleProcess`, which has DDP's shape (`.module`), so a loop that
-reaches its model as `run.model.module` runs unchanged under torchrun and alone.
+In a process without a group (the Python API's single process) there is no DDP (torch's reducer needs
+a group): the step's gradients go through the same comm hook as one bucket after the last backward
+(Comm does the collective's local effect), and the forward runs on `SingleProcess`, DDP's shape
+(`.module`), so a loop that reaches its model as `run.model.module` runs alone as under torchrun.
 """
 import weakref
 from dataclasses import dataclass
@@ -32,7 +30,8 @@ from ..errors import UsageError
 from ..contract.base import Strategy
 from ..contract.context import write_flat
 from ..contract.options import Options, option
-from ..contract.plan import LevelPlans, PlannedOp, flat_numel
+from ..contract.plan import PlannedOp
+from ..engines.costs import BucketedAllReduce
 from .registry import register
 
 
@@ -71,37 +70,13 @@ class SingleProcess(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def bucket_runs(nbytes: int, first: int, size: int) -> list[tuple[int, int]]:
-    """DDP's buckets of `nbytes` as runs of equal buckets, [(bytes, count)]: torch's first
-    bucket of `first` bytes, then `size`-byte ones, the last one short."""
-    head = min(nbytes, first)
-    full, tail = divmod(nbytes - head, size)
-    return [(b, n) for b, n in ((head, 1), (size, full), (tail, 1)) if b > 0 and n > 0]
-
-
-def last_bucket_sent(runs: list[tuple[int, int]], total: int, backward: float, price) -> float:
-    """When one NIC, sending the buckets in turn as each fills (their bytes arriving evenly over
-    `backward` seconds), is done with the last: nic_j = max(arrival_j, nic_j-1) + price(j)
-    unrolled is the latest, over buckets j, of j's arrival plus the price of j and of every
-    bucket after it. Within a run of equal buckets both terms are linear in j, so the run's
-    first or last bucket gives its latest: O(runs), where a loop over the buckets took 1.6
-    million turns for a 1e13-parameter model."""
-    latest, after, done = 0.0, 0.0, total
-    for size, count in reversed(runs):  # `done`: bytes filled once the run's last bucket is
-        each = price(size)
-        latest = max(latest, backward * done / total + each + after,
-                     backward * (done - (count - 1) * size) / total + count * each + after)
-        after += count * each
-        done -= count * size
-    return latest
-
-
 @register("ddp")
 class DDP(Strategy):
     Options = DDPOptions
     checkpoint_replicated = True  # parameters and optimizer state are the same on every rank
     inside_replica = ("ddp", "fsdp")  # across replica groups: HSDP's split by position (comm = cross); fsdp: hsdp.py
     owns_tensors = False  # splits each bucket by position instead (replica_hook)
+    cost = BucketedAllReduce  # the buckets behind the last backward; across replica groups HSDP's split
 
     @classmethod
     def fsdp_form(cls) -> type:
@@ -152,17 +127,6 @@ class DDP(Strategy):
             write_flat(self.inside.gather(piece, numel), [p.grad for p in params], like=params)
         self.pieces = []
 
-    @classmethod
-    def level_plans(cls, layout, replicas, size, options):
-        # HSDP's split: inside, the gradients reduce-scattered and the pieces all-gathered
-        # (padded to a multiple of K, as one bucket is: several buckets pad each on its own);
-        # across, each position all-reduces its 1/K.
-        padded = 4 * flat_numel(layout.numel, size)
-        cross = [PlannedOp("all_reduce", padded // size, what="this position's 1/K of the gradients (fp32)")]
-        return LevelPlans([PlannedOp("reduce_scatter", padded, what="gradients inside the replica (fp32, in buckets)"),
-                           PlannedOp("all_gather", padded, what="the reduced pieces inside the replica (fp32)")],
-                          [cross] * size)
-
     @property
     def train_model(self):
         return self.ddp if self.ddp is not None else self.local_model
@@ -172,24 +136,7 @@ class DDP(Strategy):
 
     @classmethod
     def comm_plan(cls, layout, world, options):
-        # One all-reduce of the fp32 gradients per step, split into buckets (each
-        # bucket's ring count is rounded down on its own, so at W=3 the total can be
-        # a few bytes under this line's).
         return [PlannedOp("all_reduce", 4 * layout.numel, what="gradients (fp32, in buckets)")]
-
-    @classmethod
-    def exposed_comm_s(cls, plan, cost, options):
-        # DDP all-reduces a bucket as soon as the last micro-batch's backward (2/3 of
-        # its 6·N·tokens FLOPs) has filled it: torch's first bucket holds 1 MiB, the others
-        # bucket_mb. Gradients are taken to arrive evenly over the backward; one NIC
-        # sends the buckets in turn, and what is left when the backward ends is exposed.
-        backward = cost.compute_s / cost.accum * 2 / 3
-        exposed = 0.0
-        for op in plan:
-            runs = bucket_runs(op.nbytes, dist._DEFAULT_FIRST_BUCKET_BYTES, int(options.bucket_mb * 2**20))
-            nic_free = last_bucket_sent(runs, op.nbytes, backward, lambda size: cost.price(op.collective, size))
-            exposed += max(0.0, nic_free - backward) * cls.plan_rate(op, options, cost.steps)
-        return exposed
 
     def _sync_next(self, last: bool) -> None:
         """Whether the next micro-batch's backward all-reduces: what DDP's no_sync()

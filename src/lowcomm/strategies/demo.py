@@ -41,6 +41,7 @@ from ..errors import UsageError
 from ..contract.base import Strategy
 from ..contract.options import Options, option
 from ..contract.plan import PlannedOp
+from ..engines.costs import DeMoCost
 from .registry import register
 
 
@@ -82,6 +83,7 @@ def check_rows_per_shard(params, K: int) -> None:
 class DeMo(Strategy):
     Options = DeMoOptions
     inside_replica = ("ddp", "fsdp")  # across replica groups: on the tensors each position owns (fsdp: its shards)
+    cost = DeMoCost  # one all-gather after the step; no AdamW state
     local_state = ("extra.dct_momenta",)  # --elastic: δ̂, this worker's own; a joiner's is zero (docstring)
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
@@ -107,10 +109,6 @@ class DeMo(Strategy):
         o = options
         per_worker = sum(e.nbytes() for e in encoders(layout.shapes, o.chunk, o.topk, o.values, o.compact_index))
         return [PlannedOp("all_gather", world * per_worker, what="DCT top-k (index, value) of every tensor")]
-
-    @classmethod
-    def model_state_bytes(cls, num_params, world, options):
-        return 12 * num_params  # θ, ∇θ and the momentum δ (fp32); no AdamW state
 
     def optimizers(self):
         return [self.settings]

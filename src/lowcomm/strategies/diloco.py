@@ -26,8 +26,8 @@ import torch
 from ..contract.base import Strategy
 from ..contract.context import all_finite
 from ..contract.options import option
-from ..engines.outer_contract import OuterSyncContract
-from ..engines.outer_options import OuterSyncOptions, outer_step_suffix
+from ..engines.outer_contract import OuterSyncContract, OuterSyncCost
+from ..engines.outer_options import OuterSyncOptions
 from ..engines.outer_schedule import OuterSchedule
 from ..engines.outer_wire import PRECISIONS
 from ..engines.token_weights import WEIGHTS
@@ -62,10 +62,11 @@ class DiLoCoOptions(OuterSyncOptions):
 
 
 @register("diloco")
-class DiLoCo(OuterSyncContract, Strategy):  # the plan's price and --elastic's rules: the engine's
+class DiLoCo(OuterSyncContract, Strategy):  # its plan, its price and --elastic's rules: the engine's
     Options = DiLoCoOptions
     reproducible_options = {"sync_by": "steps"}
     inside_replica = ("ddp", "fsdp")  # the inner phase inside a replica, pseudo-gradients synced across (comm = cross)
+    cost = OuterSyncCost  # each fragment's sync behind what the schedule hides it behind; the final one exposed
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -161,15 +162,6 @@ class DiLoCo(OuterSyncContract, Strategy):  # the plan's price and --elastic's r
         return {**self.sync.report(self.steps_done), "inner_steps_rank0": self.inner_steps, "sync_every": o.sync_every,
                 "inner_steps_per_step_rank0": self.inner_steps / max(self.steps_done, 1), "sync_by": o.sync_by,
                 "outer_precision": o.outer_precision, "outer_compress": o.outer_compress}
-
-    @classmethod
-    def model_state_bytes(cls, num_params, world, options):  # θ, ∇θ, moments, θ_global, momentum (+ residual)
-        # (+ --eager's offset, the share standing in and the offset's momentum)
-        return (24 + 4 * (options.outer_compress != "none") + 12 * options.eager) * num_params
-
-    @classmethod
-    def plan_label(cls, options):
-        return f"{cls.name} H={options.sync_every}" + outer_step_suffix(options.outer_delay, options.eager)
 
     # -- --elastic: commit points are the merges; θ_global, the outer momentum and the syncs'
     # schedule are replicated, the rest the worker's own (engines/outer_contract.py) -------------

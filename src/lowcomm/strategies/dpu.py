@@ -23,7 +23,8 @@ from ..comm import CommStats
 from ..contract.context import StepContext
 from ..engines.flat import ShardedOptions
 from ..contract.options import option
-from ..engines.overlap import VOTES, OverlappedStrategy
+from ..engines.costs_sharded import DpuCost
+from ..engines.overlap import OverlappedStrategy
 from .registry import register
 
 
@@ -37,33 +38,12 @@ class DpuOptions(ShardedOptions):
 class DPU(OverlappedStrategy):
     Options = DpuOptions
     inside_replica = ("ddp", "fsdp")  # across replica groups: on the tensors each position owns (fsdp: its shards)
+    cost = DpuCost  # synchronous warm-up, then a round a step behind the next step's compute
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.warmup_steps = self.options.warmup_steps
         self.updates = 0
-
-    @classmethod
-    def plan_occurrences(cls, op, steps, options):
-        # A round every step, except the first delayed one (its gradient is applied a step later).
-        return steps - 1 if steps > options.warmup_steps else steps
-
-    @classmethod
-    def intra_occurrences(cls, op, steps, options):
-        # The votes inside a replica go with the rounds; the gradient sum inside it runs every step.
-        return cls.plan_occurrences(op, steps, options) if op == VOTES else op.occurrences(steps)
-
-    @classmethod
-    def exposed_comm_s(cls, plan, cost, options):
-        # The first warmup_steps steps are synchronous (exposed in full); then overlapped.
-        synchronous = 0.0 if cost.steps is None else min(options.warmup_steps, cost.steps) / cost.steps
-        comm = sum(cost.price(op.collective, op.nbytes) * cls.plan_rate(op, options, cost.steps) for op in plan)
-        return synchronous * comm + (1 - synchronous) * max(0.0, comm - cost.compute_s)
-
-    @classmethod
-    def model_state_bytes(cls, num_params, world, options):
-        # ZeRO-1's plus the round buffer B
-        return super().model_state_bytes(num_params, world, options) + cls.flat_bytes(num_params, world, options)
 
     # --elastic (the module docstring): B and what it counts are this worker's own
     # (a joiner's B holds no micro-batch: its first delayed round votes none, overlap.py's launch)

@@ -32,32 +32,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.compressed import compressed_allreduce, payload_bytes, residual_bytes, shard_len, split_piece
-from ..models.layout import ModelLayout
+from ..comm.compressed import compressed_allreduce, payload_bytes
 from ..errors import UsageError
 from ..engines.optim import FrozenAdam
 from ..contract.base import Strategy
 from ..contract.options import Options, option
-from ..contract.plan import LevelPlans, PlannedOp
+from ..contract.plan import PlannedOp
+from ..engines.costs import OneBitAdamCost
 from .registry import register
 
 # The warm-up when --freeze-variance-after is left at -1: a fifth of the run (see the docstring).
 WARMUP_SHARE = 0.2
 SETTLED_WARMUP = 10  # fewer default warm-up steps than this: the launch says so (run_note)
 BITS = 1
-
-
-def split_level_plans(cls, layout, replicas: int, size: int, options, reduced: bool) -> LevelPlans:
-    """Across replica groups with comm.compressed.SplitByPosition: inside, each position's piece
-    reduced to its mean (a reduce-scatter; `reduced`: the whole vector all-reduced first) and the
-    pieces' means all-gathered, fp32; across, the strategy's own plan on a piece."""
-    block = options.block_size
-    piece = split_piece(layout.numel, replicas, size, block)
-    reduce = (PlannedOp("all_reduce", 4 * replicas * shard_len(layout.numel, replicas, block),
-                        what="the whole vector's mean inside the replica (fp32)") if reduced else
-              PlannedOp("reduce_scatter", 4 * size * piece, what="each position's piece, its mean inside the replica (fp32)"))
-    gather = PlannedOp("all_gather", 4 * size * piece, what="the pieces' means inside the replica (fp32)")
-    return LevelPlans([reduce, gather], [cls.comm_plan(ModelLayout(((piece,),)), replicas, options)] * size)
 
 
 @dataclass
@@ -106,6 +93,7 @@ class OneBitAdam(Strategy):
     inside_replica = ("ddp", "fsdp")
     owns_tensors = False
     local_state = ("extra.residuals",)  # --elastic: the error feedback, this rank's own; a joiner's is zero
+    cost = OneBitAdamCost  # exact warm-up, then the compressed pair after the step; split by position across
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)
@@ -121,22 +109,6 @@ class OneBitAdam(Strategy):
         return [PlannedOp("all_to_all", total, what="1-bit momentum shards (worker -> owner)"),
                 PlannedOp("all_gather", total, what="1-bit summed shards (owner -> all)"),
                 PlannedOp("all_reduce", 4 * layout.numel, what="fp32 gradient (1-bit Adam's warm-up)")]
-
-    @classmethod
-    def level_plans(cls, layout, replicas, size, options):
-        return split_level_plans(cls, layout, replicas, size, options, reduced=True)
-
-    @classmethod
-    def plan_occurrences(cls, op, steps, options):
-        """The fp32 all-reduce runs in the warm-up steps, the compressed pair after."""
-        warm = min(steps, options.warmup_steps(steps))
-        return warm if op.collective == "all_reduce" else steps - warm
-
-    @classmethod
-    def model_state_bytes(cls, num_params, world, options):
-        # replicated AdamW and the frozen denominators, plus the error-feedback residuals
-        ef = residual_bytes(num_params, world, options.block_size) if options.error_feedback else 0
-        return 20 * num_params + ef
 
     def optimizers(self):
         return [self.optimizer]

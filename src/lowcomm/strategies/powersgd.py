@@ -50,6 +50,7 @@ from ..contract.base import Strategy
 from .ddp import DDP, DDPOptions
 from ..contract.options import option
 from ..contract.plan import PlannedOp
+from ..engines.costs import PowerSGDCost
 from .registry import register
 
 
@@ -84,6 +85,7 @@ class PowerSGD(DDP):
     checkpoint_replicated = False  # the hook's error feedback differs per rank
     inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns, without DDP
     owns_tensors = True
+    cost = PowerSGDCost  # plain until `start`, then P and Q, all exposed; across replicas the owned tensors'
     local_state = ("extra.powersgd.error_dict",)  # --elastic: the error feedback; a joiner's is zero
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
@@ -125,22 +127,6 @@ class PowerSGD(DDP):
         # torch still issues an all-reduce of 0 elements where a part is empty; a plan lists bytes
         return [PlannedOp("all_reduce", 4 * num_params, what="gradients before PowerSGD starts")] + \
             [op for op in after if op.nbytes > 0]
-
-    # torch's hook compresses a bucket, then all-reduces P and Q in turn: with few
-    # buckets little of it overlaps the backward, so the planner counts it all as exposed.
-    exposed_comm_s = classmethod(Strategy.exposed_comm_s.__func__)
-    # Across replica groups: the owned tensors' plans (not ddp's split of its buckets).
-    level_plans = classmethod(Strategy.level_plans.__func__)
-
-    @classmethod
-    def model_state_bytes(cls, num_params, world, options):
-        return 20 * num_params  # DDP's, plus torch's error-feedback copy of the gradients
-
-    @classmethod
-    def plan_occurrences(cls, op, steps, options):
-        if op.offset == 0:
-            return min(steps, options.start)
-        return op.occurrences(steps)
 
     def extra_state(self):
         """torch's hook state (step count, error feedback, warm-started P/Q, its RNG), and

@@ -28,11 +28,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, fields
 
-from ..comm.compressed import compressed_allreduce, payload_bytes, residual_bytes
+from ..comm.compressed import compressed_allreduce, payload_bytes
 from ..compress import quantizer_for_bits
 from ..errors import UsageError
 from ..contract.base import Strategy
-from .onebit_adam import OneBitAdamOptions, split_level_plans
+from .onebit_adam import OneBitAdamOptions
+from ..engines.costs import CompressedAllReduce
 from ..contract.plan import PlannedOp
 from ..contract.options import option
 from .registry import register
@@ -62,6 +63,7 @@ class Quantized(Strategy):
     inside_replica = ("ddp", "fsdp")
     owns_tensors = False
     local_state = ("extra.residuals",)  # --elastic: the error feedback, this rank's own; a joiner's is zero
+    cost = CompressedAllReduce  # after the step; across replica groups each position's piece
 
     @classmethod
     def resolve(cls, options: QuantizedOptions):
@@ -89,15 +91,6 @@ class Quantized(Strategy):
         name = quantizer_for_bits(options.bits, options.block_size).name
         return [PlannedOp("all_to_all", total, what=f"{name} gradient shards (worker -> owner)"),
                 PlannedOp("all_gather", total, what=f"{name} summed shards (owner -> all)")]
-
-    @classmethod
-    def level_plans(cls, layout, replicas, size, options):
-        return split_level_plans(cls, layout, replicas, size, options, reduced=False)
-
-    @classmethod
-    def model_state_bytes(cls, num_params, world, options):
-        # replicated AdamW, plus the error-feedback residuals
-        return 16 * num_params + (residual_bytes(num_params, world, options.block_size) if options.error_feedback else 0)
 
     def optimizers(self):
         return [self.optimizer]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engines.flat import ShardedStrategy
+from ..engines.costs_sharded import ShardedCost
+from ..engines.flat import ShardedStrategy, flat_bytes
 from ..contract.plan import PlannedOp
 from .registry import register
 
@@ -19,6 +20,7 @@ from .registry import register
 class Zero1(ShardedStrategy):
     # across replica groups: on the tensors each position owns (fsdp: on its shards, copied into the flat buffer)
     inside_replica = ("ddp", "fsdp")
+    cost = ShardedCost  # after the step; 1/W of the optimizer state
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -27,7 +29,7 @@ class Zero1(ShardedStrategy):
 
     @classmethod
     def comm_plan(cls, layout, world, options):
-        flat = cls.flat_bytes(layout.numel, world, options)
+        flat = flat_bytes(layout.numel, world, options)
         return [PlannedOp("reduce_scatter", flat, what="gradients"),
                 PlannedOp("all_gather", flat, what="parameters")]
 
