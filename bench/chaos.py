@@ -275,6 +275,8 @@ def heal_cost(strategy: str, args, root: Path) -> dict:
     print(f"{strategy} on --link {args.link}:", flush=True)
     seed, link = args.seeds[0], ("--link", args.link)
     steps, _ = calibrated(args, strategy, seed, root / f"{strategy}-link-calibrate", link)
+    unit = args.sync_every if strategy in LOCAL_SGD else 1
+    steps = max(steps, 8 * unit)  # commit points enough for a joiner that takes seconds to start
     out = root / f"{strategy}-link"
     proc = launch(out, flags(args, strategy, steps, steps, seed) + list(link))
     lines, logged = read_stderr(proc), out / "steps.jsonl"
