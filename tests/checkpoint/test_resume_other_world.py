@@ -1,9 +1,11 @@
 """A plain --resume on another number of workers re-cuts a sharded state (zero1, acco, dpu) exactly
 as an elastic run's first quorum does: the two paths load the same state, which equals the whole
-state put together here by hand from the checkpoint's shards; the resumed run then trains on.
+state put together here by hand from the checkpoint's shards (2 -> 1), or its shards cut by hand
+from the whole (1 -> 2, the second worker's own parts fresh); the resumed run then trains on.
 
-Two shared spawns: each strategy trained on 2 workers with a checkpoint at step CKPT, then resumed
-from it on 1 worker. A checkpoint of replicas of another size is refused in one line."""
+Three shared spawns, each for every strategy: trained on 1 worker with a checkpoint at step CKPT;
+trained on 2, and the run of 1 resumed on 2; the run of 2 resumed on 1. A checkpoint of replicas of
+another size is refused in one line."""
 from __future__ import annotations
 
 import copy
@@ -39,21 +41,22 @@ def config(name: str, out: Path, workers: int):
     return cfg
 
 
-def _train_on_two(rank, world, root):
-    from tiny_runs import trained
-    for name in SHARDED:
-        (Path(root) / name).mkdir(exist_ok=True)  # the launcher's part
-        trained(config(name, Path(root) / name, world), rank, world)
-
-
-def _resume_on_one(rank, world, root):
-    """Each strategy's step-CKPT checkpoint loaded by the plain path and by the elastic path, each
-    into a trainer of its own; the plain one then trains to the end."""
+def _life(rank, world, root, train: bool, resume_from: int | None):
+    """Each strategy trained on `world` workers (`train`: into NAME-wWORLD) and/or its run of
+    `resume_from` workers resumed here from its step-CKPT checkpoint (NAME-wFROM-on-WORLD, a copy):
+    loaded by the plain path and by the elastic path, each into a trainer of its own; the plain one
+    then trains to the end. Returns the resumed states."""
     from lowcomm.elastic import checkpoints as elastic_checkpoints
     from lowcomm.train.worker import build, run_plain
+    from tiny_runs import trained
     out = {}
     for name in SHARDED:
-        cfg = config(name, Path(root) / f"{name}-on-1", world)
+        if train:
+            (Path(root) / f"{name}-w{world}").mkdir(exist_ok=True)  # the launcher's part
+            trained(config(name, Path(root) / f"{name}-w{world}", world), rank, world)
+        if resume_from is None:
+            continue
+        cfg = config(name, Path(root) / f"{name}-w{resume_from}-on-{world}", world)
         cfg.resume_from = str(Path(cfg.out) / K.name_of(CKPT))
         plain = build(cfg, rank, world, local_rank=0)
         K.load(plain, K.read(Path(cfg.resume_from)))
@@ -73,13 +76,19 @@ def _resume_on_one(rank, world, root):
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
+    """{workers after the resume: every rank's states}, and the runs' folder: 1 -> 2 and 2 -> 1."""
     root = tmp_path_factory.mktemp("runs")
-    run_dist(_train_on_two, 2, str(root), timeout=600)
-    for name in SHARDED:  # the launcher's choice: taken on one worker, not refused
-        found = K.latest(root / name, config(name, root / name, 1), 1, warn=pytest.fail)
-        assert (found.world, found.step, found.replicated) == (2, STEPS, False)
-        shutil.copytree(root / name, root / f"{name}-on-1")
-    return run_dist(_resume_on_one, 1, str(root), timeout=600)[0], root
+
+    def copies(before: int, after: int) -> None:
+        for name in SHARDED:  # the launcher's choice: taken, not refused
+            found = K.latest(root / f"{name}-w{before}", config(name, root, after), after, warn=pytest.fail)
+            assert (found.world, found.step, found.replicated) == (before, STEPS, False)
+            shutil.copytree(root / f"{name}-w{before}", root / f"{name}-w{before}-on-{after}")
+    run_dist(_life, 1, str(root), True, None, timeout=600)
+    copies(1, 2)
+    on_two = run_dist(_life, 2, str(root), True, 1, timeout=600)
+    copies(2, 1)
+    return {2: on_two, 1: run_dist(_life, 1, str(root), False, 2, timeout=600)}, root
 
 
 def whole_by_hand(ckpt: Path, numel: int) -> dict:
@@ -127,25 +136,56 @@ def difference(a, b, path: str = "") -> str | None:
     return None if a == b else f"{path}: {a!r} != {b!r}"
 
 
+def trained_on(root: Path, run: str) -> list[int]:
+    """The workers that trained each step of a run (steps.jsonl): the resumed run's after CKPT."""
+    steps = [json.loads(line) for line in (root / run / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    return [len(r["per_rank"]["micro_batches"]) for r in steps]
+
+
 @pytest.mark.parametrize("name", SHARDED)
 def test_a_plain_resume_on_fewer_workers_recuts_as_the_elastic_path_does(name, resumed):
     states, root = resumed
-    mine = states[name]
+    mine = states[1][0][name]
     assert mine["steps"] == (CKPT, CKPT)
     assert difference(mine["plain"], mine["elastic"]) is None, difference(mine["plain"], mine["elastic"])
-    expected = whole_by_hand(root / name / K.name_of(CKPT), mine["params"].numel())
+    expected = whole_by_hand(root / f"{name}-w2" / K.name_of(CKPT), mine["params"].numel())
     assert difference(mine["plain"], expected) is None, difference(mine["plain"], expected)
     assert torch.isfinite(mine["params"]).all()
-    steps = [json.loads(line) for line in (root / f"{name}-on-1" / "steps.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))  # the resumed run's steps after CKPT
-    assert [len(r["per_rank"]["micro_batches"]) for r in steps] == [2] * CKPT + [1] * (STEPS - CKPT)
+    assert trained_on(root, f"{name}-w2-on-1") == [2] * CKPT + [1] * (STEPS - CKPT)
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_a_plain_resume_on_more_workers_cuts_the_whole_state_and_the_new_worker_joins(name, resumed):
+    """From 1 worker on 2: each takes its shard of the one worker's state, as the elastic path
+    cuts it; the second worker's own parts (its round buffer) start fresh, as a joiner's."""
+    states, root = resumed
+    whole = K.read_state(K.read(root / f"{name}-w1" / K.name_of(CKPT)), 0)["strategy"]
+    for rank, ranks in enumerate(states[2]):
+        mine = ranks[name]
+        assert mine["steps"] == (CKPT, CKPT)
+        assert difference(mine["plain"], mine["elastic"]) is None, difference(mine["plain"], mine["elastic"])
+        numel = mine["params"].numel()
+        size = -(-numel // 2)
+
+        def shard(full: torch.Tensor) -> torch.Tensor:
+            return torch.cat([full, full.new_zeros(2 * size - numel)])[rank * size:(rank + 1) * size]
+        got, want = mine["plain"]["optimizers"][0]["state"][0], whole["optimizers"][0]["state"][0]
+        assert all(torch.equal(got[k], shard(v) if v.dim() == 1 else v) for k, v in want.items())
+        if whole["extra"]["master"] is not None:
+            assert torch.equal(mine["plain"]["extra"]["master"], shard(whole["extra"]["master"]))
+        assert difference(mine["plain"]["model"], whole["model"]) is None
+        if rank == 1 and "buffer" in whole["extra"]:
+            assert whole["extra"]["buffer"].any() and not mine["plain"]["extra"]["buffer"].any()
+        assert torch.isfinite(mine["params"]).all()
+    assert trained_on(root, f"{name}-w1-on-2") == [1] * CKPT + [2] * (STEPS - CKPT)
 
 
 def test_a_checkpoint_of_replicas_of_another_size_is_refused_in_one_line(resumed):
     _, root = resumed
-    found = K.read(root / "zero1" / K.name_of(CKPT))
+    found = K.read(root / "zero1-w2" / K.name_of(CKPT))
     four_by_two = K.Found(found.path, CKPT, 4, False, per_replica=2)  # replicas of 2 processes
-    cfg = config("zero1", root / "zero1", 2)
+    cfg = config("zero1", root, 2)
     with pytest.raises(K.WorldSizeError, match=r"written by replicas of 2 process\(es\) and strategy 'zero1' keeps "
                                                 r".* cannot be re-cut for replicas of 1; resume with --workers 4"):
         K.check_world(four_by_two, cfg, 2)
