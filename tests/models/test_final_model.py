@@ -4,6 +4,7 @@ loss and gradients; --compile is refused in one line where its backend cannot ru
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -131,3 +132,26 @@ def test_compile_compiles_the_model_in_place_where_a_compiler_is_there(monkeypat
                         torch.device("cpu"))
     assert isinstance(model, GPT) and model._compiled_call_impl is not None
     assert "tok_emb.weight" in model.state_dict()
+
+
+@pytest.mark.procs
+def test_a_checkpoint_holds_the_model_its_step_evaluated_and_a_run_starts_from_it(tmp_path, data_file, capfd):
+    """DiLoCo mid-period (step 3 of periods of 2): each worker trains its own θ, the model evaluated
+    is the global one; a checkpoint's model/ is that one (its validation loss is the one the run
+    logged at that step; the worker's own θ fails this)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(["train", *RUN, *DIMS, "--strategy", "diloco", "--sync-every", "2", "--steps", "4",
+                 "--checkpoint-every", "3", "--eval-every", "3", "--data", str(data_file), "--out", str(first)]) == 0
+    checkpoint = first / "ckpt-000003"
+    saved = read_saved(checkpoint)
+    assert saved.path == checkpoint / "model" and (saved.path / "tokenizer.json").is_file()
+    logged = next(r["val_loss"] for r in records(first) if r["step"] == 3 and "val_loss" in r)
+    assert val_loss(load_saved(saved, torch.device("cpu"), vocab_size=256), data_file) == pytest.approx(logged, abs=1e-5)
+
+    # a run that left no final model (killed before its end) points at its newest checkpoint (the last step's)
+    shutil.rmtree(first / "model")
+    with pytest.raises(UsageError, match=f"the newest is {first / 'ckpt-000004'}, or finish it"):
+        read_saved(first)
+    assert main(["train", *RUN, "--steps", "1", "--init-from", str(checkpoint), "--data", str(data_file),
+                 "--out", str(second)]) == 0
+    assert records(second)[0]["loss"] < records(first)[0]["loss"]  # from the trained weights, not a random start

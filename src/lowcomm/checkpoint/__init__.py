@@ -8,6 +8,8 @@ run's output directory:
       .metadata                          DCP's index of every entry
       config.toml                        the resolved config of the run
       manifest.json                      step, strategy, world size, config hash, sha256 of every file
+      model/                             the evaluated model as a run's final one (OUT/model/): for
+                                         --init-from and `lowcomm sample`; not read by a resume
 
 One module a job: layout.py (names, manifest checksums, the config hash), state.py (the
 trainer's state as DCP stores it, and loading it back), write.py (requests and the atomic

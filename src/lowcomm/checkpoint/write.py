@@ -84,6 +84,7 @@ def _save(trainer, state: dict, out_dir: Path, tmp: Path, keep: int, replicated:
         tmp.mkdir(parents=True)
     comm.barrier()
     dcp.save(state, checkpoint_id=str(tmp))
+    trainer.write_model_into(tmp if rank == 0 else None)  # tmp/model/: what --init-from and sample read
     comm.barrier()
     if rank != 0:
         return None

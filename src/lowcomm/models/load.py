@@ -8,8 +8,9 @@ A model directory is one of two kinds, told apart by its config.json:
 * a Hugging Face ``save_pretrained`` directory (a run's hf: model, or any transformers causal LM
   saved with safetensors): its own config.json, read by transformers as saved.
 
-`find_model_dir` also takes a run directory (OUT: its model/ is used). Every refusal is one
-UsageError line naming the directory.
+`find_model_dir` also takes a run directory (OUT: its model/ is used) and a checkpoint
+(OUT/ckpt-N: its model/, the model that step evaluated). Every refusal is one UsageError line
+naming the directory.
 """
 from __future__ import annotations
 
@@ -68,6 +69,11 @@ def find_model_dir(spec: str | Path, label: str = "model directory") -> Path:
     for candidate in (path, path / MODEL_DIR):
         if (candidate / CONFIG).is_file():
             return candidate
+    checkpoints = sorted(c for c in path.glob("ckpt-*") if (c / MODEL_DIR / CONFIG).is_file())
+    if checkpoints:
+        raise UsageError(f"{label} '{spec}' is a run that left no final model ({MODEL_DIR}/ is written when it "
+                         f"ends): give one of its checkpoints, the newest is {checkpoints[-1]}, or finish it "
+                         f"with lowcomm train --resume {spec}")
     if any(path.glob("ckpt-*")):
         raise UsageError(f"{label} '{spec}' is a run that left no final model ({MODEL_DIR}/ is written when it "
                          f"ends; lowcomm train --resume {spec} finishes it)")

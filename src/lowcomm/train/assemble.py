@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -79,6 +80,20 @@ class Trainer:
         optimizer, buffers), the data loader's reading position and the RNG states."""
         return {"step": self.step, "strategy": self.run.state_dict(),
                 "loader": loader_state(self.loader), "rng": _rng_state(self.device)}
+
+    def write_model_into(self, parent: Path | None) -> None:
+        """`parent`/model/: the model this step evaluates (the strategy's evaluated parameters:
+        DiLoCo's global θ, ACCO's real θ) in a run's final-model form (models/save.py), so that a
+        checkpoint is a model to --init-from and to sample, as a Hugging Face Trainer's
+        checkpoint-N is. Collective (the evaluated parameters may be gathered): every rank calls
+        it, the rank given `parent` writes."""
+        from ..models.load import MODEL_DIR
+        from ..models.save import full_state, save_model
+        from .run_end import tokenizer_files
+        with self.run.evaluating() as model:
+            state = full_state(model, keep=parent is not None)  # copied: the training tensors go back
+        if parent is not None:
+            save_model(model, state, Path(parent) / MODEL_DIR, self.cfg.model.seq_len, tokenizer_files(self.cfg))
 
     def load_state_dict(self, sd: dict) -> None:
         self.step = sd["step"]
