@@ -220,8 +220,13 @@ def write_docs(text: str, args) -> None:
         body += f"\n## The scale ladder\n\n{start}\n{end}\n"
     head, _, rest = body.partition(start)
     _, _, tail = rest.partition(end)
-    stamp = (f"_Measured on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} at the "
-             f"end; {args.tokens:,} tokens a run, W={args.workers}._ `python bench/ladder.py`")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    # Losses and bytes are the same at any load (only wall time moves, which the table does not use):
+    # the runs, cached under --out and rerun only when missing, may come from several sittings.
+    stamp = (f"_Written on {time.strftime('%Y-%m-%d')} at {commit or 'an unknown commit'}, {os.cpu_count()} CPUs; "
+             f"{args.tokens:,} tokens a run, W={args.workers}, micro-batch {args.micro_batch}, "
+             f"sequence {args.seq_len}, {args.vocab}; validation loss and bytes do not depend on the "
+             f"machine's load (the runs are cached and may come from several sittings)._ `python bench/ladder.py`")
     doc.write_text(f"{head}{start}\n![gap to ddp against size](ladder_gap.png)\n{text}\n\n{stamp}\n{end}{tail}")
 
 
