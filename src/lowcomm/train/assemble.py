@@ -28,8 +28,11 @@ from ..diagnose.trace import Tracer
 from ..run.build import build as build_run, make_pacer, replica_groups, world_comm
 from ..data.loader import StreamBatches
 from ..run.driver import RunDriver
+from ..models.load import MODEL_DIR
+from ..models.save import full_state
 from . import faults
 from .member_data import load_loader_state, loader_state
+from .run_end import write_model
 from .optim import adamw_factory, lr_schedule
 
 
@@ -87,13 +90,10 @@ class Trainer:
         checkpoint is a model to --init-from and to sample, as a Hugging Face Trainer's
         checkpoint-N is. Collective (the evaluated parameters may be gathered): every rank calls
         it, the rank given `parent` writes."""
-        from ..models.load import MODEL_DIR
-        from ..models.save import full_state, save_model
-        from .run_end import tokenizer_files
         with self.run.evaluating() as model:
             state = full_state(model, keep=parent is not None)  # copied: the training tensors go back
         if parent is not None:
-            save_model(model, state, Path(parent) / MODEL_DIR, self.cfg.model.seq_len, tokenizer_files(self.cfg))
+            write_model(self, model, state, Path(parent) / MODEL_DIR)
 
     def load_state_dict(self, sd: dict) -> None:
         self.step = sd["step"]

@@ -94,9 +94,14 @@ def save_final_model(t, out_dir: Path | None) -> None:
     """OUT/model/: the final weights (gathered from every rank where FSDP shards them: every rank
     calls this), written by the rank given `out_dir`, with the data's tokenizer beside them."""
     state = full_state(t.model, keep=out_dir is not None)
-    if out_dir is None:
-        return
-    save_model(t.model, state, out_dir / MODEL_DIR, t.cfg.model.seq_len, tokenizer_files(t.cfg))
+    if out_dir is not None:
+        write_model(t, t.model, state, out_dir / MODEL_DIR)
+
+
+def write_model(t, model, state: dict, directory: Path) -> None:
+    """`model` with the weights `state` (full_state's) in `directory`, as a run leaves OUT/model/:
+    the weights, their config and the data's tokenizer beside them."""
+    save_model(model, state, directory, t.cfg.model.seq_len, tokenizer_files(t.cfg))
 
 
 def tokenizer_files(cfg: C.RunConfig) -> dict:
