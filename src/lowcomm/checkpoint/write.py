@@ -21,7 +21,7 @@ import torch
 from .. import config as C
 from ..config.nodes import per_replica
 from ..errors import RunError
-from .storage import disk_full, first_failure, write_text_atomic
+from ..storage.files import disk_full, first_failure, write_text_atomic
 from ..contract.context import tensor_bytes
 from .layout import FORMAT, MANIFEST, checksums, config_hash, name_of, prune
 from .state import to_dcp

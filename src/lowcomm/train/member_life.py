@@ -27,7 +27,8 @@ from .loop import LoopResult, Progress
 from .member_data import loader_for, val_for
 from .outputs import StepOutputs
 from .rounds import RoundState
-from .worker import build_model, pick_device
+from ..models import build_run_model
+from .worker import pick_device
 
 
 class MemberLife:
@@ -38,7 +39,7 @@ class MemberLife:
         # torchrun its rank in the job), by which the test faults name it
         self.cfg, self.slot, self.m, self.out_dir, self.quiet = cfg, slot, membership, out_dir, quiet
         self.device = pick_device(cfg, "gloo", 0)
-        self.model = build_model(cfg, self.device)  # θ0 from the seed: alike on every worker, no collective
+        self.model = build_run_model(cfg, self.device)  # θ0 from the seed: alike on every worker, no collective
         self.model_reusable = True  # False once a run reshaped the model for its group (fsdp inside)
         data = load_tokens(cfg.data.source, cfg.data.val_fraction, cfg.data.vocab_size, quiet=True)
         self.train_tokens, self.val_tokens, self.source = data.train, data.val, data.label
@@ -70,7 +71,7 @@ class MemberLife:
         cfg = self.cfg
         if not self.model_reusable:  # θ0 again (the RNG left as it was): the state is loaded next
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                self.model = build_model(cfg, self.device)
+                self.model = build_run_model(cfg, self.device)
         seat = Seat(view.rank, ReplicaLayout(view.world, view.world // view.size()), view.slots[view.rank])
         draws = self.snapshot["draws"] if self.snapshot else 0
         self.t = build_trainer(cfg, seat, self.device, "gloo", lambda: self.model,
