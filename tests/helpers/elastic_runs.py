@@ -83,7 +83,7 @@ def checkpoint_params_hashes(checkpoint: Path) -> list[str]:
     from lowcomm.checkpoint import read, read_state
     from lowcomm.elastic.transfer import state_hash
     found = read(checkpoint)
-    models = [read_state(found, r)["strategy"]["model"] for r in range(found.world)]
+    models = [read_state(found, r)["strategy"]["parts"]["model"] for r in range(found.world)]
     return [state_hash({f"model.{k}": v for k, v in model.items()}) for model in models]
 
 

@@ -14,8 +14,9 @@ implements only the hooks its algorithm needs:
                            (default: update(ctx) once ctx.micro reaches accum)
     loss_scale()           what each micro-batch's loss is multiplied by (default 1/accum)
     train_model            property: the module the training forward must call (default: the model)
-    optimizers()           the optimizers whose state is checkpointed (default: none)
-    extra_state() / load_extra_state(sd)   buffers beyond model and optimizers (default: none)
+    optimizers()           the optimizers the lr schedule sets (default: self.optimizer, if it keeps one)
+    state_parts()          its state, by name: {name: Part(save, load, kind, joiner)}, extended by
+                           subclasses (contract/parts.py; default: the model, replicated)
     swapped_for_eval()     context: the module holding the parameters to evaluate (default: the model)
     finish(rounds)         the run ends: complete `rounds` rounds (see rounds_started), drain what is
                            in flight, leave the final parameters in the model; True when that
@@ -28,8 +29,7 @@ implements only the hooks its algorithm needs:
     resolve(options)       classmethod, optional: (name, options, note) of the strategy an older
                            spelling runs (quantized --bits 1 is onebit_adam); absent: itself
     release()              stop the threads the strategy holds (default: nothing)
-    local_state, commits_at, commit_state ...   how its state survives a change of membership
-                           (--elastic): contract/elastic.py
+    commits_at, elastic_refusal ...   where its state is kept under --elastic: contract/elastic.py
 
 The constructor is called with the model, a Comm, make_optimizer(params), accum, the
 schedule (step -> lr), validated options, the run's length (None if unknown) and `inside`.
@@ -61,6 +61,7 @@ from ..models.layout import ModelLayout, layout_of, trainable
 from .elastic import ElasticPart
 from .context import Schedule, StepContext, apply_schedule, tensor_bytes
 from .options import Options
+from .parts import Part, optimizer_part
 from .plan import Cost, PlannedOp
 from .replica import ReplicaPart
 
@@ -75,9 +76,6 @@ class Strategy(ReplicaPart, ElasticPart):
     # Options under which a run depends only on its inputs, not on timing (the contract
     # tests use them for bit-exact comparisons).
     reproducible_options: ClassVar[dict] = {}
-    # True where the whole state_dict() is identical on every rank (ddp): a checkpoint then
-    # stores it once and can load it on another number of workers (lowcomm/checkpoint).
-    checkpoint_replicated: ClassVar[bool] = False
     # The engines inside a replica (--inside) this strategy runs across replica groups with;
     # read from the class itself (runs_inside), never inherited.
     inside_replica: ClassVar[tuple[str, ...]] = ()
@@ -142,13 +140,16 @@ class Strategy(ReplicaPart, ElasticPart):
         return self.model
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return []
+        optimizer = getattr(self, "optimizer", None)  # a strategy that keeps one optimizer, as self.optimizer
+        return [optimizer] if optimizer is not None else []
 
-    def extra_state(self) -> dict:
-        return {}
-
-    def load_extra_state(self, sd: dict) -> None:
-        pass
+    def state_parts(self) -> dict[str, Part]:
+        """The state, by name (contract/parts.py): the model's parameters and buffers, and the
+        optimizer a strategy keeps as self.optimizer, replicated."""
+        optimizer = getattr(self, "optimizer", None)
+        return {"model": Part(lambda: {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                              self.model.load_state_dict),
+                **({"optimizer": optimizer_part(optimizer)} if optimizer is not None else {})}
 
     @contextmanager
     def swapped_for_eval(self):

@@ -10,7 +10,7 @@ calibration, the final sync of every fragment at the run's last step; a regular 
 reduction hides behind τ inner steps (streaming), a whole period (one period late, past its
 warm-up) or none, the final one behind none.
 
-Under --elastic (contract/elastic.py) the commit points are the merges, where every member
+Under --elastic (contract/elastic.py; the parts: outer_sync.py's state_parts) the commit points are the merges, where every member
 holds θ_global and the outer momentum alike: that is the state a joiner receives, as a
 torchft DiLoCo fragment registers exactly its global parameters and outer optimizer. The rest
 is each worker's own, and a joiner starts it as a fresh worker at step 0 did -- its local θ at
@@ -102,13 +102,6 @@ class OuterSyncContract:
     def contribution(self) -> dict | None:
         """The last outer sync's workers that contributed and their tokens (--outer-weights tokens)."""
         return contribution(self.sync.wire.last_tokens)
-
-    @classmethod
-    def fresh_local(cls, path, value):
-        return value if path == "model" else super().fresh_local(path, value)  # θ_global: join_from_peer
-
-    def join_from_peer(self):
-        self.sync.restart_from_globals()
 
     def rounds_started(self) -> int:  # 1 while a sync is owed: the driver takes the most over the ranks
         return int(self.sync.owed())

@@ -37,6 +37,7 @@ from ..errors import UsageError
 from ..engines.optim import FrozenAdam
 from ..contract.base import Strategy
 from ..contract.options import Options, option
+from ..contract.parts import LOCAL, Part, attributes
 from ..contract.plan import PlannedOp
 from ..engines.costs import OneBitAdamCost
 from .registry import register
@@ -92,7 +93,6 @@ class OneBitAdam(Strategy):
     # across replica groups: each position's blocks (comm.compressed.SplitByPosition); fsdp: its shards' blocks
     inside_replica = ("ddp", "fsdp")
     owns_tensors = False
-    local_state = ("extra.residuals",)  # --elastic: the error feedback, this rank's own; a joiner's is zero
     cost = OneBitAdamCost  # exact warm-up, then the compressed pair after the step; split by position across
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
@@ -109,9 +109,6 @@ class OneBitAdam(Strategy):
         return [PlannedOp("all_to_all", total, what="1-bit momentum shards (worker -> owner)"),
                 PlannedOp("all_gather", total, what="1-bit summed shards (owner -> all)"),
                 PlannedOp("all_reduce", 4 * layout.numel, what="fp32 gradient (1-bit Adam's warm-up)")]
-
-    def optimizers(self):
-        return [self.optimizer]
 
     def use_comm(self, comm):
         self.comm = self.allreduce.comm = comm
@@ -155,13 +152,11 @@ class OneBitAdam(Strategy):
         for p, m, denominator in zip(self.params, self.allreduce.views(mean), adam.denominators()):
             adam.apply(p, m, denominator)
 
-    def extra_state(self):
-        return {"residuals": self.allreduce.state_dict(), "warmup": self.warmup, "adam": self.adam.state_dict()}
-
-    def load_extra_state(self, sd):
-        self.allreduce.load_state_dict(sd["residuals"])
-        self.warmup = sd["warmup"]  # fixed for the run: a resume with another --steps keeps it
-        self.adam.load_state_dict(sd["adam"])
+    def state_parts(self):
+        """θ, Adam (replicated); the error feedback, this rank's own (a joiner's is zero); the warm-up's
+        length, fixed for the run (a resume with another --steps keeps it)."""
+        return {**super().state_parts(), "residuals": Part(self.allreduce.state_dict, self.allreduce.load_state_dict, LOCAL),
+                **attributes(self, "warmup"), "adam": Part(self.adam.state_dict, self.adam.load_state_dict)}
 
     def report(self):
         return {**self.allreduce.report(self.steps_done), "exact_warmup_steps": self.warmup}

@@ -36,6 +36,7 @@ from .onebit_adam import OneBitAdamOptions
 from ..engines.costs import CompressedAllReduce
 from ..contract.plan import PlannedOp
 from ..contract.options import option
+from ..contract.parts import LOCAL, Part
 from .registry import register
 
 
@@ -62,7 +63,6 @@ class Quantized(Strategy):
     # across replica groups: each position's blocks (comm.compressed.SplitByPosition); fsdp: its shards' blocks
     inside_replica = ("ddp", "fsdp")
     owns_tensors = False
-    local_state = ("extra.residuals",)  # --elastic: the error feedback, this rank's own; a joiner's is zero
     cost = CompressedAllReduce  # after the step; across replica groups each position's piece
 
     @classmethod
@@ -92,9 +92,6 @@ class Quantized(Strategy):
         return [PlannedOp("all_to_all", total, what=f"{name} gradient shards (worker -> owner)"),
                 PlannedOp("all_gather", total, what=f"{name} summed shards (owner -> all)")]
 
-    def optimizers(self):
-        return [self.optimizer]
-
     def use_comm(self, comm):
         self.comm = self.allreduce.comm = comm
 
@@ -109,11 +106,9 @@ class Quantized(Strategy):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def extra_state(self):
-        return {"residuals": self.allreduce.state_dict()}
-
-    def load_extra_state(self, sd):
-        self.allreduce.load_state_dict(sd["residuals"])
+    def state_parts(self):
+        """θ, the optimizer (replicated), the error feedback (this rank's own; a joiner's is zero)."""
+        return {**super().state_parts(), "residuals": Part(self.allreduce.state_dict, self.allreduce.load_state_dict, LOCAL)}
 
     def report(self):
         return self.allreduce.report(self.steps_done)

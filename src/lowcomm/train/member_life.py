@@ -17,6 +17,7 @@ from . import run_end
 from ..comm.flight import FlightRecorder
 from ..comm.groups import ReplicaLayout
 from ..comm.objects import all_gather_object
+from ..contract.parts import replicated_tensors
 from ..data import load_tokens
 from ..diagnose.trace import Tracer
 from ..elastic import support, transfer
@@ -89,7 +90,7 @@ class MemberLife:
 
     def hash_of(self, snapshot: dict) -> str:
         """The hash of a snapshot's replicated state (membership.jsonl's state_sha256)."""
-        return transfer.state_hash(self.t.run.strategy.replicated_state(snapshot["strategy"]))
+        return transfer.state_hash(replicated_tensors(self.t.run.strategy.state_parts(), snapshot["strategy"]))
 
     def _log_file(self) -> str | None:
         """This member's steps.jsonl, named across hosts. Under torchrun each job has its own --out,
