@@ -60,7 +60,7 @@ def to_commit(run, rank: int, after: int) -> int:
         step = run.steps_done
         micro = iter(range(1000))
         run.step(lambda: batch(step, rank, next(micro)), lowcomm.lm_loss)
-        if run.steps_done > after and run.strategy.commits_at(o, run.steps_done):
+        if run.steps_done > after and run.strategy.elastic.commits_at(o, run.steps_done):
             return run.steps_done
 
 

@@ -206,7 +206,7 @@ def last_commit_before(case: str, step: int) -> int:
     """The strategy's last commit point before `step` (0: none)."""
     name = case.partition(" ")[0]
     o = get(name).Options(**options(case)).validate(name)
-    return max((c for c in range(1, step) if get(name).commits_at(o, c)), default=0)
+    return max((c for c in range(1, step) if get(name).elastic.commits_at(o, c)), default=0)
 
 
 # Every fault for a strategy of each engine and state kind (replicated; sharded and re-cut; rounds

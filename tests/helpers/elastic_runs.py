@@ -24,7 +24,7 @@ SHORT = {"diloco": {"sync_every": 2}, "sparseloco": {"sync_every": 2},
          "streaming_diloco": {"sync_every": 4, "fragments": 2, "fragment_delay": 1},
          "powersgd": {"start": 2}, "onebit_adam": {"freeze_variance_after": 2}, "dpu": {"warmup_steps": 2}}
 ELASTIC = [n for n in available()
-           if get(n).elastic_refusal(get(n).Options(**SHORT.get(n, {})).validate(n), False) is None]
+           if get(n).elastic.refusal(get(n).Options(**SHORT.get(n, {})).validate(n), False) is None]
 
 
 # Variants, by name: "<strategy> <variant>" runs the strategy with these options besides its SHORT ones.

@@ -7,19 +7,23 @@ and are what a joiner receives; LOCAL parts stay in the worker's snapshot and st
 joiner unless they say otherwise; SHARDED parts are gathered whole at a commit and cut anew for
 each membership). Each strategy's docstring says where its reference does so.
 
-In the style of torchft's Manager.should_commit (where a step is kept):
+Where its steps are kept is its rules, `Strategy.elastic` (a class, as `cost` is), in the style
+of torchft's Manager.should_commit:
 
-    commits_at(options, step)                   where every member agrees (default: every step)
-    redoes_last_step(options)                   a failed commit redoes only its last step (rounds.py)
-    elastic_refusal(options, across_replicas)   why these options cannot run elastically (None: they can)
-    elastic_options(options)                    the options an elastic run runs (local SGD: token-weighted merges)
-    require_contributors(n) / contribution()    --min-workers as an outer step's quorum; who contributed to it
+    commits_at(options, step)                 where every member agrees (default: every step)
+    redoes_last_step(options)                 a failed commit redoes only its last step (rounds.py)
+    refusal(options, across_replicas)         why these options cannot run elastically (None: they can)
+    options(options)                          the options an elastic run runs (local SGD: token-weighted merges)
+    require_contributors(strategy, n)         --min-workers as an outer step's quorum
+    contribution(strategy)                    who contributed to the last merge (steps.jsonl's `outer`)
+
+The local-SGD family's are engines/outer_contract.py's OuterSyncRules.
 """
 from __future__ import annotations
 
 
-class ElasticPart:
-    """The elastic side of Strategy (see the module docstring)."""
+class ElasticRules:
+    """Every step a commit point, any options, no merge of what members trained (the module docstring)."""
 
     @classmethod
     def commits_at(cls, options, step: int) -> bool:
@@ -30,16 +34,18 @@ class ElasticPart:
         return False
 
     @classmethod
-    def elastic_refusal(cls, options, across_replicas: bool) -> str | None:
+    def refusal(cls, options, across_replicas: bool) -> str | None:
         return None
 
     @classmethod
-    def elastic_options(cls, options):
+    def options(cls, options):
         return options
 
-    def require_contributors(self, n: int) -> None:
+    @classmethod
+    def require_contributors(cls, strategy, n: int) -> None:
         """An update that merges what each member trained needs `n` members that trained."""
 
-    def contribution(self) -> dict | None:
+    @classmethod
+    def contribution(cls, strategy) -> dict | None:
         """The last merge's contributors and tokens (steps.jsonl's `outer`), None without one."""
         return None

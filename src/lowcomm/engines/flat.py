@@ -28,6 +28,7 @@ from ..contract.base import Strategy
 from ..contract.context import StepContext, schedule_like
 from ..contract.options import Options, option
 from ..contract.plan import flat_numel
+from ..contract.replica import part_is_engines
 from . import flat_reshard
 
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the model's own dtype
@@ -248,7 +249,7 @@ class ShardedStrategy(Strategy):
         ordered += [p for p in self.params if all(p is not q for q in ordered)]  # in no group: never stepped
         ends = [sum(p.numel() for _, ps in groups[:g + 1] for p in ps) for g in range(len(groups))]
         self.flat = FlatModel(model, ordered, comm.world, comm.rank, PARAM_DTYPES[self.options.param_dtype], ends,
-                              aliased=not self.part_is_engines)
+                              aliased=not part_is_engines(self))
         self.shard_opt = ShardOptimizer(self.flat, make_optimizer, reference, separate_master=self.separate_master)
         # model.zero_grad() would drop accumulated gradients (set_to_none=False) or cut
         # .grad loose from the flat buffer (True): refuse it with a clear error instead.

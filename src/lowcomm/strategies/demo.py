@@ -42,6 +42,7 @@ from ..contract.base import Strategy
 from ..contract.options import Options, option
 from ..contract.parts import LOCAL, Part, optimizer_part
 from ..contract.plan import PlannedOp
+from ..contract.replica import part_is_engines
 from ..engines.costs import DeMoCost
 from .registry import register
 
@@ -88,7 +89,7 @@ class DeMo(Strategy):
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)
-        if self.part_is_engines:
+        if part_is_engines(self):
             check_rows_per_shard(self.replica_params, self.inside.comm.world)
         # The run's optimizer, built only to hold each param group's lr and weight decay (and
         # carry the schedule): it never steps and holds no state.

@@ -39,6 +39,7 @@ from ..contract.base import Strategy
 from ..contract.options import Options, option
 from ..contract.parts import LOCAL, Part, attributes
 from ..contract.plan import PlannedOp
+from ..contract.replica import splitting_inside
 from ..engines.costs import OneBitAdamCost
 from .registry import register
 
@@ -99,7 +100,7 @@ class OneBitAdam(Strategy):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)
         self.optimizer = make_optimizer(self.params)
         self.adam = FrozenAdam(self.optimizer, self.params)
-        self.allreduce = compressed_allreduce(comm, self.splitting_inside, self.params, BITS,
+        self.allreduce = compressed_allreduce(comm, splitting_inside(self), self.params, BITS,
                                               self.options.block_size, self.options.error_feedback)
         self.warmup: int | None = None  # T0, known once the run's length is (first step)
 

@@ -35,6 +35,7 @@ from ..contract.base import Strategy
 from .onebit_adam import OneBitAdamOptions
 from ..engines.costs import CompressedAllReduce
 from ..contract.plan import PlannedOp
+from ..contract.replica import splitting_inside
 from ..contract.options import option
 from ..contract.parts import LOCAL, Part
 from .registry import register
@@ -82,7 +83,7 @@ class Quantized(Strategy):
             raise UsageError("quantized with bits=1 and freeze_variance_after -1 or > 0 is 1-bit Adam: "
                              "use strategy 'onebit_adam' (freeze_variance_after=0 sends 1-bit gradients)")
         self.optimizer = make_optimizer(self.params)
-        self.allreduce = compressed_allreduce(comm, self.splitting_inside, self.params, self.options.bits,
+        self.allreduce = compressed_allreduce(comm, splitting_inside(self), self.params, self.options.bits,
                                               self.options.block_size, self.options.error_feedback)
 
     @classmethod

@@ -18,6 +18,7 @@ from ..comm.flight import FlightRecorder
 from ..comm.groups import ReplicaLayout
 from ..comm.objects import all_gather_object
 from ..contract.parts import replicated_tensors
+from ..contract.replica import model_reusable
 from ..data import load_tokens
 from ..diagnose.trace import Tracer
 from ..elastic import support, transfer
@@ -81,7 +82,7 @@ class MemberLife:
                                self.flight, self.tracer, member_timeout=support.member_timeout(cfg),
                                options=support.strategy_options(cfg), fault_rank=self.slot)
         support.configure(self.t.run, cfg)
-        self.model_reusable = self.t.run.strategy.model_reusable
+        self.model_reusable = model_reusable(self.t.run.strategy)
         self.view = view
 
     def restart_data(self, draws: int) -> None:

@@ -1,5 +1,5 @@
 """The local-SGD family under --elastic: a failed outer sync costs that sync, not the round before
-it (for strategies that declare `redoes_last_step`, contract/elastic.py).
+it (for strategies whose rules say `redoes_last_step`, contract/elastic.py).
 
 A local-SGD member trains H inner steps alone between outer syncs, so a peer's death or freeze is
 found only when the members reach the sync. Going back to the last commit would throw away every
