@@ -10,7 +10,7 @@ Algorithm 1, with every byte through Comm:
 Why v is frozen: sign-compressed gradients fed to Adam corrupt v (error feedback keeps the
 *sum* of what is sent right, not the sum of squares); measured here, 1-bit gradients into AdamW
 gained nothing from error feedback. With v frozen the update is linear in m, so error feedback
-on m is sound. The compressed mean is comm.compressed.CompressedAllReduce (quantized sends
+on m is sound. The compressed mean is engines/compressed.py's CompressedAllReduce (quantized sends
 gradients through the same engine); Adam's frozen-v step is lowcomm.engines.optim.FrozenAdam, which
 keeps m and t in the run's optimizer's state (and so in its checkpoint) and honours each param
 group's lr, betas, eps and weight decay.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.compressed import compressed_allreduce, payload_bytes
+from ..engines.compressed import compressed_allreduce, payload_bytes
 from ..errors import UsageError
 from ..engines.optim import FrozenAdam
 from ..contract.base import Strategy
@@ -91,7 +91,7 @@ class OneBitAdam(Strategy):
     # A warm-up that needs no run length (the contract tests build runs without total_steps)
     # and ends early enough that their few steps cross the freeze.
     reproducible_options = {"freeze_variance_after": 2}
-    # across replica groups: each position's blocks (comm.compressed.SplitByPosition); fsdp: its shards' blocks
+    # across replica groups: each position's blocks (engines/compressed.py's SplitByPosition); fsdp: its shards' blocks
     inside_replica = ("ddp", "fsdp")
     owns_tensors = False
     cost = OneBitAdamCost  # exact warm-up, then the compressed pair after the step; split by position across

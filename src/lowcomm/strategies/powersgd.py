@@ -14,7 +14,7 @@ first `start` steps all-reduce plain gradients. Bytes per step: 4·P before, the
 It is ddp with another `comm_hook`: torch's hook runs unchanged, with its all-reduces through
 Comm (comm.torch_hooks), buckets reduced one after another (BucketChain: several DDP
 buckets, --bucket-mb, otherwise issued their collectives in an order that differed between
-ranks), and its state kept per parameter (comm.powersgd_state), so that a resumed run
+ranks), and its state kept per parameter (engines/powersgd_state.py), so that a resumed run
 continues bit-identically although its fresh DDP lays buckets out anew.
 
 Across replica groups (--replicas), and in a process without a group, there is no DDP
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as _default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 
-from ..comm.powersgd_state import (MIN_COMPRESSION_RATE, HookStateLayout, compresses, hook_state_dict,
+from ..engines.powersgd_state import (MIN_COMPRESSION_RATE, HookStateLayout, compresses, hook_state_dict,
                                    load_hook_state, matrix_shape)
 from ..comm.torch_hooks import BucketChain, CountedGroup, route_collectives
 from ..errors import UsageError

@@ -4,7 +4,7 @@
     g  <- compressed mean of every rank's g       two stages, error feedback at each (below)
     θ  <- opt(θ; g)                               replicated optimizer, like DDP
 
-The compressed mean is 1-bit Adam's two-stage all-reduce (comm.compressed.CompressedAllReduce):
+The compressed mean is 1-bit Adam's two-stage all-reduce (engines/compressed.py's CompressedAllReduce):
 each rank quantizes its W shards (adding its residual), an all_to_all hands shard r to rank r,
 which sums it in fp32 and quantizes it again (adding its own residual), and an all_gather
 gives every rank the same mean. Q is int8 / int4 with a per-block absmax scale or 1-bit sign
@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, fields
 
-from ..comm.compressed import compressed_allreduce, payload_bytes
+from ..engines.compressed import compressed_allreduce, payload_bytes
 from ..compress import quantizer_for_bits
 from ..errors import UsageError
 from ..contract.base import Strategy
@@ -61,7 +61,7 @@ class QuantizedOptions(OneBitAdamOptions):
 @register("quantized")
 class Quantized(Strategy):
     Options = QuantizedOptions
-    # across replica groups: each position's blocks (comm.compressed.SplitByPosition); fsdp: its shards' blocks
+    # across replica groups: each position's blocks (engines/compressed.py's SplitByPosition); fsdp: its shards' blocks
     inside_replica = ("ddp", "fsdp")
     owns_tensors = False
     cost = CompressedAllReduce  # after the step; across replica groups each position's piece
