@@ -51,5 +51,5 @@ class Interrupted(Exception):
 
 class DiskFull(RunError):
     """A write failed for lack of space (ENOSPC, or a quota: EDQUOT). Exit 1, one line naming
-    the path; the partial files are removed (lowcomm/checkpoint/storage.py) and the run is not restarted
+    the path; the partial files are removed (lowcomm/storage/files.py) and the run is not restarted
     (--max-restarts): a relaunch would fill the same disk again."""
