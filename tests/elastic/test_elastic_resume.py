@@ -223,10 +223,17 @@ def test_zero1_across_elastic_replicas_equals_the_plain_run_and_goes_on_with_the
     assert [len(r["members"]) for r in records] == [4] * 4 + [2] * (join["step"] - 4) + [4] * (STEPS - join["step"])
 
 
-# With FSDP inside: diloco (its outer state on each position's shards), and zero1 (its optimizer
-# state sharded across the replicas at each position, on the shards each position owns). The
-# other strategies that run with FSDP inside keep their cross-replica state as one of these does.
-@pytest.mark.parametrize("strategy", [["diloco", "--sync-every", "4"], ["zero1"]], ids=lambda s: s[0])
+# With FSDP inside, every strategy that runs so (all but powersgd): its cross-replica state on the
+# shards each position owns -- the local-SGD family's outer state, the zero1 family's optimizer
+# state sharded across the replicas at each position, the compressed ones' error feedback. The
+# local-SGD family syncs every 4 steps, so that the checkpoints at 4 and 8 are commit points; acco
+# runs --deterministic (its adaptive rounds follow the timing, so no resume repeats them bit for bit).
+FSDP_INSIDE = [["diloco", "--sync-every", "4"], ["streaming_diloco", "--sync-every", "4"],
+               ["sparseloco", "--sync-every", "4"], ["zero1"], ["acco", "--deterministic"], ["dpu"], ["ddp"],
+               ["quantized"], ["onebit_adam"], ["demo"]]
+
+
+@pytest.mark.parametrize("strategy", FSDP_INSIDE, ids=lambda s: s[0])
 def test_a_replica_with_fsdp_inside_heals_position_by_position_and_its_checkpoint_resumes_bit_for_bit(
         strategy, tmp_path, capfd, monkeypatch):
     # FSDP inside each replica of 2: a process holds its shard of every tensor; slot 1's process 1
