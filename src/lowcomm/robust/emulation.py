@@ -1,0 +1,52 @@
+"""An attacker in a run: the emulated attack applied where a worker hands its outer gradient
+to the wire, on the ranks `--attackers` names, and nowhere else (an attacker otherwise runs
+the protocol as every worker does: same collectives, same bytes).
+
+Every rank calls `Attackers.contribution` at each sync of each fragment (the syncs are
+collective and in the same order everywhere): the round counter advances alike on every rank,
+and an attack that reads the other workers' Δ (copy, alie) learns them through one extra
+all-gather -- the emulation's oracle, a real attacker's eavesdropping, counted with the
+bookkeeping (`Comm.meta`), not with the strategy's bytes, as the protocol itself sends none
+of it. The round number and stale's history are not checkpointed: a resumed run's attacker
+starts its rounds again (its noise differs from the uninterrupted run's).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm
+from .attacks import Attack, Round
+
+
+def round_seed(seed: int, round_: int, rank: int) -> int:
+    """The generator seed of `rank`'s attack at `round_` of a run seeded `seed`."""
+    return ((seed * 1_000_003 + round_) * 1009 + rank) % (2**63)
+
+
+class Attackers:
+    """The attack `attack` of the ranks `ranks`, on one worker (its rank: comm.rank at each call)."""
+
+    def __init__(self, attack: Attack, ranks: tuple[int, ...], seed: int):
+        self.attack, self.ranks, self.seed = attack, tuple(ranks), seed
+        self.rounds: dict[str, int] = {}                     # key -> syncs of it so far
+        self.history: dict[str, list[torch.Tensor]] = {}     # key -> this rank's honest Δ, oldest first
+
+    def contribution(self, comm: Comm, key: str, delta: torch.Tensor) -> torch.Tensor:
+        """What this rank sends for its honest `delta` of sync `key` (collective where the attack
+        reads the others': every rank calls it)."""
+        others = comm.meta_all_gather(delta) if self.attack.needs_others else None
+        round_ = self.rounds.get(key, 0)
+        self.rounds[key] = round_ + 1
+        if comm.rank not in self.ranks:
+            return delta
+        history = self.history.setdefault(key, [])
+        generator = torch.Generator().manual_seed(round_seed(self.seed, round_, comm.rank))
+        sent = self.attack(delta, Round(comm.rank, round_, self.ranks, generator, others, history))
+        if self.attack.keeps:
+            history.append(delta.detach().clone())
+            del history[:-self.attack.keeps]
+        return sent
+
+    def report(self) -> dict:
+        """summary.json's record of the emulated attack."""
+        return {"attack": self.attack.spec, "attackers": list(self.ranks)}
