@@ -4,5 +4,5 @@ outer_schedule.py, outer_options.py, outer_contract.py, outer_wire.py, sync_by_t
 token_weights.py, eager.py), the engine inside a replica (inside.py, inside_fsdp.py) and inner
 optimizers (optim.py).
 
-Imports: contract, comm, compress, models, errors. Never strategies/.
+Imports: contract, comm, compress, models, robust, errors. Never strategies/.
 """

@@ -34,10 +34,18 @@ from typing import Iterator
 
 import torch
 
+from ..robust import Attackers
 from .outer_options import OuterSyncOptions
 from .outer_sync import OuterSync
 
 Means = Iterator[tuple[int, torch.Tensor]]  # (fragment i, the combined Δ of its sync)
+
+
+def attackers_of(o: OuterSyncOptions) -> Attackers | None:
+    """--attack's emulated bad workers, seeded by the run's seed (torch's, set where the model was
+    built from it), or None."""
+    attack = o.emulated_attack()
+    return Attackers(attack, o.attacking_ranks(), torch.initial_seed()) if attack.kind != "none" else None
 
 
 class OuterSchedule(OuterSync):
@@ -47,7 +55,8 @@ class OuterSchedule(OuterSync):
     def __init__(self, params, layout, comm, o: OuterSyncOptions, make_outer):
         fragments, delay, self.alpha = o.streaming()
         super().__init__(params, layout.fragments(fragments), comm, o.sync_every, o.wire(),
-                         timed=o.sync_by == "time", delay=delay, eager_outer=make_outer if o.eager else None)
+                         timed=o.sync_by == "time", delay=delay, eager_outer=make_outer if o.eager else None,
+                         attackers=attackers_of(o))
         self.options = o
 
     def means_at(self, t: int, t0: float, final: bool) -> Means:

@@ -31,11 +31,12 @@ from ..engines.outer_options import OuterSyncOptions
 from ..engines.outer_schedule import OuterSchedule
 from ..engines.outer_wire import PRECISIONS
 from ..engines.token_weights import WEIGHTS
+from ..robust import RobustOptions
 from .registry import register
 
 
 @dataclass
-class DiLoCoOptions(OuterSyncOptions):
+class DiLoCoOptions(RobustOptions, OuterSyncOptions):
     """The local-SGD family's options (Streaming DiLoCo and SparseLoCo share the flags); the
     rules between them are the engine's (engines/outer_options.py)."""
     sync_every: int = option(32, "inner steps (trainer steps) between outer syncs, H", min=1)

@@ -1,0 +1,127 @@
+"""The outer step under emulated attackers, on W = 3 gloo workers (rank 2 attacks): every
+worker ends each step on the same θ_global under every attack and aggregator, a scale or
+sign-flip attacker moves the loss under `mean` and much less under a robust aggregator (two
+seeds), the bytes counted are the plan's (a robust aggregate's all-gather; an attack's oracle
+is bookkeeping, not the strategy's), and `--aggregate mean` with no attacker is today's run.
+
+The batches follow a pattern a tiny GPT learns in a few steps (each token the one before
+plus 1, mod 64), so that a damaged outer step shows in the loss."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+import lowcomm
+from lowcomm.run.driver import make_run
+
+from dist_utils import run_dist
+from local_sgd import SEQ, make_model, plan_bytes
+
+W, STEPS, ATTACKER, SEEDS = 3, 12, "2", (0, 1)
+BASE = dict(sync_every=3)
+SCENARIOS = {  # name: (strategy, options), every one run with each seed
+    "clean": ("diloco", {}),
+    "clean-mean": ("diloco", dict(aggregate="mean")),
+    "scale-mean": ("diloco", dict(attack="scale:100")),
+    "scale-median": ("diloco", dict(attack="scale:100", aggregate="median")),
+    "scale-mnc": ("diloco", dict(attack="scale:100", aggregate="median-norm-clip")),
+    "flip-mean": ("diloco", dict(attack="sign-flip")),
+    "flip-median": ("diloco", dict(attack="sign-flip", aggregate="median")),
+    "copy-trimmed": ("diloco", dict(attack="copy", aggregate="trimmed:0.34")),
+    "alie-cclip": ("diloco", dict(attack="alie:1", aggregate="centered-clip:0.05")),
+    "noise-median": ("streaming_diloco", dict(attack="noise:1", aggregate="median", fragments=3, fragment_delay=1)),
+    "sparse-clean": ("sparseloco", {}),
+    "sparse-scale-mean": ("sparseloco", dict(attack="scale:100")),
+    "sparse-scale-mnc": ("sparseloco", dict(attack="scale:100", aggregate="median-norm-clip")),
+}
+
+
+def options_of(name: str) -> dict:
+    options = {**BASE, **SCENARIOS[name][1]}
+    return {**options, "attackers": ATTACKER} if "attack" in options else options
+
+
+def batch(step: int, rank: int, seed: int, micro: int = 0):
+    g = torch.Generator().manual_seed(1_000_000 * seed + 1000 * step + 10 * rank + micro)
+    seq = (torch.randint(0, 64, (4, 1), generator=g) + torch.arange(SEQ + 1)) % 64
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def _scenario(rank: int, name: str, seed: int) -> dict:
+    """One run: θ_global's hash after every step, the counted bytes, the final held-out loss."""
+    torch.manual_seed(seed)
+    model = make_model()
+    run = make_run(SCENARIOS[name][0], model, lowcomm.Comm(), lambda p: torch.optim.AdamW(p, lr=1e-2),
+                   total_steps=STEPS, **options_of(name))
+    hashes = []
+    for _ in range(STEPS):
+        step = run.steps_done
+        run.step(lambda: batch(step, rank, seed), lowcomm.lm_loss)
+        flat = torch.cat([g.detach().reshape(-1) for g in run.strategy.sync.globals])
+        hashes.append(hashlib.sha1(flat.numpy().tobytes()).hexdigest())
+    counted = run.comm.snapshot().wire_bytes
+    run.close()
+    with torch.no_grad():
+        loss = sum(float(lowcomm.lm_loss(model, batch(10_000, 0, seed, m))) for m in range(4)) / 4
+    return {"hashes": hashes, "bytes": counted, "loss": loss}
+
+
+def _all(rank: int, world: int) -> dict:
+    return {(name, seed): _scenario(rank, name, seed) for seed in SEEDS for name in SCENARIOS}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_dist(_all, W, timeout=600)
+
+
+def loss(ranks, name, seed) -> float:
+    return ranks[0][(name, seed)]["loss"]
+
+
+@pytest.mark.procs
+def test_every_worker_holds_the_same_global_model_at_every_step(ranks):
+    for key in ranks[0]:
+        for r in (1, 2):  # the attacker too: it runs the protocol as the others do
+            assert ranks[r][key]["hashes"] == ranks[0][key]["hashes"], f"{key}: rank {r} differs from rank 0"
+        assert len(set(ranks[0][key]["hashes"])) >= STEPS // BASE["sync_every"], f"{key}: θ_global never moved"
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_scale_attacker_wrecks_the_mean_and_not_a_robust_aggregate(ranks, seed):
+    clean = loss(ranks, "clean", seed)
+    assert loss(ranks, "scale-mean", seed) > clean + 10  # diverged
+    for robust in ("scale-median", "scale-mnc"):
+        assert abs(loss(ranks, robust, seed) - clean) < 0.25, (robust, loss(ranks, robust, seed), clean)
+    sparse = loss(ranks, "sparse-clean", seed)
+    assert loss(ranks, "sparse-scale-mean", seed) > sparse + 10
+    assert abs(loss(ranks, "sparse-scale-mnc", seed) - sparse) < 0.1
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_sign_flip_attacker_hurts_the_median_less_than_the_mean(ranks, seed):
+    clean = loss(ranks, "clean", seed)
+    hurt_mean, hurt_median = loss(ranks, "flip-mean", seed) - clean, loss(ranks, "flip-median", seed) - clean
+    assert hurt_mean > 1.0 and hurt_median < 0.6 * hurt_mean, (hurt_mean, hurt_median)
+
+
+@pytest.mark.procs
+def test_counted_bytes_are_the_plans(ranks):
+    """A robust aggregate all-gathers (W−1)·n·4 bytes a sync on fp32; copy's and alie's look at the
+    other workers is bookkeeping (Comm.meta), not counted with the strategy's bytes."""
+    for name, (strategy, _) in SCENARIOS.items():
+        want = plan_bytes(strategy, W, STEPS, options_of(name))
+        for r in range(W):
+            assert ranks[r][(name, 0)]["bytes"] == want, f"{name} rank {r}"
+    gathered, reduced = ranks[0][("scale-median", 0)]["bytes"], ranks[0][("clean", 0)]["bytes"]
+    assert gathered == pytest.approx(reduced * (W - 1) / (2 * (W - 1) / W), rel=1e-3)  # all_gather vs all_reduce
+
+
+@pytest.mark.procs
+def test_aggregate_mean_without_attackers_is_todays_run(ranks):
+    for seed in SEEDS:
+        assert ranks[0][("clean-mean", seed)]["hashes"] == ranks[0][("clean", seed)]["hashes"]
