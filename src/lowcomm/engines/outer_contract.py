@@ -57,7 +57,8 @@ class OuterSyncCost(Cost):
 
     @classmethod
     def plan_label(cls, strategy, options):
-        return f"{strategy.name} H={options.sync_every}" + outer_step_suffix(options.outer_delay, options.eager)
+        robust = f" {options.wire().aggregator.spec}" if options.robust_wire() else ""  # its all-gather, priced
+        return f"{strategy.name} H={options.sync_every}" + outer_step_suffix(options.outer_delay, options.eager) + robust
 
 
 class OuterSyncContract:
