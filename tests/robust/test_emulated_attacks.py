@@ -43,11 +43,11 @@ def test_copy_replays_an_honest_workers_contribution_of_the_round():
     assert picked == {tuple(others[r].tolist()) for r in range(3)}  # any honest row, never its own
 
 
-def test_stale_sends_its_own_contribution_of_n_rounds_before():
-    history = [torch.full((4,), float(k)) for k in range(5)]  # rounds 0..4, the current one is 5
+def test_stale_sends_what_it_sent_n_rounds_before():
+    history = [torch.full((4,), float(k)) for k in range(5)]  # sent in rounds 0..4, the current one is 5
     assert torch.equal(parse_attack("stale:2")(DELTA, ctx(history=history)), history[3])
-    assert torch.equal(parse_attack("stale:9")(DELTA, ctx(history=history)), history[0])  # its oldest
-    assert torch.equal(parse_attack("stale:1")(DELTA, ctx()), DELTA)  # round 0: nothing older
+    assert torch.equal(parse_attack("stale:5")(DELTA, ctx(history=history)), history[0])
+    assert torch.equal(parse_attack("stale:6")(DELTA, ctx(history=history)), DELTA)  # nothing that old: honest
 
 
 def test_alie_shifts_the_honest_mean_by_z_standard_deviations():
@@ -78,7 +78,8 @@ def test_only_the_named_ranks_attack_and_every_rank_counts_the_rounds():
     for rank in range(3):
         comm, attackers = StubComm(rank, rows), Attackers(parse_attack("stale:1"), (1,), seed=0)
         sent = [attackers.contribution(comm, "fragment0", rows[rank] + k) for k in range(3)]
-        want = [rows[rank] + k for k in range(3)] if rank != 1 else [rows[1], rows[1], rows[1] + 1]
+        # rank 1 replays what it sent a round before: round 0 honest, then round 0's twice
+        want = [rows[rank] + k for k in range(3)] if rank != 1 else [rows[1], rows[1], rows[1]]
         assert all(torch.equal(a, b) for a, b in zip(sent, want)), rank
         assert attackers.rounds == {"fragment0": 3} and comm.gathers == 0  # stale reads no other worker
 

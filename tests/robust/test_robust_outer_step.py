@@ -32,6 +32,11 @@ SCENARIOS = {  # name: (strategy, options), every one run with each seed
     "copy-trimmed": ("diloco", dict(attack="copy", aggregate="trimmed:0.34")),
     "alie-cclip": ("diloco", dict(attack="alie:1", aggregate="centered-clip:0.05")),
     "noise-median": ("streaming_diloco", dict(attack="noise:1", aggregate="median", fragments=3, fragment_delay=1)),
+    "score-clean": ("diloco", dict(score=True)),
+    "score-flip": ("diloco", dict(attack="sign-flip", score=True)),
+    "score-copy": ("diloco", dict(attack="copy", score=True)),
+    "score-stale": ("diloco", dict(attack="stale:1", score=True)),
+    "score-zero": ("sparseloco", dict(attack="zero", score=True, aggregate="median-norm-clip")),
     "sparse-clean": ("sparseloco", {}),
     "sparse-scale-mean": ("sparseloco", dict(attack="scale:100")),
     "sparse-scale-mnc": ("sparseloco", dict(attack="scale:100", aggregate="median-norm-clip")),
@@ -65,7 +70,7 @@ def _scenario(rank: int, name: str, seed: int) -> dict:
     run.close()
     with torch.no_grad():
         loss = sum(float(lowcomm.lm_loss(model, batch(10_000, 0, seed, m))) for m in range(4)) / 4
-    return {"hashes": hashes, "bytes": counted, "loss": loss}
+    return {"hashes": hashes, "bytes": counted, "loss": loss, "rounds": run.strategy.report().get("score_rounds")}
 
 
 def _all(rank: int, world: int) -> dict:
@@ -125,3 +130,33 @@ def test_counted_bytes_are_the_plans(ranks):
 def test_aggregate_mean_without_attackers_is_todays_run(ranks):
     for seed in SEEDS:
         assert ranks[0][("clean-mean", seed)]["hashes"] == ranks[0][("clean", seed)]["hashes"]
+
+
+def rounds(ranks, name, seed) -> list[dict]:
+    return ranks[0][(name, seed)]["rounds"]
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("seed", SEEDS)
+def test_scoring_leaves_out_a_sign_flipper_and_names_replays(ranks, seed):
+    for r in (1, 2):
+        assert ranks[r][("score-flip", seed)]["rounds"] == rounds(ranks, "score-flip", seed)  # decided alike
+    flip = rounds(ranks, "score-flip", seed)
+    assert all(s < 0 for s in (k["scores"][2] for k in flip)) and all(min(k["scores"][:2]) > 0 for k in flip)
+    assert [k["left_out"] for k in flip] == [[], [], [2], [2]]  # after --score-patience (3) rounds
+    assert "worker 2 left out: its score was negative for 3 rounds" in flip[2]["events"]
+    for k in rounds(ranks, "score-copy", seed):
+        assert k["left_out"] == [2] and k["events"][0].startswith("worker 2 sent worker ") \
+            and k["events"][0].endswith("'s contribution (a copy)")
+    stale = rounds(ranks, "score-stale", seed)
+    assert stale[0]["left_out"] == [] and all(k["left_out"] == [2] for k in stale[1:])
+    assert all(k["events"] == ["worker 2 sent a contribution of round 0 (stale)"] for k in stale[1:])
+    assert all(k["left_out"] == [2] and "sent nothing" in k["events"][0] for k in rounds(ranks, "score-zero", seed))
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("seed", SEEDS)
+def test_scoring_an_honest_run_leaves_nobody_out_and_keeps_its_loss(ranks, seed):
+    honest = rounds(ranks, "score-clean", seed)
+    assert len(honest) == STEPS // BASE["sync_every"] and not any(k["left_out"] or k["events"] for k in honest)
+    assert abs(loss(ranks, "score-clean", seed) - loss(ranks, "clean", seed)) < 1e-3

@@ -35,10 +35,11 @@ class OuterSyncOptions(Options):
     eager: bool
     outer_delay_warmup: int
     aggregate: str  # robust/options.py's RobustOptions: how the outer step combines the workers' Δ_r
+    score: bool     # and whether it scores them first (--score)
 
     def robust_wire(self) -> bool:
         """Does the outer step aggregate every worker's Δ_r itself (not only their mean)?"""
-        return self.wire().aggregator.robust
+        return self.wire().gathers
 
     def check(self) -> None:
         self.wire().check()
@@ -56,8 +57,11 @@ class OuterSyncOptions(Options):
                              "already weights each worker by its inner steps")
         if self.robust_wire() and (self.sync_by == "time" or self.outer_weights == "tokens"):
             weighted = "--sync-by time" if self.sync_by == "time" else "--outer-weights tokens"
-            raise UsageError(f"--aggregate {self.aggregate} does not run with {weighted}: a robust aggregate "
-                             f"trusts every worker alike, it takes no weights")
+            raise UsageError(f"--aggregate {self.aggregate}{' --score' * self.score} does not run with {weighted}: "
+                             f"a robust aggregate trusts every worker alike, it takes no weights")
+        if self.score and self.streaming()[0] > 1:
+            raise UsageError(f"--score scores whole outer gradients: it does not run with --fragments "
+                             f"{self.streaming()[0]} yet")
 
     def check_run(self, cfg) -> None:
         if self.sync_by == "time" and (cfg.replicas or cfg.workers) < cfg.workers:
@@ -87,7 +91,7 @@ class OuterSyncOptions(Options):
 
     def wire(self) -> WireFormat:
         return WireFormat(self.outer_precision, self.outer_compress, self.outer_ef_decay, self.outer_weights,
-                          self.aggregate)
+                          self.aggregate, self.score)
 
     def streaming(self) -> tuple[int, int, float]:
         """(fragments F, merge delay τ, merge weight α): one, none, θ_global (Streaming DiLoCo's vary)."""

@@ -36,6 +36,7 @@ import torch
 
 from ..robust import Attackers
 from .outer_options import OuterSyncOptions
+from .outer_scoring import OuterScoring
 from .outer_sync import OuterSync
 
 Means = Iterator[tuple[int, torch.Tensor]]  # (fragment i, the combined Δ of its sync)
@@ -52,12 +53,18 @@ class OuterSchedule(OuterSync):
     """The outer-sync engine with its schedule, built from the family's options `o`:
     `make_outer(params)` is the strategy's outer optimizer (--eager steps its stand-ins with one)."""
 
-    def __init__(self, params, layout, comm, o: OuterSyncOptions, make_outer):
+    def __init__(self, params, layout, comm, o: OuterSyncOptions, make_outer, model=None):
         fragments, delay, self.alpha = o.streaming()
         super().__init__(params, layout.fragments(fragments), comm, o.sync_every, o.wire(),
                          timed=o.sync_by == "time", delay=delay, eager_outer=make_outer if o.eager else None,
                          attackers=attackers_of(o))
         self.options = o
+        self.scoring = OuterScoring(self, model, o.outer_lr, o.score_batches, o.score_patience) if o.score else None
+        if self.scoring is not None:
+            self.wire.admit = self.scoring.admit
+
+    def report(self, steps: int) -> dict:
+        return {**super().report(steps), **(self.scoring.report() if self.scoring is not None else {})}
 
     def means_at(self, t: int, t0: float, final: bool) -> Means:
         """The end of trainer step t (from 1, begun at perf_counter() t0; `final`: the run's last)."""

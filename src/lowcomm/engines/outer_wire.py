@@ -62,6 +62,12 @@ class WireFormat:
     ef_decay: float = 1.0
     weights: str = "equal"  # or "tokens": each Δ_r weighted by the tokens its rank trained (token_weights.py)
     aggregate: str = "mean"  # or a robust aggregator over every rank's Δ_r (robust/aggregators.py)
+    scored: bool = False     # --score: every rank's Δ_r scored, and the aggregate over those admitted
+
+    @property
+    def gathers(self) -> bool:
+        """Does every rank receive every rank's Δ_r (a robust aggregate, or scoring)?"""
+        return self.aggregator.robust or self.scored
 
     @property
     def aggregator(self) -> Aggregator:
@@ -95,7 +101,7 @@ class WireFormat:
             return [PlannedOp("all_gather", world * (comp.nbytes(numel) + INFO_BYTES), every, offset,
                               what=f"fragment {f}: {comp.name} outer gradient + step info, every rank's")]
         itemsize = torch.empty((), dtype=PRECISIONS[self.precision]).element_size()
-        if self.aggregator.robust:  # every rank's Δ_r, aggregated where it lands
+        if self.gathers:  # every rank's Δ_r, aggregated where it lands
             return [PlannedOp("all_gather", world * numel * itemsize, every, offset,
                               what=f"fragment {f}: {self.precision} outer gradient, every rank's "
                                    f"({self.aggregator.spec})")]
@@ -153,6 +159,7 @@ class OuterWire:
         self.by_tokens = fmt.weights == "tokens"
         self.last_tokens: torch.Tensor | None = None  # --outer-weights tokens: every rank's, at the last sync
         self.aggregator = fmt.aggregator
+        self.admit = None  # --score: (key, rows [W, n]) -> the rows the aggregate takes (bool [W])
 
     def issue(self, comm: Comm, key: str, delta: torch.Tensor, tau: int, c: float, sizes: list[int],
               tokens: int = 0) -> Ticket:
@@ -193,7 +200,7 @@ class OuterWire:
             handle = comm.all_gather(every, payload, async_op=True)
             return Ticket([handle], every, W, sizes=(out.data.numel(), sum(out.sizes)),
                           compressor=self._compressor(out.key, out.sizes), sent=out)
-        if self.aggregator.robust:  # every rank's Δ_r (no step info: a robust aggregate takes no weights)
+        if self.fmt.gathers:  # every rank's Δ_r (no step info: a robust aggregate takes no weights)
             mine = out.data.to(PRECISIONS[self.fmt.precision])
             every = torch.empty(W * mine.numel(), dtype=mine.dtype)
             handle = comm.all_gather(every, mine, async_op=True)
@@ -220,7 +227,7 @@ class OuterWire:
         if ticket.sizes is not None:
             return self._decode(ticket)
         if ticket.rows is not None:  # gathered Δ_r, rank by rank
-            return self.aggregator(ticket.buf.view(ticket.world, -1).float(), list(ticket.rows)), None
+            return self._aggregate(ticket.sent.key, ticket.buf.view(ticket.world, -1).float(), list(ticket.rows)), None
         total = ticket.buf.float()
         if ticket.infos is None:
             return total, None
@@ -239,12 +246,19 @@ class OuterWire:
         t0 = time.perf_counter()
         comp = ticket.compressor
         payloads = [comp.from_bytes(every[r, :nq], numel) for r in range(W)]
-        if self.aggregator.robust:  # each payload decoded alone; where top-k sent a value: its senders
-            total = self.aggregator(*decoded_rows(comp, payloads))
+        if self.fmt.gathers:  # each payload decoded alone; where top-k sent a value: its senders
+            total = self._aggregate(ticket.sent.key, *decoded_rows(comp, payloads))
         else:
             total = comp.combine(payloads, [float(w) for w in weights])
         self.compress_s += time.perf_counter() - t0
         return total, (infos if self.fednova else None)
+
+    def _aggregate(self, key: str, rows: torch.Tensor, sizes, support=None) -> torch.Tensor:
+        """The aggregate of the gathered rows (those --score admits)."""
+        if self.admit is not None:
+            keep = self.admit(key, rows)
+            rows, support = rows[keep], (support[keep] if support is not None else None)
+        return self.aggregator(rows, sizes, support)
 
     def state_dict(self) -> dict:
         return self.ef.state_dict() if self.ef else {}

@@ -9,7 +9,7 @@ sends, the same shape and dtype (the same protocol, the same bytes):
     zero          0 (a free rider: takes part, contributes nothing)
     copy          another worker's honest Δ of the same round (a replay; the worker copied is
                   an honest one, picked by the round's generator)
-    stale:N       its own honest Δ of N rounds before (of its oldest round while it has fewer)
+    stale:N       what it sent N rounds before (a replay; its honest Δ while it has sent fewer)
     alie[:z]      "A little is enough" (Baruch, Baruch, Goldberg, NeurIPS 2019): every attacker
                   sends μ − z·σ, μ and σ the coordinate-wise mean and standard deviation of the
                   honest workers' Δ; z by default the paper's z_max = Φ⁻¹((W − s)/W),
@@ -42,7 +42,7 @@ class Round:
     attackers: tuple[int, ...]
     generator: torch.Generator
     others: torch.Tensor | None = None   # [W, n] every worker's honest Δ (needs_others)
-    history: list[torch.Tensor] = field(default_factory=list)  # this worker's honest Δ, oldest first
+    history: list[torch.Tensor] = field(default_factory=list)  # what this worker sent before, oldest first
 
     @property
     def honest(self) -> list[int]:
@@ -66,7 +66,7 @@ class Attack:
 
     @property
     def keeps(self) -> int:
-        """Rounds of its own honest Δ this attack reads back (stale:N)."""
+        """Rounds of what it sent that this attack reads back (stale:N)."""
         return int(self.param) if self.kind == "stale" else 0
 
     def __call__(self, delta: torch.Tensor, ctx: Round) -> torch.Tensor:
@@ -97,8 +97,8 @@ def copy(attack: Attack, delta: torch.Tensor, ctx: Round) -> torch.Tensor:
 
 
 def stale(attack: Attack, delta: torch.Tensor, ctx: Round) -> torch.Tensor:
-    back = min(attack.keeps, len(ctx.history))  # history holds rounds before this one
-    return delta if back == 0 else ctx.history[-back].clone()
+    back = attack.keeps  # history holds the rounds before this one
+    return delta if len(ctx.history) < back else ctx.history[-back].clone()
 
 
 def alie_z(world: int, attackers: int) -> float:

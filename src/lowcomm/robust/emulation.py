@@ -29,7 +29,7 @@ class Attackers:
     def __init__(self, attack: Attack, ranks: tuple[int, ...], seed: int):
         self.attack, self.ranks, self.seed = attack, tuple(ranks), seed
         self.rounds: dict[str, int] = {}                     # key -> syncs of it so far
-        self.history: dict[str, list[torch.Tensor]] = {}     # key -> this rank's honest Δ, oldest first
+        self.history: dict[str, list[torch.Tensor]] = {}     # key -> what this rank sent, oldest first
 
     def contribution(self, comm: Comm, key: str, delta: torch.Tensor) -> torch.Tensor:
         """What this rank sends for its honest `delta` of sync `key` (collective where the attack
@@ -43,7 +43,7 @@ class Attackers:
         generator = torch.Generator().manual_seed(round_seed(self.seed, round_, comm.rank))
         sent = self.attack(delta, Round(comm.rank, round_, self.ranks, generator, others, history))
         if self.attack.keeps:
-            history.append(delta.detach().clone())
+            history.append(sent.detach().clone())
             del history[:-self.attack.keeps]
         return sent
 

@@ -5,6 +5,8 @@ contribution per worker (the local-SGD family: `class DiLoCoOptions(RobustOption
     --attackers RANKS   which workers attack ('3', '5,6'): ranks of the group the outer step
                         runs on (with --replicas: replica indices)
     --aggregate NAME    how the outer step combines the contributions (aggregators.py)
+    --score             score every contribution and leave out the bad (scoring.py), with
+                        --score-patience and --score-batches
 
 Every other strategy lacks these options, so the CLI refuses them there in one line naming
 the strategies that take them (a ddp step averages gradients inside the all-reduce: there is
@@ -29,6 +31,12 @@ class RobustOptions(Options):
     aggregate: str = option("mean", "how the outer step combines the workers' outer gradients: mean, median, "
                             "trimmed:BETA, centered-clip:TAU, median-norm-clip (all but mean all-gather "
                             "every worker's)")
+    score: bool = option(False, "score every worker's outer gradient by the loss change it causes (Covenant's "
+                         "rule) and leave out a worker whose score stays negative; names copies and stale ones")
+    score_patience: int = option(3, "with --score: rounds in a row of negative scores before a worker is left out",
+                                 min=1)
+    score_batches: int = option(1, "with --score: sequences of each worker's own data its contribution is scored on",
+                                min=1)
 
     def emulated_attack(self) -> Attack:
         return parse_attack(self.attack)
@@ -62,6 +70,8 @@ class RobustOptions(Options):
         if aggregator.robust and world < cfg.workers:
             raise UsageError(f"--aggregate {self.aggregate} does not run across replica groups (--replicas "
                              f"{cfg.replicas}) yet: each position holds only part of a replica's outer gradient")
-        if getattr(cfg, "elastic", False) and (ranks or aggregator.robust):
-            raise UsageError("--attack and --aggregate do not run with --elastic yet: ranks change as members "
-                             "come and go, and an elastic outer step weights each member by its tokens")
+        if getattr(cfg, "elastic", False) and (ranks or aggregator.robust or self.score):
+            raise UsageError("--attack, --aggregate and --score do not run with --elastic yet: ranks change as "
+                             "members come and go, and an elastic outer step weights each member by its tokens")
+        if self.score and world < cfg.workers:
+            raise UsageError(f"--score does not run across replica groups (--replicas {cfg.replicas}) yet")

@@ -1,0 +1,118 @@
+"""Contribution scoring (--score): Covenant's validator rule ("Gauntlet", one-covenant/templar),
+run by every worker on every contribution of an outer step before it is aggregated.
+
+Each worker holds the first --score-batches sequences it trained on since the last sync (its
+own assigned data, caught as its model's input: `HeldBatch`), and the workers share them at the
+sync. Worker r's contribution Δ_r is scored on the model every worker holds, θ_global:
+
+    L_b(θ)     next-token loss of batch b at θ
+    own        worker r's batch;  random: the next worker's, (r + 1) mod W (data r was not given)
+    score_r  = (L_random(θ_g) − L_random(θ_g − lr·Δ_r)) / L_random(θ_g)      Gauntlet's score
+    fit_r    = +1 if Δ_r improved own more than random, else −1        (did it train on its data?)
+
+lr is the outer learning rate (Δ_r applied as if it were the round's mean). Scores are averaged
+over the workers (one all-reduce of W values), so that every worker decides alike even where
+forward passes differ in the last bit. A worker whose score is negative for `patience` rounds
+in a row is left out of the aggregate, and taken back at its first non-negative score (it is
+still scored every round). Replays are named and counted once: a contribution equal bit for bit
+to another worker's of the same round (a copy: the later rank's copy is left out of that round),
+or to one of an earlier round (stale: left out of that round). A perturbed copy is not caught.
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import torch
+import torch.nn as nn
+
+from ..models.gpt import lm_loss
+
+STALE_ROUNDS = 8  # rounds of contributions whose fingerprints are kept to name a stale one
+
+
+class HeldBatch:
+    """The first `sequences` sequences a model was trained on since `take()`: caught by a forward
+    pre-hook, in training mode only (not an evaluation, not a probe)."""
+
+    def __init__(self, model: nn.Module, sequences: int):
+        self.sequences, self.ids, self.paused = sequences, None, False
+        self.hook = model.register_forward_pre_hook(self._seen, with_kwargs=True)
+
+    def _seen(self, module, args, kwargs):
+        if self.ids is None and module.training and not self.paused:
+            ids = args[0] if args else kwargs.get("input_ids")
+            if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] >= 2:
+                self.ids = ids[:self.sequences].detach().clone()
+
+    def take(self, like: torch.Tensor | None) -> torch.Tensor:
+        """This period's held sequences (zeros shaped `like` if none was seen), and a new period."""
+        ids, self.ids = self.ids, None
+        if ids is None:
+            return torch.zeros_like(like) if like is not None else torch.zeros(0, 0, dtype=torch.long)
+        return ids
+
+    def close(self) -> None:
+        self.hook.remove()
+
+
+def next_token_loss(model: nn.Module, ids: torch.Tensor) -> float:
+    """Mean next-token loss of sequences `ids` (each predicts its next token)."""
+    return float(lm_loss(model, (ids[:, :-1], ids[:, 1:])))
+
+
+def fingerprint(row: torch.Tensor) -> str:
+    return hashlib.sha1(row.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+
+
+class Scoreboard:
+    """The scores over the rounds and who is left out (identical on every worker)."""
+
+    def __init__(self, world: int, patience: int, loud: bool = False):
+        self.patience, self.loud = patience, loud
+        self.negative = [0] * world        # rounds in a row with a negative score
+        self.left_out: set[int] = set()
+        self.rounds = 0
+        self.history: list[dict] = []      # per round: scores, fits, left out, named replays
+        self.seen: list[dict[str, int]] = []  # per earlier round: fingerprint -> rank
+
+    def judge(self, rows: torch.Tensor, scores: list[float], fits: list[float]) -> torch.Tensor:
+        """This round's scores -> which rows the aggregate takes (bool [W])."""
+        world, events = rows.shape[0], []
+        prints = [fingerprint(rows[r]) for r in range(world)]
+        replay = [False] * world
+        for r, fp in enumerate(prints):
+            if not rows[r].any():
+                replay[r] = True
+                events.append(f"worker {r} sent nothing (a zero contribution)")
+                continue
+            first = prints.index(fp)
+            if first < r:
+                replay[r] = True
+                events.append(f"worker {r} sent worker {first}'s contribution (a copy)")
+            old = next((k for k, seen in enumerate(self.seen) if fp in seen), None)
+            if old is not None:
+                replay[r] = True
+                events.append(f"worker {r} sent a contribution of round {self.rounds - len(self.seen) + old} (stale)")
+        for r, s in enumerate(scores):
+            self.negative[r] = self.negative[r] + 1 if s < 0 else 0
+            if r not in self.left_out and self.negative[r] >= self.patience:
+                self.left_out.add(r)
+                events.append(f"worker {r} left out: its score was negative for {self.negative[r]} rounds")
+            elif r in self.left_out and s >= 0:
+                self.left_out.discard(r)
+                events.append(f"worker {r} taken back: its score recovered ({s:+.4f})")
+        self.seen = (self.seen + [dict((fp, r) for r, fp in enumerate(prints))])[-STALE_ROUNDS:]
+        admitted = torch.tensor([r not in self.left_out and not replay[r] for r in range(world)])
+        if not admitted.any():  # nobody left: the round keeps every worker rather than none
+            admitted[:] = True
+        self.history.append({"round": self.rounds, "scores": scores, "fits": fits,
+                             "left_out": sorted(r for r in range(world) if not admitted[r]), "events": events})
+        if self.loud:
+            for e in events:
+                print(f"outer round {self.rounds}: {e}", file=sys.stderr, flush=True)
+        self.rounds += 1
+        return admitted
+
+    def report(self) -> dict:
+        return {"score_rounds": self.history}
