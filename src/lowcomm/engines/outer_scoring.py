@@ -6,7 +6,7 @@ which rows to aggregate. The workers share the sequences each held this period (
 bookkeeping all-gather of token ids), and the scoring is spread over them: worker q scores
 the contribution of worker (q + 1) mod W -- never its own -- on θ_global, and one all-reduce of
 W × 3 values gives every worker every score, so all decide alike. A worker's cost per round:
-four forwards of --score-batches sequences (the loss at θ_global and at θ_global − lr·Δ_r, on
+four forwards of --score-batches sequences (the loss at θ_global and at θ_global − 0.2·lr·Δ_r, on
 the contributor's batch and on the next worker's), whatever W. An emulated attacker scores
 honestly (it attacks only its own contribution).
 """
@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..contract.context import write_flat
-from ..robust.scoring import HeldBatch, Scoreboard, next_token_loss
+from ..robust.scoring import PROBE_SCALE, HeldBatch, Scoreboard, next_token_loss
 
 
 class OuterScoring:
@@ -31,13 +31,16 @@ class OuterScoring:
     def admit(self, key: str, rows: torch.Tensor) -> torch.Tensor:
         """Every worker's Δ_r of the sync (rows [W, n], rank order) -> which the aggregate takes."""
         comm, world = self.sync.comm, rows.shape[0]
-        mine = self.held.take(torch.zeros(self.shape, dtype=torch.long) if self.shape is not None else None)
+        like = torch.zeros(self.shape, dtype=torch.long, device=rows.device) if self.shape is not None else None
+        mine = self.held.take(like)
         self.shape = mine.shape
         batches = comm.meta_all_gather(mine)
-        table = torch.zeros(world, 3, dtype=torch.float64)  # score, own improvement, random improvement
+        table = torch.zeros(world, 3, dtype=torch.float64, device=rows.device)  # score, own gain, random gain
         target = (comm.rank + 1) % world
-        table[target] = torch.tensor(self._score(rows[target], batches[target], batches[(target + 1) % world]))
+        table[target] = torch.tensor(self._score(rows[target], batches[target], batches[(target + 1) % world]),
+                                     dtype=torch.float64)
         comm.meta_all_reduce(table, op="sum")
+        table = table.cpu()
         scores = [float(s) for s in table[:, 0]]
         fits = [1.0 if own > rand else -1.0 for own, rand in table[:, 1:].tolist()]
         return self.board.judge(rows, scores, fits)
@@ -53,7 +56,7 @@ class OuterScoring:
         try:
             with self.sync.globals_in_model():
                 before = [next_token_loss(self.model, b) for b in (own, rand)]
-                write_flat(g - self.lr * delta.to(g.dtype), params)
+                write_flat(g - PROBE_SCALE * self.lr * delta.to(g.dtype), params)
                 after = [next_token_loss(self.model, b) for b in (own, rand)]
         finally:
             self.held.paused = False

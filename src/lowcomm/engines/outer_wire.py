@@ -202,7 +202,7 @@ class OuterWire:
                           compressor=self._compressor(out.key, out.sizes), sent=out)
         if self.fmt.gathers:  # every rank's Δ_r (no step info: a robust aggregate takes no weights)
             mine = out.data.to(PRECISIONS[self.fmt.precision])
-            every = torch.empty(W * mine.numel(), dtype=mine.dtype)
+            every = torch.empty(W * mine.numel(), dtype=mine.dtype, device=mine.device)
             handle = comm.all_gather(every, mine, async_op=True)
             return Ticket([handle], every, W, sent=out, rows=out.sizes)
         handles, infos = [], None

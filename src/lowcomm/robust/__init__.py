@@ -3,7 +3,7 @@ aggregators of the workers' contributions (aggregators.py) and their flags (opti
 outer-sync engine (engines/outer_sync.py, outer_wire.py) applies them; nothing here knows a
 strategy.
 
-Imports: contract, comm, errors.
+Imports: contract, comm, models, errors.
 """
 from .aggregators import Aggregator, parse_aggregator
 from .attacks import Attack, Round, parse_attack, parse_ranks

@@ -62,8 +62,8 @@ def _sorted_mean(x, support, keep) -> torch.Tensor:
         count = support.sum(dim=0)
         values = torch.where(support > 0, x, torch.full_like(x, float("inf"))).sort(dim=0).values
     lo, hi = keep(count)
-    lo, hi = torch.as_tensor(lo, dtype=x.dtype), torch.as_tensor(hi, dtype=x.dtype)
-    ranks = torch.arange(W, dtype=x.dtype).unsqueeze(1)
+    lo, hi = torch.as_tensor(lo, dtype=x.dtype, device=x.device), torch.as_tensor(hi, dtype=x.dtype, device=x.device)
+    ranks = torch.arange(W, dtype=x.dtype, device=x.device).unsqueeze(1)
     kept = (ranks >= lo) & (ranks < hi)
     total = torch.where(kept, values, torch.zeros_like(values)).sum(dim=0)
     return torch.where(count > 0, total / (hi - lo).clamp(min=1), torch.zeros_like(total))

@@ -83,7 +83,7 @@ def scale(attack: Attack, delta: torch.Tensor, ctx: Round) -> torch.Tensor:
 
 def noise(attack: Attack, delta: torch.Tensor, ctx: Round) -> torch.Tensor:
     std = attack.param * float(delta.norm()) / max(delta.numel(), 1) ** 0.5
-    return torch.randn(delta.shape, generator=ctx.generator, dtype=delta.dtype) * std
+    return torch.randn(delta.shape, generator=ctx.generator, dtype=delta.dtype).to(delta.device) * std
 
 
 def zero(attack: Attack, delta: torch.Tensor, ctx: Round) -> torch.Tensor:

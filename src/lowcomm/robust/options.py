@@ -35,8 +35,8 @@ class RobustOptions(Options):
                          "rule) and leave out a worker whose score stays negative; names copies and stale ones")
     score_patience: int = option(3, "with --score: rounds in a row of negative scores before a worker is left out",
                                  min=1)
-    score_batches: int = option(1, "with --score: sequences of each worker's own data its contribution is scored on",
-                                min=1)
+    score_batches: int = option(4, "with --score: sequences of each worker's own data its contribution is scored "
+                                "on (at most --micro-batch)", min=1)
 
     def emulated_attack(self) -> Attack:
         return parse_attack(self.attack)

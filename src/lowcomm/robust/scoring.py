@@ -7,14 +7,16 @@ sync. Worker r's contribution Δ_r is scored on the model every worker holds, θ
 
     L_b(θ)     next-token loss of batch b at θ
     own        worker r's batch;  random: the next worker's, (r + 1) mod W (data r was not given)
-    score_r  = (L_random(θ_g) − L_random(θ_g − lr·Δ_r)) / L_random(θ_g)      Gauntlet's score
+    score_r  = (L_random(θ_g) − L_random(θ_g − 0.2·lr·Δ_r)) / L_random(θ_g)  Gauntlet's score
     fit_r    = +1 if Δ_r improved own more than random, else −1        (did it train on its data?)
 
-lr is the outer learning rate (Δ_r applied as if it were the round's mean). Scores are averaged
-over the workers (one all-reduce of W values), so that every worker decides alike even where
-forward passes differ in the last bit. A worker whose score is negative for `patience` rounds
-in a row is left out of the aggregate, and taken back at its first non-negative score (it is
-still scored every round). Replays are named and counted once: a contribution equal bit for bit
+lr is the outer learning rate: Δ_r applied as if it were the round's mean, at Gauntlet's 0.2 of
+the step (the slope along Δ_r, not a full step that may overshoot on a few sequences). Each contribution is
+scored by one other worker and one all-reduce shares the scores (engines/outer_scoring.py), so
+every worker decides alike even where forward passes differ in the last bit. A worker whose score is negative for `patience` rounds
+in a row is left out of the aggregate, and taken back once it is non-negative for `patience`
+rounds in a row (it is still scored every round; near a plateau a flipped update's score
+flickers around 0, and one lucky round does not bring it back). Replays are named and counted once: a contribution equal bit for bit
 to another worker's of the same round (a copy: the later rank's copy is left out of that round),
 or to one of an earlier round (stale: left out of that round). A perturbed copy is not caught.
 """
@@ -29,6 +31,7 @@ import torch.nn as nn
 from ..models.gpt import lm_loss
 
 STALE_ROUNDS = 8  # rounds of contributions whose fingerprints are kept to name a stale one
+PROBE_SCALE = 0.2  # Gauntlet applies a contribution at 0.2 x the learning rate: the loss's slope along it
 
 
 class HeldBatch:
@@ -71,6 +74,7 @@ class Scoreboard:
     def __init__(self, world: int, patience: int, loud: bool = False):
         self.patience, self.loud = patience, loud
         self.negative = [0] * world        # rounds in a row with a negative score
+        self.positive = [0] * world        # rounds in a row with a non-negative score
         self.left_out: set[int] = set()
         self.rounds = 0
         self.history: list[dict] = []      # per round: scores, fits, left out, named replays
@@ -96,12 +100,13 @@ class Scoreboard:
                 events.append(f"worker {r} sent a contribution of round {self.rounds - len(self.seen) + old} (stale)")
         for r, s in enumerate(scores):
             self.negative[r] = self.negative[r] + 1 if s < 0 else 0
+            self.positive[r] = self.positive[r] + 1 if s >= 0 else 0
             if r not in self.left_out and self.negative[r] >= self.patience:
                 self.left_out.add(r)
                 events.append(f"worker {r} left out: its score was negative for {self.negative[r]} rounds")
-            elif r in self.left_out and s >= 0:
+            elif r in self.left_out and self.positive[r] >= self.patience:
                 self.left_out.discard(r)
-                events.append(f"worker {r} taken back: its score recovered ({s:+.4f})")
+                events.append(f"worker {r} taken back: its score was non-negative for {self.positive[r]} rounds")
         self.seen = (self.seen + [dict((fp, r) for r, fp in enumerate(prints))])[-STALE_ROUNDS:]
         admitted = torch.tensor([r not in self.left_out and not replay[r] for r in range(world)])
         if not admitted.any():  # nobody left: the round keeps every worker rather than none
