@@ -37,6 +37,7 @@ SCENARIOS = {  # name: (strategy, options), every one run with each seed
     "score-copy": ("diloco", dict(attack="copy", score=True)),
     "score-stale": ("diloco", dict(attack="stale:1", score=True)),
     "score-zero": ("sparseloco", dict(attack="zero", score=True, aggregate="median-norm-clip")),
+    "score-sparse-copy": ("sparseloco", dict(attack="copy", score=True)),  # the copied payload's very bytes
     "sparse-clean": ("sparseloco", {}),
     "sparse-scale-mean": ("sparseloco", dict(attack="scale:100")),
     "sparse-scale-mnc": ("sparseloco", dict(attack="scale:100", aggregate="median-norm-clip")),
@@ -145,7 +146,7 @@ def test_scoring_leaves_out_a_sign_flipper_and_names_replays(ranks, seed):
     assert all(s < 0 for s in (k["scores"][2] for k in flip)) and all(min(k["scores"][:2]) > 0 for k in flip)
     assert [k["left_out"] for k in flip] == [[], [], [2], [2]]  # after --score-patience (3) rounds
     assert "worker 2 left out: its score was negative for 3 rounds" in flip[2]["events"]
-    for k in rounds(ranks, "score-copy", seed):
+    for k in rounds(ranks, "score-copy", seed) + rounds(ranks, "score-sparse-copy", seed):
         assert k["left_out"] == [2] and k["events"][0].startswith("worker 2 sent worker ") \
             and k["events"][0].endswith("'s contribution (a copy)")
     stale = rounds(ranks, "score-stale", seed)

@@ -129,10 +129,12 @@ class OuterSync:
 
     def _issue(self, i: int, merge_at: int, c: float) -> torch.Tensor:
         f, ps = self.fragments[i]
-        delta = self.start(i) - flat_of(ps).float()
-        sent = delta if self.attackers is None else self.attackers.contribution(self.comm, f"fragment{f}", delta)
-        self.in_flight[i] = self.wire.issue(self.comm, f"fragment{f}", sent, self.since[i], c,
-                                            [p.numel() for p in ps], self.tokens[i])
+        delta, key, att = self.start(i) - flat_of(ps).float(), f"fragment{f}", self.attackers
+        sent = delta if att is None else att.values(self.comm, key, delta)  # --attack: what it hands the wire
+        out = self.wire.prepare(key, sent, self.since[i], c, [p.numel() for p in ps], self.tokens[i])
+        if att is not None:  # a replay (copy, stale) sends what the wire sent before
+            out.data = att.payload(self.comm, key, out.data)
+        self.in_flight[i] = self.wire.send(self.comm, out)
         self.since[i] = self.tokens[i] = 0
         self.pending[i] = merge_at
         return delta

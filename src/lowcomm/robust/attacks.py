@@ -65,6 +65,11 @@ class Attack:
         return self.kind in ("copy", "alie")
 
     @property
+    def replays(self) -> bool:
+        """Does it resend a contribution as sent (any wire format), rather than change values?"""
+        return self.kind in ("copy", "stale")
+
+    @property
     def keeps(self) -> int:
         """Rounds of what it sent that this attack reads back (stale:N)."""
         return int(self.param) if self.kind == "stale" else 0

@@ -1,6 +1,9 @@
 """An attacker in a run: the emulated attack applied where a worker hands its outer gradient
 to the wire, on the ranks `--attackers` names, and nowhere else (an attacker otherwise runs
-the protocol as every worker does: same collectives, same bytes).
+the protocol as every worker does: same collectives, same bytes). An attack on values
+(sign-flip, scale, noise, zero, alie) changes the Δ the wire then encodes (`values`); a replay
+(copy, stale) resends what was on the wire (`payload`): on a compressed wire the very bytes
+another worker sent this round, or this one sent N rounds before, as a real copier would.
 
 Every rank calls `Attackers.contribution` at each sync of each fragment (the syncs are
 collective and in the same order everywhere): the round counter advances alike on every rank,
@@ -30,6 +33,14 @@ class Attackers:
         self.attack, self.ranks, self.seed = attack, tuple(ranks), seed
         self.rounds: dict[str, int] = {}                     # key -> syncs of it so far
         self.history: dict[str, list[torch.Tensor]] = {}     # key -> what this rank sent, oldest first
+
+    def values(self, comm: Comm, key: str, delta: torch.Tensor) -> torch.Tensor:
+        """The Δ this rank hands the wire (every rank calls it, before the wire encodes)."""
+        return delta if self.attack.replays else self.contribution(comm, key, delta)
+
+    def payload(self, comm: Comm, key: str, data: torch.Tensor) -> torch.Tensor:
+        """What this rank's wire sends (every rank calls it, after the wire encoded)."""
+        return self.contribution(comm, key, data) if self.attack.replays else data
 
     def contribution(self, comm: Comm, key: str, delta: torch.Tensor) -> torch.Tensor:
         """What this rank sends for its honest `delta` of sync `key` (collective where the attack
