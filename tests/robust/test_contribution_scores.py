@@ -38,3 +38,24 @@ def test_a_zero_contribution_is_named_and_a_round_never_drops_everyone():
     assert board.judge(torch.zeros(2, 2), [0.0, 0.0], [-1, -1]).tolist() == [True, True]
     assert board.history[0]["events"] == ["worker 0 sent nothing (a zero contribution)",
                                           "worker 1 sent nothing (a zero contribution)"]
+
+
+def test_a_worker_holds_the_first_sequences_it_trained_on_since_the_last_sync():
+    from lowcomm import GPT
+    from lowcomm.robust.scoring import HeldBatch
+
+    model = GPT(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=8)
+    held = HeldBatch(model, sequences=2)
+    first, second = torch.randint(0, 32, (3, 8)), torch.randint(0, 32, (3, 8))
+    model.eval()
+    model(second)                     # an evaluation: not training data
+    model.train()
+    held.paused = True
+    model(second)                     # a probe of the scoring itself
+    held.paused = False
+    model(first), model(second)
+    assert torch.equal(held.take(), first[:2])
+    assert held.take() is None        # a new period: nothing seen yet
+    held.close()
+    model(first)
+    assert held.take() is None

@@ -26,15 +26,11 @@ class OuterScoring:
         self.sync, self.model, self.lr = sync, model, lr
         self.held = HeldBatch(model, sequences)
         self.board = Scoreboard(sync.comm.world, patience, loud=sync.comm.rank == 0)
-        self.shape: torch.Size | None = None  # the held batch's shape (alike on every worker)
 
     def admit(self, key: str, rows: torch.Tensor) -> torch.Tensor:
         """Every worker's Δ_r of the sync (rows [W, n], rank order) -> which the aggregate takes."""
         comm, world = self.sync.comm, rows.shape[0]
-        like = torch.zeros(self.shape, dtype=torch.long, device=rows.device) if self.shape is not None else None
-        mine = self.held.take(like)
-        self.shape = mine.shape
-        batches = comm.meta_all_gather(mine)
+        batches = self._share(comm, self.held.take(), rows.device)
         table = torch.zeros(world, 3, dtype=torch.float64, device=rows.device)  # score, own gain, random gain
         target = (comm.rank + 1) % world
         table[target] = torch.tensor(self._score(rows[target], batches[target], batches[(target + 1) % world]),
@@ -45,10 +41,19 @@ class OuterScoring:
         fits = [1.0 if own > rand else -1.0 for own, rand in table[:, 1:].tolist()]
         return self.board.judge(rows, scores, fits)
 
+    @staticmethod
+    def _share(comm, mine: torch.Tensor | None, device) -> torch.Tensor:
+        """Every worker's held sequences [W, n, T], cut to the fewest and shortest any holds (none
+        held anywhere: [W, 0, 0], and every score of the round is 0)."""
+        held = mine if mine is not None else torch.zeros(0, 0, dtype=torch.long, device=device)
+        shapes = comm.meta_all_gather(torch.tensor(held.shape, dtype=torch.long, device=device))
+        n, t = (int(v) for v in shapes.min(dim=0).values)
+        return comm.meta_all_gather(held[:n, :t].contiguous())
+
     @torch.no_grad()
     def _score(self, delta: torch.Tensor, own: torch.Tensor, rand: torch.Tensor) -> list[float]:
         """(Gauntlet's score, own data's relative improvement, random data's) of one contribution."""
-        if own.numel() == 0 or rand.numel() == 0:
+        if own.numel() == 0 or own.shape[1] < 2:
             return [0.0, 0.0, 0.0]
         params = self.sync.fragments[0][1]
         g = self.sync.globals[0].detach()

@@ -48,11 +48,9 @@ class HeldBatch:
             if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] >= 2:
                 self.ids = ids[:self.sequences].detach().clone()
 
-    def take(self, like: torch.Tensor | None) -> torch.Tensor:
-        """This period's held sequences (zeros shaped `like` if none was seen), and a new period."""
+    def take(self) -> torch.Tensor | None:
+        """This period's held sequences (None: none seen), and a new period."""
         ids, self.ids = self.ids, None
-        if ids is None:
-            return torch.zeros_like(like) if like is not None else torch.zeros(0, 0, dtype=torch.long)
         return ids
 
     def close(self) -> None:
