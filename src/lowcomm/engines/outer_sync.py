@@ -16,8 +16,9 @@ and their fp32 θ_global; the schedule (fragment f of F syncs at the trainer ste
 and its error-feedback residuals; what is in flight, landed and pending; the step info
 the --sync-by time clock needs (sync_by_time.py); --eager's stand-in offsets (eager.py);
 --attack's emulated bad workers (robust/emulation.py: what an attacker hands the wire in place
-of its Δ_r); the state to checkpoint, where a reduction still in flight is this rank's part of it, sent again
-(`reissue`) on the group of the run that loads it. The plan's price: outer_contract.py.
+of its Δ_r); the state to checkpoint, where a reduction still in flight is this rank's part of
+it, sent again (`reissue`) on the group of the run that loads it. The plan's price:
+outer_contract.py.
 
 Why not overlap.py's Background engine: its job runs the collectives on a communication
 thread, and a job still in flight when the trainer step ends races the trainer's own

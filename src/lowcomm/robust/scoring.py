@@ -11,14 +11,16 @@ sync. Worker r's contribution Δ_r is scored on the model every worker holds, θ
     fit_r    = +1 if Δ_r improved own more than random, else −1        (did it train on its data?)
 
 lr is the outer learning rate: Δ_r applied as if it were the round's mean, at Gauntlet's 0.2 of
-the step (the slope along Δ_r, not a full step that may overshoot on a few sequences). Each contribution is
-scored by one other worker and one all-reduce shares the scores (engines/outer_scoring.py), so
-every worker decides alike even where forward passes differ in the last bit. A worker whose score is negative for `patience` rounds
-in a row is left out of the aggregate, and taken back once it is non-negative for `patience`
-rounds in a row (it is still scored every round; near a plateau a flipped update's score
-flickers around 0, and one lucky round does not bring it back). Replays are named and counted once: a contribution equal bit for bit
-to another worker's of the same round (a copy: the later rank's copy is left out of that round),
-or to one of an earlier round (stale: left out of that round). A perturbed copy is not caught.
+the step (the slope along Δ_r, not a full step that may overshoot on a few sequences). Each
+contribution is scored by one other worker and one all-reduce shares the scores
+(engines/outer_scoring.py), so every worker decides alike even where forward passes differ in
+the last bit. A worker whose score is negative for `patience` rounds in a row is left out of the
+aggregate, and taken back once it is non-negative for `patience` rounds in a row (it is still
+scored every round; near a plateau a flipped update's score flickers around 0, and one lucky
+round does not bring it back). Replays are named and counted once: a contribution equal bit for
+bit to another worker's of the same round (a copy: the later rank's copy is left out of that
+round), or to one of an earlier round (stale: left out of that round); an all-zero one sent
+nothing and is left out of its round. A perturbed copy is not caught.
 """
 from __future__ import annotations
 
