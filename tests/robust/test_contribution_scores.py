@@ -35,8 +35,9 @@ def test_a_copy_is_counted_once_and_a_replay_of_an_earlier_round_is_stale():
 
 def test_a_zero_contribution_is_named_and_a_round_never_drops_everyone():
     board = Scoreboard(2, patience=1)
+    assert board.judge(torch.ones(2, 2), None, None).tolist() == [True, False]  # no scores: a copy still named
     assert board.judge(torch.zeros(2, 2), [0.0, 0.0], [-1, -1]).tolist() == [True, True]
-    assert board.history[0]["events"] == ["worker 0 sent nothing (a zero contribution)",
+    assert board.history[1]["events"] == ["worker 0 sent nothing (a zero contribution)",
                                           "worker 1 sent nothing (a zero contribution)"]
 
 
@@ -55,7 +56,9 @@ def test_a_worker_holds_the_first_sequences_it_trained_on_since_the_last_sync():
     held.paused = False
     model(first), model(second)
     assert torch.equal(held.take(), first[:2])
-    assert held.take() is None        # a new period: nothing seen yet
+    assert torch.equal(held.take(), first[:2])  # nothing trained since: the sequences held before
+    model(second)
+    assert torch.equal(held.take(), second[:2])
     held.close()
     model(first)
-    assert held.take() is None
+    assert torch.equal(held.take(), second[:2])

@@ -38,6 +38,7 @@ SCENARIOS = {  # name: (strategy, options), every one run with each seed
     "score-stale": ("diloco", dict(attack="stale:1", score=True)),
     "score-zero": ("sparseloco", dict(attack="zero", score=True, aggregate="median-norm-clip")),
     "score-sparse-copy": ("sparseloco", dict(attack="copy", score=True)),  # the copied payload's very bytes
+    "score-streaming-flip": ("streaming_diloco", dict(attack="sign-flip", score=True, fragments=3, fragment_delay=1)),
     "sparse-clean": ("sparseloco", {}),
     "sparse-scale-mean": ("sparseloco", dict(attack="scale:100")),
     "sparse-scale-mnc": ("sparseloco", dict(attack="scale:100", aggregate="median-norm-clip")),
@@ -153,6 +154,8 @@ def test_scoring_leaves_out_a_sign_flipper_and_names_replays(ranks, seed):
     assert stale[0]["left_out"] == [] and all(k["left_out"] == [2] for k in stale[1:])
     assert all(k["events"] == ["worker 2 sent a contribution of round 0 (stale)"] for k in stale[1:])
     assert all(k["left_out"] == [2] and "sent nothing" in k["events"][0] for k in rounds(ranks, "score-zero", seed))
+    # streaming: a round is one fragment's sync (11 regular, then the final sync's 3)
+    assert [k["left_out"] for k in rounds(ranks, "score-streaming-flip", seed)] == [[], []] + [[2]] * 12
 
 
 @pytest.mark.procs

@@ -31,8 +31,6 @@ FAMILY = "it is an option of: diloco, sparseloco, streaming_diloco"
     (["--aggregate", "median", "--sync-by", "time"],
      "--aggregate median does not run with --sync-by time: a robust aggregate trusts every worker alike, it takes "
      "no weights"),
-    (["--strategy", "streaming_diloco", "--score"],
-     "--score scores whole outer gradients: it does not run with --fragments 4 yet"),
     (["--workers", "4", "--replicas", "2", "--aggregate", "median"],
      "--aggregate median does not run across replica groups (--replicas 2) yet: each position holds only part of "
      "a replica's outer gradient"),

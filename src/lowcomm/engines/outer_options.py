@@ -59,9 +59,6 @@ class OuterSyncOptions(Options):
             weighted = "--sync-by time" if self.sync_by == "time" else "--outer-weights tokens"
             raise UsageError(f"--aggregate {self.aggregate}{' --score' * self.score} does not run with {weighted}: "
                              f"a robust aggregate trusts every worker alike, it takes no weights")
-        if self.score and self.streaming()[0] > 1:
-            raise UsageError(f"--score scores whole outer gradients: it does not run with --fragments "
-                             f"{self.streaming()[0]} yet")
 
     def check_run(self, cfg) -> None:
         if self.sync_by == "time" and (cfg.replicas or cfg.workers) < cfg.workers:

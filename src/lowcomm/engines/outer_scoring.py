@@ -20,7 +20,8 @@ from ..robust.scoring import PROBE_SCALE, HeldBatch, Scoreboard, next_token_loss
 
 
 class OuterScoring:
-    """Scores and admits the contributions of `sync`'s one fragment (an OuterSync over `model`)."""
+    """Scores and admits the contributions to `sync`'s fragments (an OuterSync over `model`): a
+    fragment's Δ_r moves only that fragment, the others held at their θ_global."""
 
     def __init__(self, sync, model: nn.Module, lr: float, sequences: int, patience: int):
         self.sync, self.model, self.lr = sync, model, lr
@@ -33,9 +34,12 @@ class OuterScoring:
         batches = self._share(comm, self.held.take(), rows.device)
         table = torch.zeros(world, 3, dtype=torch.float64, device=rows.device)  # score, own gain, random gain
         target = (comm.rank + 1) % world
-        table[target] = torch.tensor(self._score(rows[target], batches[target], batches[(target + 1) % world]),
+        i = next(i for i, (f, _) in enumerate(self.sync.fragments) if key == f"fragment{f}")
+        table[target] = torch.tensor(self._score(i, rows[target], batches[target], batches[(target + 1) % world]),
                                      dtype=torch.float64)
         comm.meta_all_reduce(table, op="sum")
+        if batches.numel() == 0:  # nobody held a sequence: no evidence this round
+            return self.board.judge(rows, None, None)
         table = table.cpu()
         scores = [float(s) for s in table[:, 0]]
         fits = [1.0 if own > rand else -1.0 for own, rand in table[:, 1:].tolist()]
@@ -51,12 +55,13 @@ class OuterScoring:
         return comm.meta_all_gather(held[:n, :t].contiguous())
 
     @torch.no_grad()
-    def _score(self, delta: torch.Tensor, own: torch.Tensor, rand: torch.Tensor) -> list[float]:
-        """(Gauntlet's score, own data's relative improvement, random data's) of one contribution."""
+    def _score(self, i: int, delta: torch.Tensor, own: torch.Tensor, rand: torch.Tensor) -> list[float]:
+        """(Gauntlet's score, own data's relative improvement, random data's) of one contribution
+        to fragment i."""
         if own.numel() == 0 or own.shape[1] < 2:
             return [0.0, 0.0, 0.0]
-        params = self.sync.fragments[0][1]
-        g = self.sync.globals[0].detach()
+        params = self.sync.fragments[i][1]
+        g = self.sync.globals[i].detach()
         self.held.paused = True
         try:
             with self.sync.globals_in_model():

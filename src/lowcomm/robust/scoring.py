@@ -38,10 +38,11 @@ PROBE_SCALE = 0.2  # Gauntlet applies a contribution at 0.2 x the learning rate:
 
 class HeldBatch:
     """The first `sequences` sequences a model was trained on since `take()`: caught by a forward
-    pre-hook, in training mode only (not an evaluation, not a probe)."""
+    pre-hook, in training mode only (not an evaluation, not a probe). Where nothing was trained
+    since (the final sync of a streaming run's other fragments), the sequences held before."""
 
     def __init__(self, model: nn.Module, sequences: int):
-        self.sequences, self.ids, self.paused = sequences, None, False
+        self.sequences, self.ids, self.last, self.paused = sequences, None, None, False
         self.hook = model.register_forward_pre_hook(self._seen, with_kwargs=True)
 
     def _seen(self, module, args, kwargs):
@@ -51,9 +52,11 @@ class HeldBatch:
                 self.ids = ids[:self.sequences].detach().clone()
 
     def take(self) -> torch.Tensor | None:
-        """This period's held sequences (None: none seen), and a new period."""
-        ids, self.ids = self.ids, None
-        return ids
+        """This period's held sequences (the last held where none was seen since; None: none ever),
+        and a new period."""
+        if self.ids is not None:
+            self.last, self.ids = self.ids, None
+        return self.last
 
     def close(self) -> None:
         self.hook.remove()
@@ -80,8 +83,9 @@ class Scoreboard:
         self.history: list[dict] = []      # per round: scores, fits, left out, named replays
         self.seen: list[dict[str, int]] = []  # per earlier round: fingerprint -> rank
 
-    def judge(self, rows: torch.Tensor, scores: list[float], fits: list[float]) -> torch.Tensor:
-        """This round's scores -> which rows the aggregate takes (bool [W])."""
+    def judge(self, rows: torch.Tensor, scores: list[float] | None, fits: list[float] | None) -> torch.Tensor:
+        """This round's scores (None: no sequence to score on, no worker's standing changes) ->
+        which rows the aggregate takes (bool [W])."""
         world, events = rows.shape[0], []
         prints = [fingerprint(rows[r]) for r in range(world)]
         replay = [False] * world
@@ -98,7 +102,7 @@ class Scoreboard:
             if old is not None:
                 replay[r] = True
                 events.append(f"worker {r} sent a contribution of round {self.rounds - len(self.seen) + old} (stale)")
-        for r, s in enumerate(scores):
+        for r, s in enumerate(scores or ()):
             self.negative[r] = self.negative[r] + 1 if s < 0 else 0
             self.positive[r] = self.positive[r] + 1 if s >= 0 else 0
             if r not in self.left_out and self.negative[r] >= self.patience:
