@@ -192,10 +192,10 @@ def _describe_emulation(s: dict) -> str:
         text += f" Emulated slow workers: slept {sum(s['slowdown_sleep_s_per_rank']):.1f} s in total."
     if s.get("trace"):
         text += f" Trace: {s['trace']} (open in ui.perfetto.dev)."
-    return text + _describe_untrusted(s)
+    return text + describe_untrusted(s)
 
 
-def _describe_untrusted(s: dict) -> str:
+def describe_untrusted(s: dict) -> str:
     """--attack, --aggregate and --score (docs/untrusted.md): who attacked, how the outer steps
     combined the workers, and whom scoring left out (when first, in how many rounds)."""
     text = f" Emulated attack {s['attack']} by worker(s) {', '.join(map(str, s['attackers']))}." \
