@@ -1,7 +1,7 @@
 """The outer step under emulated attackers, on W = 3 gloo workers (rank 2 attacks): every
-worker ends each step on the same θ_global under every attack and aggregator, a scale or
-sign-flip attacker moves the loss under `mean` and much less under a robust aggregator (two
-seeds), the bytes counted are the plan's (a robust aggregate's all-gather; an attack's oracle
+worker ends each step on the same θ_global under every attack and aggregator (DeMo: the same
+θ), a scale or sign-flip attacker moves the loss under `mean` and much less under a robust
+aggregator (two seeds; diloco, sparseloco, demo), scoring leaves out and names attackers, the bytes counted are the plan's (a robust aggregate's all-gather; an attack's oracle
 is bookkeeping, not the strategy's), and `--aggregate mean` with no attacker is today's run.
 
 The batches follow a pattern a tiny GPT learns in a few steps (each token the one before
@@ -39,6 +39,12 @@ SCENARIOS = {  # name: (strategy, options), every one run with each seed
     "score-zero": ("sparseloco", dict(attack="zero", score=True, aggregate="median-norm-clip")),
     "score-sparse-copy": ("sparseloco", dict(attack="copy", score=True)),  # the copied payload's very bytes
     "score-streaming-flip": ("streaming_diloco", dict(attack="sign-flip", score=True, fragments=3, fragment_delay=1)),
+    # DeMo gathers every worker's DCT top-k itself and steps on sign(Q): a scale attack only
+    # reverses it when negative
+    "demo-clean": ("demo", {}),
+    "demo-negscale-mean": ("demo", dict(attack="scale:-100")),
+    "demo-negscale-median": ("demo", dict(attack="scale:-100", aggregate="median")),
+    "demo-alie-mnc": ("demo", dict(attack="alie:1", aggregate="median-norm-clip")),
     "sparse-clean": ("sparseloco", {}),
     "sparse-scale-mean": ("sparseloco", dict(attack="scale:100")),
     "sparse-scale-mnc": ("sparseloco", dict(attack="scale:100", aggregate="median-norm-clip")),
@@ -46,7 +52,7 @@ SCENARIOS = {  # name: (strategy, options), every one run with each seed
 
 
 def options_of(name: str) -> dict:
-    options = {**BASE, **SCENARIOS[name][1]}
+    options = {**(BASE if SCENARIOS[name][0] != "demo" else {}), **SCENARIOS[name][1]}
     return {**options, "attackers": ATTACKER} if "attack" in options else options
 
 
@@ -66,7 +72,8 @@ def _scenario(rank: int, name: str, seed: int) -> dict:
     for _ in range(STEPS):
         step = run.steps_done
         run.step(lambda: batch(step, rank, seed), lowcomm.lm_loss)
-        flat = torch.cat([g.detach().reshape(-1) for g in run.strategy.sync.globals])
+        held = run.strategy.sync.globals if hasattr(run.strategy, "sync") else model.parameters()  # θ_global, demo's θ
+        flat = torch.cat([g.detach().reshape(-1) for g in held])
         hashes.append(hashlib.sha1(flat.numpy().tobytes()).hexdigest())
     counted = run.comm.snapshot().wire_bytes
     run.close()
@@ -106,6 +113,14 @@ def test_a_scale_attacker_wrecks_the_mean_and_not_a_robust_aggregate(ranks, seed
     sparse = loss(ranks, "sparse-clean", seed)
     assert loss(ranks, "sparse-scale-mean", seed) > sparse + 10
     assert abs(loss(ranks, "sparse-scale-mnc", seed) - sparse) < 0.1
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("seed", SEEDS)
+def test_demo_a_reversing_attacker_wrecks_the_mean_and_not_the_median(ranks, seed):
+    clean = loss(ranks, "demo-clean", seed)
+    assert loss(ranks, "demo-negscale-mean", seed) > clean + 2  # sign(Q) follows the attacker
+    assert abs(loss(ranks, "demo-negscale-median", seed) - clean) < 0.5
 
 
 @pytest.mark.procs

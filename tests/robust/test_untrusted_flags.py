@@ -6,13 +6,15 @@ import pytest
 
 from lowcomm.cli.main import main
 
-FAMILY = "it is an option of: diloco, sparseloco, streaming_diloco"
+FAMILY = "it is an option of: demo, diloco, sparseloco, streaming_diloco"
 
 
 @pytest.mark.parametrize("argv, said", [
     (["--strategy", "ddp", "--aggregate", "median"], f"--aggregate does not apply to strategy 'ddp' ({FAMILY})"),
-    (["--strategy", "demo", "--attack", "zero", "--attackers", "1"],
-     f"--attack does not apply to strategy 'demo' ({FAMILY})"),
+    (["--strategy", "acco", "--attack", "zero", "--attackers", "1"],
+     f"--attack does not apply to strategy 'acco' ({FAMILY})"),
+    (["--strategy", "demo", "--score"], "--score scores outer gradients on the outer-sync engine (diloco, "
+                                        "sparseloco, streaming_diloco): not a per-step update like this strategy's yet"),
     (["--strategy", "zero1", "--score"], f"--score does not apply to strategy 'zero1' ({FAMILY})"),
     (["--workers", "4", "--attack", "sign-flip", "--attackers", "4"],
      "--attackers 4: rank 4 is out of range for 4 workers (ranks 0 to 3)"),

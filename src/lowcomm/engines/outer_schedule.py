@@ -34,19 +34,12 @@ from typing import Iterator
 
 import torch
 
-from ..robust import Attackers
+from ..robust import attackers_of
 from .outer_options import OuterSyncOptions
 from .outer_scoring import OuterScoring
 from .outer_sync import OuterSync
 
 Means = Iterator[tuple[int, torch.Tensor]]  # (fragment i, the combined Δ of its sync)
-
-
-def attackers_of(o: OuterSyncOptions) -> Attackers | None:
-    """--attack's emulated bad workers, seeded by the run's seed (torch's, set where the model was
-    built from it), or None."""
-    attack = o.emulated_attack()
-    return Attackers(attack, o.attacking_ranks(), torch.initial_seed()) if attack.kind != "none" else None
 
 
 class OuterSchedule(OuterSync):

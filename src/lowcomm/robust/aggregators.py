@@ -131,6 +131,15 @@ class Aggregator:
                              f"side (the mean): {fix}")
 
 
+def aggregate_senders(decode, rows: torch.Tensor, aggregator: Aggregator) -> list[torch.Tensor]:
+    """Every sender's bytes (rows [W, b]) decoded alone (decode(rows[r:r+1]) -> its tensors) and
+    aggregated per coordinate, tensor by tensor (a strategy that gathers payloads itself: DeMo)."""
+    per = [decode(rows[r:r + 1]) for r in range(rows.shape[0])]
+    sizes = [q.numel() for q in per[0]]
+    agg = aggregator(torch.stack([torch.cat([q.reshape(-1).float() for q in qs]) for qs in per]), sizes)
+    return [a.view(q.shape).to(q.dtype) for a, q in zip(agg.split(sizes), per[0])]
+
+
 def parse_aggregator(spec: str, name: str = "--aggregate") -> Aggregator:
     """'mean', 'median', 'trimmed:0.25', 'centered-clip:1.0', 'median-norm-clip' -> an Aggregator."""
     rule, _, raw = str(spec).strip().partition(":")

@@ -26,6 +26,13 @@ def round_seed(seed: int, round_: int, rank: int) -> int:
     return ((seed * 1_000_003 + round_) * 1009 + rank) % (2**63)
 
 
+def attackers_of(options) -> "Attackers | None":
+    """--attack's emulated bad workers of a strategy's RobustOptions, seeded by the run's seed
+    (torch's, set where the model was built from it), or None."""
+    attack = options.emulated_attack()
+    return Attackers(attack, options.attacking_ranks(), torch.initial_seed()) if attack.kind != "none" else None
+
+
 class Attackers:
     """The attack `attack` of the ranks `ranks`, on one worker (its rank: comm.rank at each call)."""
 

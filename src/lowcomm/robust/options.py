@@ -75,3 +75,14 @@ class RobustOptions(Options):
                              "members come and go, and an elastic outer step weights each member by its tokens")
         if self.score and world < cfg.workers:
             raise UsageError(f"--score does not run across replica groups (--replicas {cfg.replicas}) yet")
+
+
+class UnscoredRobustOptions(RobustOptions):
+    """RobustOptions of a strategy that gathers every worker's payload but has no outer step to
+    score (DeMo): --attack and --aggregate apply, --score is refused."""
+
+    def check(self) -> None:
+        super().check()
+        if self.score:
+            raise UsageError("--score scores outer gradients on the outer-sync engine (diloco, sparseloco, "
+                             "streaming_diloco): not a per-step update like this strategy's yet")
