@@ -1,13 +1,14 @@
 """Untrusted workers: every emulated attack against every aggregator, the loss it leaves and
 what the defences cost an honest run (docs/untrusted.md).
 
-    python bench/byzantine.py                         # W=4, rank 3 attacks: diloco and sparseloco, 2 seeds
-    python bench/byzantine.py --quick                 # diloco, one seed, three attacks: a smoke run
+    python bench/byzantine.py                         # W=4, rank 3 attacks: diloco, sparseloco, demo, 2 seeds
+    python bench/byzantine.py --quick                 # diloco, one seed, four attacks: a smoke run
     python bench/byzantine.py --workers 8 --attackers 6,7
 
 Every run trains the bundled Shakespeare corpus with the same small recipe (a 2-block width-64
 GPT, 120 steps, an outer sync every 10: 12 rounds) and the same seed, data order and W; only
---attack, --aggregate and --score change. Runs already in --out are read, not rerun.
+--attack, --aggregate and --score change (demo takes no --score: its column stays empty). Runs
+already in --out are read, not rerun.
 
 Printed, per strategy: the final validation loss of each attack (rows) under each aggregator
 (columns), as the mean over the seeds and its change against the attack-free run under `mean`;
@@ -28,7 +29,7 @@ from _runs import BenchRun, train
 RECIPE = ["--n-layer", "2", "--n-head", "2", "--d-model", "64", "--seq-len", "64", "--micro-batch", "8",
           "--lr", "1e-3", "--warmup", "10", "--steps", "120", "--sync-every", "10", "--eval-every", "0",
           "--eval-batches", "8"]
-ATTACKS = ["none", "sign-flip", "scale:100", "noise:1", "zero", "copy", "stale:2", "alie:1"]
+ATTACKS = ["none", "sign-flip", "scale:100", "scale:-100", "noise:1", "zero", "copy", "stale:2", "alie:1"]
 DEFENCES = {  # column -> flags
     "mean": ["--aggregate", "mean"],
     "median": ["--aggregate", "median"],
@@ -36,7 +37,7 @@ DEFENCES = {  # column -> flags
     "mnc": ["--aggregate", "median-norm-clip"],
     "mnc+score": ["--aggregate", "median-norm-clip", "--score"],
 }
-QUICK = dict(strategies=["diloco"], seeds=[0], attacks=["none", "sign-flip", "scale:100", "copy"],
+QUICK = dict(strategies=["diloco"], seeds=[0], attacks=["none", "sign-flip", "scale:100", "scale:-100", "copy"],
              defences=["mean", "mnc", "mnc+score"])
 
 
@@ -66,15 +67,18 @@ def table(results: dict, strategy: str, attacks: list[str], defences: list[str],
     for attack in attacks:
         cells = []
         for d in defences:
-            runs = [results[(strategy, attack, d, s)] for s in seeds]
+            runs = [results[(strategy, attack, d, s)] for s in seeds if (strategy, attack, d, s) in results]
+            if not runs:
+                cells.append("–")
+                continue
             loss = statistics.mean(r.summary["final_val_loss"] for r in runs)
             out = left_out_at(runs[0].summary, ranks) if attack != "none" else ""
             cells.append(f"{loss:8.3f} ({100 * (loss / clean - 1):+6.1f}%)" + (f" [{out}]" if out else "    "))
         lines.append(f"{attack:<12}" + "".join(f"{c:>24}" for c in cells))
     speed = {d: statistics.mean(results[(strategy, "none", d, s)].summary["tokens_per_s"] for s in seeds)
-             for d in defences}
+             for d in defences if (strategy, "none", d, seeds[0]) in results}
     lines.append("tokens/s with no attacker, against mean: " +
-                 ", ".join(f"{d} {speed[d] / speed['mean']:.2f}" for d in defences))
+                 ", ".join(f"{d} {speed[d] / speed['mean']:.2f}" for d in speed))
     return "\n".join(lines)
 
 
@@ -84,18 +88,23 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--attackers", default="3")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--strategies", help="comma-separated (default: diloco,sparseloco,demo; --quick: diloco)")
     args = p.parse_args()
-    plan = QUICK if args.quick else dict(strategies=["diloco", "sparseloco"], seeds=[0, 1], attacks=ATTACKS,
-                                         defences=list(DEFENCES))
+    plan = dict(QUICK) if args.quick else dict(strategies=["diloco", "sparseloco", "demo"], seeds=[0, 1],
+                                               attacks=ATTACKS, defences=list(DEFENCES))
+    if args.strategies:
+        plan["strategies"] = args.strategies.split(",")
     ranks = [int(r) for r in args.attackers.split(",")]
     results = {}
     for strategy in plan["strategies"]:
         for seed in plan["seeds"]:
             for attack in plan["attacks"]:
                 for defence in plan["defences"]:
+                    if strategy == "demo" and "--score" in DEFENCES[defence]:
+                        continue
                     results[(strategy, attack, defence, seed)] = run(args.out, strategy, attack, defence, seed,
                                                                      args.workers, args.attackers)
-    print(f"\nW={args.workers}, attackers {args.attackers}; load average {os.getloadavg()[0]:.1f} on "
+    print(f"\nW={args.workers}, attackers {args.attackers}; load average at the end {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores")
     for strategy in plan["strategies"]:
         print("\n" + table(results, strategy, plan["attacks"], plan["defences"], plan["seeds"], ranks))
