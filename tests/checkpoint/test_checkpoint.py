@@ -23,6 +23,7 @@ import torch
 
 from lowcomm import checkpoint as K
 from lowcomm.cli.main import build_parser, config_from_args, main
+from lowcomm.errors import UsageError
 from lowcomm.strategies import available, get
 from lowcomm.strategies.registry import reproducible_flags
 
@@ -72,7 +73,7 @@ def records(out: Path) -> list[dict]:
 
 def saved_params(ckpt: Path, rank: int = 0) -> dict:
     """The model parameters a checkpoint holds for `rank` (from the strategy's state)."""
-    return K.read_state(K.read(ckpt), rank)["strategy"]["model"]
+    return K.read_state(K.read(ckpt), rank)["strategy"]["parts"]["model"]
 
 
 def _train(cfg, rank, world):
@@ -215,3 +216,27 @@ def test_min_workers_may_change_on_resume_and_a_checkpoint_hashed_with_it_is_sti
     older = config_hash(two, FORMERLY_HASHED)  # what a checkpoint of this run carried before
     assert older != config_hash(two) and older in config_hashes(two)
     assert config_hash(C.RunConfig(elastic=True, workers=3, min_workers=2, seed=7)) not in config_hashes(two)
+
+
+def test_a_checkpoint_of_the_format_before_named_state_parts_is_refused_in_one_line(tmp_path, capsys):
+    """Format 1 held the strategy's state by position ("model", "optimizers", "extra"); today's
+    holds it by the parts the strategy declares (contract/parts.py). `--resume` of a run whose only
+    checkpoint is of format 1 ends in one line naming that format, before any worker starts."""
+    from lowcomm import config as C
+    from tiny_runs import error_line
+    out = tmp_path / "run"
+    ckpt = out / K.name_of(3)
+    ckpt.mkdir(parents=True)
+    cfg = config("zero1", out)
+    (out / "config.toml").write_text(C.to_toml(cfg))
+    (ckpt / K.MANIFEST).write_text(json.dumps({"format": 1, "step": 3, "strategy": "zero1", "world": 2,
+                                               "config_hash": K.config_hash(cfg), "files": {}}))
+    with pytest.raises(UsageError) as refused:
+        K.verify(ckpt, cfg, 2)
+    assert str(refused.value).startswith("it is in checkpoint format 1, written by an older lowcomm; this version "
+                                         f"reads format {K.FORMAT}")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--quiet"]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: no usable checkpoint in {out} (newest: {ckpt}: it is in checkpoint format 1, "), line
+    assert K.FORMAT == 2

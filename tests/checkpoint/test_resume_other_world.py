@@ -99,17 +99,17 @@ def whole_by_hand(ckpt: Path, numel: int) -> dict:
     found = K.read(ckpt)
     ranks = [K.read_state(found, r)["strategy"] for r in range(2)]
     state = ranks[0]
-    joined = lambda get: torch.cat([get(st) for st in ranks])[:numel]  # noqa: E731
-    moments = state["optimizers"][0]["state"][0]
+    joined = lambda get: torch.cat([get(st["parts"]) for st in ranks])[:numel]  # noqa: E731
+    parts = state["parts"]
+    moments = parts["optimizer"]["state"][0]
     for k, v in moments.items():
         if v.dim() == 1:
-            moments[k] = joined(lambda st, k=k: st["optimizers"][0]["state"][0][k])
-    extra = state["extra"]
-    if extra["master"] is not None:
-        extra["master"] = joined(lambda st: st["extra"]["master"])
-    if "buffer" in extra:
-        extra["buffer"] = extra["buffer"][:numel]
-    extra["grads"] = torch.zeros(numel, dtype=extra["grads"].dtype)
+            moments[k] = joined(lambda st, k=k: st["optimizer"]["state"][0][k])
+    if parts["master"] is not None:
+        parts["master"] = joined(lambda st: st["master"])
+    if "buffer" in parts:
+        parts["buffer"] = parts["buffer"][:numel]
+    parts["grads"] = torch.zeros(numel, dtype=parts["grads"].dtype)
     return state
 
 
@@ -170,13 +170,14 @@ def test_a_plain_resume_on_more_workers_cuts_the_whole_state_and_the_new_worker_
 
         def shard(full: torch.Tensor) -> torch.Tensor:
             return torch.cat([full, full.new_zeros(2 * size - numel)])[rank * size:(rank + 1) * size]
-        got, want = mine["plain"]["optimizers"][0]["state"][0], whole["optimizers"][0]["state"][0]
-        assert all(torch.equal(got[k], shard(v) if v.dim() == 1 else v) for k, v in want.items())
-        if whole["extra"]["master"] is not None:
-            assert torch.equal(mine["plain"]["extra"]["master"], shard(whole["extra"]["master"]))
-        assert difference(mine["plain"]["model"], whole["model"]) is None
-        if rank == 1 and "buffer" in whole["extra"]:
-            assert whole["extra"]["buffer"].any() and not mine["plain"]["extra"]["buffer"].any()
+        got, want = mine["plain"]["parts"], whole["parts"]
+        moments = got["optimizer"]["state"][0]
+        assert all(torch.equal(moments[k], shard(v) if v.dim() == 1 else v) for k, v in want["optimizer"]["state"][0].items())
+        if want["master"] is not None:
+            assert torch.equal(got["master"], shard(want["master"]))
+        assert difference(got["model"], want["model"]) is None
+        if rank == 1 and "buffer" in want:
+            assert want["buffer"].any() and not got["buffer"].any()
         assert torch.isfinite(mine["params"]).all()
     assert trained_on(root, f"{name}-w1-on-2") == [1] * CKPT + [2] * (STEPS - CKPT)
 

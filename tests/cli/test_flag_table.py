@@ -54,9 +54,10 @@ def test_the_table_names_each_flags_toml_key_and_default():
 class Refusing(Zero1):
     """zero1 that runs neither elastically nor across replicas (it declares no inside_replica of its own)."""
 
-    @classmethod
-    def elastic_refusal(cls, options, across_replicas):
-        return "a test's strategy"
+    class elastic(Zero1.elastic):
+        @classmethod
+        def refusal(cls, options, across_replicas):
+            return "a test's strategy"
 
 
 @pytest.fixture
@@ -70,7 +71,7 @@ def refusing_strategy():
 
 def test_the_helps_strategy_lists_are_the_registrys(refusing_strategy):
     names = available()
-    elastic = [n for n in names if get(n).elastic_refusal(get(n).Options(), False) is None]
+    elastic = [n for n in names if get(n).elastic.refusal(get(n).Options(), False) is None]
     fsdp = [n for n in names if get(n).runs_inside("fsdp")]
     assert refusing_strategy in names and refusing_strategy not in elastic + fsdp
     assert f"live state ({', '.join(elastic)};" in help_of("--elastic")
@@ -79,7 +80,7 @@ def test_the_helps_strategy_lists_are_the_registrys(refusing_strategy):
 
 
 def test_the_help_says_every_strategy_when_every_one_runs_elastic():
-    assert all(get(n).elastic_refusal(get(n).Options(), False) is None for n in available())
+    assert all(get(n).elastic.refusal(get(n).Options(), False) is None for n in available())
     assert "live state (every strategy;" in help_of("--elastic")
 
 

@@ -1,12 +1,15 @@
 """The link emulator inside Comm, on 2 real gloo processes (an elastic heal through it too).
 
-Timing tolerances (2 shared cores, other test runs beside us): a sleep never
-ends early, so every "at least the modeled time" bound is strict; upper bounds
-allow the larger of SLACK_S = 0.15 s and three times this run's own lateness
-over the modeled time: the real op without a link plus how late a sleep of the
-modeled time woke, both measured in the same processes beside the cases (at load
-10-19 a fixed 0.15 s was not enough). An emulator that waited twice still fails
-on a quiet machine; one that did not wait fails the lower bounds at any load.
+Timing on 2 shared cores, whatever the load: a sleep never ends early, so every "at least the
+modeled time" bound is strict and holds in every repetition. An upper bound (the emulator did not
+wait twice, issuing did not block, a real op took milliseconds) can only be broken by the machine
+waking a process late, so the timed cases run REPEATS times in the one spawn and an upper bound must
+hold in one of them, with a slack of the larger of SLACK_S = 0.15 s and three times that
+repetition's own lateness over the modeled time: the real op without a link plus how late a sleep
+of the modeled time woke, measured in the same processes before and after it. An emulator that
+waited twice fails every repetition on a quiet machine; one that did not wait fails the lower
+bounds at any load. (One repetition with the lateness measured only at its ends failed a few times
+at a load of 27 to 30.)
 """
 import time
 
@@ -22,6 +25,7 @@ from lowcomm.comm.objects import pickled
 pytestmark = pytest.mark.procs
 
 SLACK_S = 0.15
+REPEATS = 3
 N = 2**19                 # fp32 elements: S = 2 MiB
 BW = 5e6                  # bytes/s
 LAT = 0.005               # per hop
@@ -73,29 +77,43 @@ def _lateness(rank, world) -> float:
 
 def _all_cases(rank, world):
     # One spawn for every case: starting 2 processes costs more than the cases.
-    before = _lateness(rank, world)
-    out = {"sync": _sync_and_queue(rank, world), "overlap": _overlap(rank, world),
-           "future": _future(rank, world), "callback": _wait_inside_callback(rank, world),
-           "no_link": _no_link(rank, world), "heal": _heal(rank, world)}
-    out["slack"] = max(SLACK_S, 3 * max(before, _lateness(rank, world)))
-    return out
+    timed = {"sync": _sync_and_queue, "overlap": _overlap, "future": _future, "callback": _wait_inside_callback,
+             "no_link": _no_link}
+    reps, before = [], _lateness(rank, world)
+    for _ in range(REPEATS):  # the lateness after one repetition is the next one's before
+        rep = {name: case(rank, world) for name, case in timed.items()}
+        after = _lateness(rank, world)
+        rep["slack"], before = max(SLACK_S, 3 * max(before, after)), after
+        reps.append(rep)
+    return {"reps": reps, "heal": _heal(rank, world)}
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_dist(_all_cases, 2)
+    return run_dist(_all_cases, 2, timeout=900)
+
+
+def _each(results, case):
+    """(rank, [(that repetition's record of `case`, its slack)]) for each rank."""
+    return [(rank, [(rep[case], rep["slack"]) for rep in x["reps"]]) for rank, x in enumerate(results)]
+
+
+def _holds_once(results, case, upper) -> None:
+    """`upper(record, slack)` holds in at least one repetition on each rank (see the docstring)."""
+    for rank, reps in _each(results, case):
+        assert any(upper(r, slack) for r, slack in reps), (case, rank, reps)
 
 
 def test_sync_and_queued_ops_take_the_modeled_time(results):
     m = _modeled()
     assert 0.4 < m < 0.5  # 2 MiB all-reduce at 5 MB/s plus 2 hops of 5 ms
-    for r, slack in ((x["sync"], x["slack"]) for x in results):
-        for dt in r["sync"]:
-            assert m <= dt <= m + slack, (dt, m, slack)
-        assert m <= r["first"] <= m + slack, (r, slack)
-        assert 2 * m <= r["both"] <= 2 * m + slack, (r, slack)
-        # Most of each op was the emulator's (the real loopback op takes milliseconds).
-        assert r["emulated_s"] > 0.8 * 4 * m
+    for _, reps in _each(results, "sync"):
+        for r, _ in reps:  # never sooner than the model, in every repetition
+            assert all(dt >= m for dt in r["sync"]) and r["first"] >= m and r["both"] >= 2 * m, r
+            # Most of each op was the emulator's (the real loopback op takes milliseconds).
+            assert r["emulated_s"] > 0.8 * 4 * m, r
+    _holds_once(results, "sync", lambda r, slack: (all(dt <= m + slack for dt in r["sync"]) and r["first"] <= m + slack
+                                                   and r["both"] <= 2 * m + slack))
 
 
 def _calibrated_compute(seconds):
@@ -140,19 +158,21 @@ def _overlap(rank, world):
 
 def test_async_op_overlaps_compute(results):
     m = _modeled()
-    for r, slack in ((x["overlap"], x["slack"]) for x in results):
-        c = r["alone"]
-        assert 0.5 * m < c < 2 * m, r  # calibration gave compute of similar length
-        # max(compute, modeled), not the sum. Measured against the compute as it ran beside the
-        # op (`computed`), not alone: gloo's thread and the other rank share two cores, so the
-        # compute itself may take longer (0.53 s alone, 0.72 s beside the op, once in CI); that
-        # is contention, not a failure to overlap.
-        computed = r["computed"]
-        assert r["total"] >= m
-        assert r["total"] <= max(computed, m) + slack, (r, m, slack)
-        assert r["total"] < computed + m - 0.5 * min(computed, m), (r, m)
-        # Only the blocked part of wait() is exposed.
-        assert abs(r["exposed"] - (r["total"] - r["computed"])) < 0.01
+    for _, reps in _each(results, "overlap"):
+        assert all(r["total"] >= m for r, _ in reps), reps
+    # Only the blocked part of wait() is exposed: what wait() measured inside, against what the test
+    # measured around it (apart only by how late this process ran between the two).
+    _holds_once(results, "overlap", lambda r, slack: abs(r["exposed"] - (r["total"] - r["computed"])) < 0.01)
+
+    def overlapped(r, slack):
+        # The calibration gave compute of similar length; then max(compute, modeled), not the sum.
+        # Measured against the compute as it ran beside the op (`computed`), not alone: gloo's
+        # thread and the other rank share two cores, so the compute itself may take longer (0.53 s
+        # alone, 0.72 s beside the op, once in CI); that is contention, not a failure to overlap.
+        c = r["computed"]
+        return (0.5 * m < r["alone"] < 2 * m and r["total"] <= max(c, m) + slack
+                and r["total"] < c + m - 0.5 * min(c, m))
+    _holds_once(results, "overlap", overlapped)
 
 
 def _future(rank, world):
@@ -187,17 +207,17 @@ def _wait_inside_callback(rank, world):
 
 
 def test_an_op_waited_on_inside_a_callback_completes(results):
-    for r, slack in ((x["callback"], x["slack"]) for x in results):
-        assert r["ok"]
-        assert r["modeled"] <= r["done"] <= r["modeled"] + slack, (r, slack)
+    for _, reps in _each(results, "callback"):
+        assert all(r["ok"] and r["done"] >= r["modeled"] for r, _ in reps), reps
+    _holds_once(results, "callback", lambda r, slack: r["done"] <= r["modeled"] + slack)
 
 
 def test_future_completes_at_the_modeled_end(results):
     m = _modeled()
-    for r, slack in ((x["future"], x["slack"]) for x in results):
-        assert r["ok"]
-        assert r["issued"] < 0.5 * m  # issuing does not block (blocking would take m)
-        assert m <= r["done"] <= m + slack, (r, slack)
+    for _, reps in _each(results, "future"):
+        assert all(r["ok"] and r["done"] >= m for r, _ in reps), reps
+    # issuing does not block (blocking would take m)
+    _holds_once(results, "future", lambda r, slack: r["issued"] < 0.5 * m and r["done"] <= m + slack)
 
 
 def _no_link(rank, world):
@@ -212,9 +232,10 @@ def _no_link(rank, world):
 
 
 def test_without_a_link_nothing_is_emulated(results):
-    for r in (x["no_link"] for x in results):
-        assert r["emulated"] == 0.0
-        assert r["dt"] < 2 * _modeled()  # two real loopback all-reduces of 2 MiB, not two modeled ones
+    for _, reps in _each(results, "no_link"):
+        assert all(r["emulated"] == 0.0 for r, _ in reps), reps
+    # two real loopback all-reduces of 2 MiB, not two modeled ones
+    _holds_once(results, "no_link", lambda r, slack: r["dt"] < 2 * _modeled())
 
 
 # -- an elastic heal through the run's Comm (elastic/transfer.py, comm/objects.py) ------------------

@@ -7,6 +7,7 @@ dominant communication.
 """
 import json
 import math
+import statistics
 
 import pytest
 
@@ -45,23 +46,39 @@ def _allreduce_s(summary, bw):
     return LinkModel(parse_bandwidth(bw), parse_duration(LATENCY)).duration("all_reduce", grad_bytes, 2)
 
 
+def _beyond_the_op(rec: dict, m: float) -> list[float]:
+    """Each rank's exposed time in this step beyond the modeled op `m` and its wait for the peer: the
+    peer came to the all-reduce later by as much more as it worked outside communication (wall
+    minus exposed). What is left is how late this process ran (a wake-up, a preemption)."""
+    ranks = rec["per_rank"]
+    work = [w - e for w, e in zip(ranks["wall_s"], ranks["exposed_comm_s"])]
+    return [e - m - max(0.0, max(work[:r] + work[r + 1:]) - work[r]) for r, e in enumerate(ranks["exposed_comm_s"])]
+
+
+def _lateness(runs) -> float:
+    """The slack of an upper bound: the larger of 0.1 s and twice the median of what this test's own
+    1 Gbit/s run (4 ms modeled) exposed beyond its op and its peer, over its steps and ranks."""
+    s, steps = runs["1gbit"]
+    return max(0.1, 2 * statistics.median(x for rec in steps[1:] for x in _beyond_the_op(rec, _allreduce_s(s, "1gbit"))))
+
+
 def test_exposed_fraction_rises_as_bandwidth_falls(runs):
-    # Against this test's own 1 Gbit/s run (4 ms modeled: what it exposes is the real op and the
-    # scheduling of the moment), not fixed seconds: at load 10-19 a fixed 0.1 s was not enough,
-    # and at 100 Mbit/s (38 ms modeled) the real op can take as long, so that the 1 Gbit/s and
-    # 100 Mbit/s fractions are then equal within noise. Checked at any load: each step exposes at
-    # least the modeled all-reduce (90%: a sliver can overlap the end of backward), and the
-    # fraction at 20 Mbit/s (0.19 s modeled) is above both others.
+    # Each step exposes at least the modeled all-reduce (90%: a sliver can overlap the end of
+    # backward), at any load, and the fraction at 20 Mbit/s (0.19 s modeled) is above both others.
+    # Upper bounds are on the median step, past the wait for the peer (_beyond_the_op), against
+    # this test's own 1 Gbit/s run: a single step's exposed time at a load of 12 (three pytest
+    # workers) once was 0.29 s at 100 Mbit/s, 38 ms modeled, the peer preempted.
     fractions = [runs[bw][0]["exposed_comm_fraction"] for bw in BANDWIDTHS]
     assert max(fractions[0], fractions[1]) < fractions[2], fractions
-    fast_link = max(e for rec in runs["1gbit"][1][1:] for e in rec["per_rank"]["exposed_comm_s"])
+    slack = _lateness(runs)
     for bw in BANDWIDTHS[1:]:
         s, steps = runs[bw]
         m = _allreduce_s(s, bw)
         # The one bucket goes out as backward ends, so each step waits about one modeled all-reduce.
-        for rec in steps[1:]:
-            for exposed in rec["per_rank"]["exposed_comm_s"]:
-                assert 0.9 * m <= exposed <= m + max(0.1, 2 * fast_link), (bw, exposed, m, fast_link)
+        assert all(e >= 0.9 * m for rec in steps[1:] for e in rec["per_rank"]["exposed_comm_s"]), (bw, m, steps)
+        for r in range(2):
+            beyond = statistics.median(_beyond_the_op(rec, m)[r] for rec in steps[1:])
+            assert beyond <= slack, (bw, r, beyond, m, slack)
     s = runs["20mbit"][0]
     assert _allreduce_s(s, "20mbit") > 0.15
     # The emulator's share of communication time: most of it on the slow link, less on the fast one.
@@ -94,11 +111,10 @@ def test_slow_worker_makes_the_fast_one_wait(runs):
     grown = slow["exposed_comm_s_per_rank"][0] - slow["exposed_comm_s_per_rank"][1]
     extra = sum(r["per_rank"]["compute_s"][1] - r["per_rank"]["compute_s"][0] for r in steps)
     assert extra > 0 and 0.6 * extra <= grown <= 1.4 * extra, (grown, extra)
-    # ... while the slow rank waits for the op alone: each step no longer than the modeled
-    # all-reduce plus what this test's own 1 Gbit/s run (no slow worker) exposed in its worst step
-    # (a bound in the op's time, not a share of the fast rank's wait, which is load-dependent).
+    # ... while the slow rank waits for the op alone: its median step no longer than the modeled
+    # all-reduce plus the lateness of this test's own 1 Gbit/s run (no slow worker) (a bound in the
+    # op's time, not a share of the fast rank's wait, which is load-dependent).
     op = _allreduce_s(slow, "1gbit")
-    fast_link = max(e for rec in runs["1gbit"][1][1:] for e in rec["per_rank"]["exposed_comm_s"])
-    for rec in steps[1:]:
-        assert rec["per_rank"]["exposed_comm_s"][1] <= op + max(0.1, 2 * fast_link), (rec, op, fast_link)
+    beyond = statistics.median(_beyond_the_op(rec, op)[1] for rec in steps[1:])
+    assert beyond <= _lateness(runs), (beyond, op, steps)
     assert math.isfinite(slow["final_train_loss"])

@@ -2,11 +2,11 @@
 checked over the registry: a strategy is covered the moment it stops refusing --elastic.
 
 - its declaration is complete: at every commit point of a W=2 run, every member's replicated
-  state (what `local_state` leaves) hashes alike -- a residual left undeclared differs per
-  worker and fails here;
+  state (every state part not declared LOCAL, contract/parts.py) hashes alike -- a residual
+  declared replicated differs per worker and fails here;
 - a joiner that loads a peer's commit state holds a fresh worker's local state (every local
   tensor zero; a local θ at the parameters a fresh worker starts from, the ones evaluated; a
-  part declared `from_donor`, the local-SGD family's inner AdamW, its donor's) and the
+  part declared joiner="peer", the local-SGD family's inner AdamW, its donor's) and the
   replicated state of its peer, bit for bit; and the two go on to their next commit point
   with equal replicated states again;
 - a no-fault `lowcomm train --elastic` run equals the plain run bit for bit (every step's loss
@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 import lowcomm
 from lowcomm.cli.main import main
-from lowcomm.contract.elastic import replaced, tensors
+from lowcomm.contract.parts import LOCAL, after_join, as_joiner, commit_state, member_state, replicated_tensors, tensors
 from lowcomm.elastic.transfer import state_hash
 from lowcomm.run.driver import make_run
-from lowcomm.strategies import available, get
+from lowcomm.strategies import available
 
 from dist_utils import run_dist
 from elastic_runs import ELASTIC, checkpoint_params_hashes, cli_flags, options
@@ -60,7 +60,7 @@ def to_commit(run, rank: int, after: int) -> int:
         step = run.steps_done
         micro = iter(range(1000))
         run.step(lambda: batch(step, rank, next(micro)), lowcomm.lm_loss)
-        if run.steps_done > after and run.strategy.commits_at(o, run.steps_done):
+        if run.steps_done > after and run.strategy.elastic.commits_at(o, run.steps_done):
             return run.steps_done
 
 
@@ -71,16 +71,14 @@ def batch(step: int, rank: int, micro: int):
 
 
 def commit_hash(run) -> tuple[dict, str]:
-    state = run.strategy.commit_state(run.state_dict())
-    return state, state_hash(run.strategy.replicated_state(state))
+    parts = run.strategy.state_parts()
+    state = commit_state(parts, run.state_dict())
+    return state, state_hash(replicated_tensors(parts, state))
 
 
 def local_parts(strategy, state: dict) -> dict[str, object]:
-    """The value at each of the strategy's local paths in `state` (absent ones left out)."""
-    found = {}
-    for path in strategy.local_state:
-        replaced(state, path, lambda value, path=path: found.setdefault(path, value))
-    return found
+    """The value of each of the strategy's local parts in `state`."""
+    return {name: state["parts"][name] for name, part in strategy.state_parts().items() if part.kind == LOCAL}
 
 
 def _join_life(rank, world, names):
@@ -96,11 +94,11 @@ def _join_life(rank, world, names):
         run.release()
         # Both build a new run, as a re-formed membership does; rank 1 joins from rank 0's state.
         run = build(name, seed=99 + rank)  # other parameters: what it holds must come from the state
-        s = run.strategy
-        state = s.as_joiner(box[0]) if rank == 1 else box[0]
-        run.load_state_dict(s.member_state(state))
+        s, parts = run.strategy, run.strategy.state_parts()
+        state = as_joiner(parts, box[0]) if rank == 1 else box[0]
+        run.load_state_dict(member_state(parts, state))
         if rank == 1:
-            s.join_from_peer()
+            after_join(parts)
         loaded = copy.deepcopy(run.state_dict())  # optimizers' state_dict() holds the live tensors
         with run.evaluating() as model:
             start = {k: v.clone() for k, v in model.state_dict().items()}  # θ a fresh worker starts from
@@ -113,7 +111,8 @@ def _join_life(rank, world, names):
         again = [None] * world
         dist.all_gather_object(again, later)
         run.close()
-        out[name] = {"at_commit": every, "joined": after, "again": again, "local": local, "steps": (first, second)}
+        out[name] = {"at_commit": every, "joined": after, "again": again, "local": local, "steps": (first, second),
+                     "donated": [n for n, part in parts.items() if part.kind == LOCAL and part.joiner == "peer"]}
     return out
 
 
@@ -146,7 +145,7 @@ def test_every_member_holds_the_replicated_state_alike_at_a_commit(name, joined)
 def test_a_joiner_holds_a_fresh_workers_local_state_and_its_peers_replicated_state(name, joined):
     peer, joiner = joined[0][name], joined[1][name]
     assert joiner["joined"][1] == peer["at_commit"][0], f"{name}: the joiner's replicated state is not its peer's"
-    donated = get(name.split()[0]).from_donor
+    donated = joiner["donated"]
     for path, value in joiner["local"].items():
         if path == "model":  # a local θ: the parameters a fresh worker starts from (θ_global)
             model, start = value
@@ -156,8 +155,9 @@ def test_a_joiner_holds_a_fresh_workers_local_state_and_its_peers_replicated_sta
             assert mine.keys() == donors.keys(), f"{name}: {path}"
             assert all(torch.equal(v, donors[k]) for k, v in mine.items()), f"{name}: the joiner's {path} is not its donor's"
             assert not zero_everywhere(value), f"{name}: the donor's {path} is still empty"
-        else:
-            assert zero_everywhere(value), f"{name}: the joiner's {path} is not a fresh worker's (zero)"
+        else:  # an optimizer's: its moments zero, its hyperparameters (param groups) kept
+            fresh = value["state"] if isinstance(value, dict) and "param_groups" in value else value
+            assert zero_everywhere(fresh), f"{name}: the joiner's {path} is not a fresh worker's (zero)"
 
 
 # -- a no-fault elastic run equals the plain run bit for bit, through the CLI ----------------------

@@ -36,6 +36,7 @@ import pytest
 pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
 
 from lowcomm.cli.main import main  # noqa: E402
+from lowcomm.config import RunConfig  # noqa: E402
 from lowcomm.strategies import get  # noqa: E402
 from elastic_runs import ELASTIC, TINY, check_finished, cli_flags, jsonl, options, wait_for  # noqa: E402
 
@@ -206,7 +207,7 @@ def last_commit_before(case: str, step: int) -> int:
     """The strategy's last commit point before `step` (0: none)."""
     name = case.partition(" ")[0]
     o = get(name).Options(**options(case)).validate(name)
-    return max((c for c in range(1, step) if get(name).commits_at(o, c)), default=0)
+    return max((c for c in range(1, step) if get(name).elastic.commits_at(o, c)), default=0)
 
 
 # Every fault for a strategy of each engine and state kind (replicated; sharded and re-cut; rounds
@@ -291,9 +292,10 @@ def test_every_strategy_survives_every_fault_in_turn_with_one_state(name, tmp_pa
     if every:
         frozen, back = quorums[-3:-1]
         assert frozen["fault"]["lost"] == [3], frozen
-        # The frozen joiner is dropped when a collective has waited --member-timeout for it (not
-        # --timeout's 600 s: a tenth of that is ample at any load).
-        assert MEMBER_TIMEOUT <= frozen["time"] - faults.at["frozen"] < 10 * MEMBER_TIMEOUT, frozen
+        # The frozen joiner is dropped when a collective has waited --member-timeout for it, not
+        # --timeout (600 s, the default): the bound the test tells them apart by, whatever the load
+        # adds to the re-forming after the wait (a tenth of it, 100 s, is within reach at 30 and over).
+        assert MEMBER_TIMEOUT <= frozen["time"] - faults.at["frozen"] < RunConfig().timeout, frozen
         assert back["time"] > faults.at["lighthouse"]  # formed by the restarted lighthouse
     for q, nxt in zip(quorums, quorums[1:] + [None]):  # who trained which step: the quorum of the time
         until = nxt["step"] if nxt else steps_to_run

@@ -51,24 +51,31 @@ def stopped_after_4(run: Path, copy: Path) -> Path:
 
 def whole_state_hash(checkpoint: Path, strategy: str) -> str:
     """The hash of the state every member must hold, read from a checkpoint's files here: zero1's
-    moments and master copy joined from the ranks' shards in rank order (cut to the model's size)."""
+    moments and master copy joined from the ranks' shards in rank order (cut to the model's size);
+    which parts are replicated, as the strategy declares them (a one-process run of it tells)."""
+    import lowcomm
     from lowcomm.checkpoint import read, read_state
+    from lowcomm.contract.parts import replicated_tensors
     from lowcomm.elastic.transfer import state_hash
-    from lowcomm.strategies.registry import get
+    from lowcomm.run.driver import make_run
 
     found = read(checkpoint)
     states = [read_state(found, r)["strategy"] for r in range(found.world)]
     state = states[0]
+    parts = state["parts"]
     if strategy == "zero1":
-        numel = sum(v.numel() for k, v in state["model"].items())
-        (osd,) = state["optimizers"]
-        for k, v in osd["state"][0].items():
+        numel = sum(v.numel() for k, v in parts["model"].items())
+        for k, v in parts["optimizer"]["state"][0].items():
             if getattr(v, "dim", lambda: 0)() == 1:
-                v.data = torch.cat([st["optimizers"][0]["state"][0][k] for st in states])[:numel]
-        if state["extra"]["master"] is not None:
-            state["extra"]["master"] = torch.cat([st["extra"]["master"] for st in states])[:numel]
-        state["extra"].pop("grads", None)
-    return state_hash(get(strategy).replicated_state(state))
+                v.data = torch.cat([st["parts"]["optimizer"]["state"][0][k] for st in states])[:numel]
+        if parts["master"] is not None:
+            parts["master"] = torch.cat([st["parts"]["master"] for st in states])[:numel]
+    declared = make_run(strategy, lowcomm.GPT(vocab_size=64, seq_len=8, n_layer=1, n_head=2, d_model=8),
+                        lowcomm.Comm(), torch.optim.AdamW)
+    try:
+        return state_hash(replicated_tensors(declared.strategy.state_parts(), state))
+    finally:
+        declared.close()
 
 
 @pytest.mark.parametrize("flags", [["ddp"], ["zero1"], ["sparseloco", "--sync-every", "4"]],

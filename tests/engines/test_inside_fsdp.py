@@ -40,7 +40,7 @@ def _argv(data, out, strategy, inside, workers=4, replicas=2, micro=2, *more):
 
 
 def _model(out, rank):
-    return read_state(read(sorted(out.glob("ckpt-*"))[-1]), rank)["strategy"]["model"]
+    return read_state(read(sorted(out.glob("ckpt-*"))[-1]), rank)["strategy"]["parts"]["model"]
 
 
 def _flat(model):

@@ -246,7 +246,7 @@ def _argv(data, out, strategy, workers, replicas, micro):
 
 
 def _params(out, rank):
-    model = read_state(read(sorted(out.glob("ckpt-*"))[-1]), rank)["strategy"]["model"]
+    model = read_state(read(sorted(out.glob("ckpt-*"))[-1]), rank)["strategy"]["parts"]["model"]
     return torch.cat([model[k].detach().reshape(-1).float() for k in sorted(model)])
 
 

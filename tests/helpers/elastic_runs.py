@@ -24,7 +24,7 @@ SHORT = {"diloco": {"sync_every": 2}, "sparseloco": {"sync_every": 2},
          "streaming_diloco": {"sync_every": 4, "fragments": 2, "fragment_delay": 1},
          "powersgd": {"start": 2}, "onebit_adam": {"freeze_variance_after": 2}, "dpu": {"warmup_steps": 2}}
 ELASTIC = [n for n in available()
-           if get(n).elastic_refusal(get(n).Options(**SHORT.get(n, {})).validate(n), False) is None]
+           if get(n).elastic.refusal(get(n).Options(**SHORT.get(n, {})).validate(n), False) is None]
 
 
 # Variants, by name: "<strategy> <variant>" runs the strategy with these options besides its SHORT ones.
@@ -83,7 +83,7 @@ def checkpoint_params_hashes(checkpoint: Path) -> list[str]:
     from lowcomm.checkpoint import read, read_state
     from lowcomm.elastic.transfer import state_hash
     found = read(checkpoint)
-    models = [read_state(found, r)["strategy"]["model"] for r in range(found.world)]
+    models = [read_state(found, r)["strategy"]["parts"]["model"] for r in range(found.world)]
     return [state_hash({f"model.{k}": v for k, v in model.items()}) for model in models]
 
 

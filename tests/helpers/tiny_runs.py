@@ -12,6 +12,12 @@ TEXT = ("It is a truth universally acknowledged, that a single man in possession
 TINY = ["--workers", "2", "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--seq-len", "16",
         "--micro-batch", "2", "--eval-every", "0", "--eval-batches", "1", "--log-every", "1", "--quiet"]
 
+# A model whose step is tens of ms of CPU, for a test that compares the ranks' compute (flags after
+# TINY's replace them): on a busy machine both ranks are then preempted alike (rank 0's median compute
+# 0.69 to 1.17 times rank 1's own at load 22), where TINY's ~2 ms are the scheduler's: a rank waking
+# from a long sleep runs its few ms at once while the other waits for a core (0.5 to 4 at load 22-37).
+EVEN_WORK = ["--n-layer", "2", "--d-model", "128", "--seq-len", "64", "--micro-batch", "8"]
+
 
 def workers_of(pid: int) -> set[int]:
     """The worker processes launcher `pid` started: the children of its fork server

@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 from lowcomm.launch import rundir
-from lowcomm.checkpoint import storage
+from lowcomm.storage import files as storage
 from lowcomm.cli.main import main
 from lowcomm.errors import DiskFull
 from lowcomm.metrics.runlog import StepLog

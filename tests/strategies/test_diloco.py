@@ -183,52 +183,60 @@ def test_outer_quantizer_round_trip():
             assert ((back - t).abs() <= step.repeat_interleave(OUTER_BLOCK)[:n] / 2 + 1e-6).all()
 
 
-# -- --sync-by time with a 2x slower worker (through the CLI; timing, so slow-marked) ----------
+# -- --sync-by time with a 4x slower worker (through the CLI; timing, so slow-marked) ----------
 
-def _slow_run(tmp_path, sync_by, text):
+# Rank 1 sleeps 3x its own measured compute after each step. On a busy machine the ranks' own compute
+# differs too: a rank waking from a long sleep runs at once while the busy one waits for a core
+# (2x emulated once measured 1.28x with three pytest workers). At 4x the slow rank's real cost stays
+# at least twice the fast one's as long as its own compute is no less than half the other's, so every
+# check below is made against the cost ratio measured in the run itself, never against the factor.
+SLOWDOWN = 4
+
+
+def _slow_run(tmp_path, sync_by, text, steps):
     out = tmp_path / sync_by
-    rc = main(["train", "--strategy", "diloco", "--workers", "2", "--steps", "64", "--sync-every", "16",
-               "--sync-by", sync_by, "--slowdown", "1,2", "--log-every", "16", "--eval-every", "0",
+    rc = main(["train", "--strategy", "diloco", "--workers", "2", "--steps", str(steps), "--sync-every", "16",
+               "--sync-by", sync_by, "--slowdown", f"1,{SLOWDOWN}", "--log-every", "16", "--eval-every", "0",
                "--eval-batches", "1", "--model", "tiny", "--micro-batch", "8", "--seq-len", "64",
                "--data", str(text), "--out", str(out), "--quiet"])
     assert rc == 0
     return json.loads((out / "summary.json").read_text())
 
 
+def _cost_per_step(summary) -> list[float]:
+    """Each rank's real seconds per inner step (its compute, the emulated slowdown's sleep included)."""
+    return [c / max(n, 1) for c, n in zip(summary["compute_s_per_rank"], summary["micro_batches_per_rank"])]
+
+
 @pytest.mark.slow
 def test_sync_by_time_keeps_the_fast_worker_busy(tmp_path):
-    """Measured on the shared 2-core machine at load 7-10: fast/slow inner steps 64/18 and 64/15
-    (the slow rank's real cost per inner step was 3.3x and 4.0x the fast one's there, not 2x:
-    with both ranks busy the slow one's compute, which the slowdown doubles, is itself inflated
-    by contention); fast rank exposed 5.0 %, 8.0 %, 11.8 % and 16.0 % of the wall time (the last
-    two with other jobs on the cores); with fixed H 46-57 %.
-    So the test checks fast/slow against the measured cost ratio (and >= 1.6), not against 2."""
+    """Against fixed H, with rank 1 emulated 4x slower. Measured on 2 cores, 64 slots against 32
+    fixed steps: see docs/development.md. The fixed-H run needs only two periods: it is the
+    baseline of the fast rank's wait, measured in the same test."""
     text = tmp_path / "text.txt"
     text.write_text("It is a truth universally acknowledged, that a single man in possession "
                     "of a good fortune, must be in want of a wife.\n" * 400)
-    fixed = _slow_run(tmp_path, "steps", text)
-    timed = _slow_run(tmp_path, "time", text)
+    fixed = _slow_run(tmp_path, "steps", text, 32)
+    timed = _slow_run(tmp_path, "time", text, 64)
     fast, slow = timed["micro_batches_per_rank"]
-    cost = [c / max(n, 1) for c, n in zip(timed["compute_s_per_rank"], timed["micro_batches_per_rank"])]
-    speed_ratio = cost[1] / cost[0]  # how much slower rank 1 really was per inner step
+    cost, fixed_cost = _cost_per_step(timed), _cost_per_step(fixed)
+    speed_ratio = cost[1] / cost[0]  # how much slower rank 1 really was per inner step, in this run
     exposed_t, exposed_f = (s["exposed_comm_fraction_per_rank"][0] for s in (timed, fixed))
     figures = (f"time: fast/slow inner steps {fast}/{slow} = {fast / slow:.2f} (real cost ratio "
-               f"{speed_ratio:.2f}), fast rank exposed {exposed_t:.1%}, idle "
-               f"{1 - timed['compute_s_per_rank'][0] / timed['wall_s']:.1%}; fixed H: fast exposed "
-               f"{exposed_f:.1%}, idle {1 - fixed['compute_s_per_rank'][0] / fixed['wall_s']:.1%}")
+               f"{speed_ratio:.2f}), fast rank exposed {exposed_t:.1%}; fixed H: cost ratio "
+               f"{fixed_cost[1] / fixed_cost[0]:.2f}, fast exposed {exposed_f:.1%}")
     print(figures)
-    assert fast == 64 and fast / slow >= 1.6, figures
-    assert 0.7 <= (fast / slow) / speed_ratio <= 1.4, figures
-    # the fast rank waits at most half what fixed H makes it wait (measured 5-16 % against
-    # 46-57 %, the high end when other jobs share the cores; 24.8 % against 54.7 % at load 14,
-    # where slot costs are noisier: not a third, as this asked before). With fixed H it idles
-    # while the slow one finishes each period: 1 - its cost over the slow one's, measured in
-    # that run (not 0.3-0.7: under load the slow rank's real cost ratio grows past 2, and so
-    # does the wait).
-    fixed_cost = [c / max(n, 1) for c, n in zip(fixed["compute_s_per_rank"], fixed["micro_batches_per_rank"])]
+    assert fixed["micro_batches_per_rank"] == [32, 32]
+    # The fast rank steps in every slot; the slow one fits as many as its measured speed allows, a
+    # few less where its empty slots' own time adds up (their ratio measured 1.09 to 1.23, the slow
+    # rank's 7 to 20 steps making it coarse; one that stepped every slot, or half as often as it
+    # could, is off by a factor of 2 or more).
+    assert fast == 64 and speed_ratio >= 2, figures
+    assert 0.7 <= (fast / slow) / speed_ratio <= 1.5, figures
+    # With fixed H the fast rank idles while the slow one finishes each period: 1 - its cost over the
+    # slow one's, both measured in that run; sized to the speeds, it waits at most half of that.
+    assert abs(exposed_f - (1 - fixed_cost[0] / fixed_cost[1])) <= 0.2, figures
     assert exposed_t < exposed_f / 2, figures
-    assert abs(exposed_f - (1 - fixed_cost[0] / fixed_cost[1])) <= 0.2, (figures, fixed_cost)
-    assert fixed["micro_batches_per_rank"] == [64, 64]
 
 
 # -- convergence on the bundled corpus (slow) --------------------------------------------------

@@ -10,6 +10,7 @@ from dist_utils import flat_params, rel_err
 from local_sgd import (adamw, build, check_counted_bytes, count_bytes, diloco_h4, inner_step, outer_sgd,
                        reference_workers, train)
 from lowcomm.contract.context import flat_of, write_flat
+from lowcomm.contract.parts import as_joiner
 
 H, STEPS = 2, 9  # four periods and a final one that ends mid-period (the final drain)
 WARMUP = 4  # --outer-delay-warmup: two synchronous syncs, then two delayed ones and the final
@@ -116,11 +117,11 @@ def _rejoined(rank, world):
     state = first.state_dict()
     first.release()
     _, run = build("diloco", adamw, **options)
-    run.load_state_dict(run.strategy.as_joiner(state) if rank == 1 else state)
+    run.load_state_dict(as_joiner(run.strategy.state_parts(), state) if rank == 1 else state)
     train(run, rank, 1)
     after = run.strategy.sync.globals[0].detach().clone()
     run.release()
-    return state["extra"]["in_flight"][0]["data"], state["extra"]["globals"][0], after
+    return state["parts"]["in_flight"][0]["data"], state["parts"]["globals"][0], after
 
 
 def _delay0(rank, world):

@@ -99,7 +99,7 @@ def test_residuals_of_another_membership_keep_each_parameters_error_and_the_owne
     owns, starts at zero. At the same rank of the same W, both load as they were."""
     import torch
     from types import SimpleNamespace
-    from lowcomm.comm.compressed import CompressedAllReduce
+    from lowcomm.engines.compressed import CompressedAllReduce
 
     params = [torch.zeros(700), torch.zeros(9, 11)]  # 799 values: m=256 at W=4, m=384 at W=3 (blocks of 128)
     before = CompressedAllReduce(SimpleNamespace(rank=2, world=3), params, bits=8, block=128)

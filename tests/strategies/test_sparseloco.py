@@ -25,8 +25,8 @@ def _resume(rank, world):
     m2, s2 = build("sparseloco", adamw, total_steps=8, sync_every=2)
     s2.load_state_dict(state)
     train(s1, rank, 5), train(s2, rank, 5)
-    out = (state["extra"]["outer_residuals"], s1.state_dict()["extra"]["outer_residuals"],
-           s2.state_dict()["extra"]["outer_residuals"], torch.equal(flat_params(m1), flat_params(m2)))
+    out = (state["parts"]["outer_residuals"], s1.state_dict()["parts"]["outer_residuals"],
+           s2.state_dict()["parts"]["outer_residuals"], torch.equal(flat_params(m1), flat_params(m2)))
     s1.close(), s2.close()
     return out
 

@@ -40,7 +40,7 @@ def _token_weighted(rank, world):
                      _nan_loss if nan_on(rank) else lowcomm.lm_loss)
         local = flat_params(model)
         run.close()  # the final sync: θ_global ← θ_global − Σ w_r Δ_r (outer lr 1, no momentum)
-        out[name] = (start, local, flat_params(model), run.strategy.contribution())
+        out[name] = (start, local, flat_params(model), run.strategy.elastic.contribution(run.strategy))
     return out
 
 

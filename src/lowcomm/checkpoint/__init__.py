@@ -15,8 +15,8 @@ One module a job: layout.py (names, manifest checksums, the config hash), state.
 trainer's state as DCP stores it, and loading it back), write.py (requests and the atomic
 write), choose.py (verifying one, choosing the newest usable one), recut.py (a checkpoint of
 another number of workers re-cut for this one: a plain and an elastic resume alike), resume.py
-(`--resume` and relaunches after a failure), storage.py (any run file written when the disk may be full).
-The names below are the package's interface. Imports: config, contract, errors.
+(`--resume` and relaunches after a failure). The names below are the package's interface.
+Imports: config, contract, storage (files written whole, a full disk), errors.
 """
 from .choose import Found, WorldSizeError, check_world, latest, read, verify
 from .layout import FORMAT, MANIFEST, PREFIX, SAFE_KEYS, config_hash, listed, name_of, prune

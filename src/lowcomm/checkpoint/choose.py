@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .. import config as C
 from ..errors import UsageError
-from .layout import MANIFEST, config_hashes, listed, sha256
+from .layout import FORMAT, MANIFEST, config_hashes, listed, sha256
 
 
 @dataclass
@@ -32,6 +32,9 @@ def verify(path: Path, cfg: C.RunConfig, world: int) -> Found:
     """The checkpoint at `path` if it is complete, intact and fits this run; else UsageError
     with one line naming the problem."""
     manifest = _manifest(path)
+    if manifest.get("format") != FORMAT:
+        raise UsageError(f"it is in checkpoint format {manifest.get('format')}, written by an older lowcomm; "
+                         f"this version reads format {FORMAT} (restart the run, or resume it with that lowcomm)")
     _check_files(path, manifest.get("files", {}))
     if manifest.get("strategy") != cfg.strategy:
         raise UsageError(f"it was written by strategy '{manifest.get('strategy')}', this run uses "

@@ -10,7 +10,9 @@ from .. import config as C
 
 PREFIX = "ckpt-"
 MANIFEST = "manifest.json"
-FORMAT = 1
+# 2: the strategy's state by its named parts (contract/parts.py); 1 held "model", "optimizers" and
+# "extra" by position, and is refused (choose.verify) rather than guessed into parts.
+FORMAT = 2
 # Config keys a resumed run may change: they do not change what a step computes
 # (`steps` extends the run and re-sizes its lr schedule; emulation changes timing only).
 SAFE_KEYS = {"steps", "stop_at", "checkpoint_every", "keep", "max_restarts", "lighthouse", "member_timeout", "max_bad_steps",

@@ -3,8 +3,8 @@
 
 Each rank takes the state of its own rank in the checkpoint. A rank the checkpoint has not (more
 workers than wrote it) takes rank 0's at its replica position as a joiner takes a peer's: its
-local parts fresh, then what follows from the peer's state (contract/elastic.py's as_joiner and
-join_from_peer). A sharded state (the strategy's `sharded_state`: zero1, acco, dpu) is first put
+local parts fresh, then what follows from the peer's state (contract/parts.py's as_joiner and
+after_join). A sharded state (a strategy with SHARDED parts: zero1, acco, dpu) is first put
 together from the shards of every rank at this position (whole_from_shards) and cut anew for this
 membership (member_state), as an elastic run's commit state is. A replicated state (ddp) is read
 from the checkpoint's shared part.
@@ -16,6 +16,7 @@ re-cut (`refusal`) unless its state is replicated.
 """
 from __future__ import annotations
 
+from ..contract.parts import after_join, as_joiner, laid_out, member_state, whole_from_shards
 from .choose import Found
 from .state import read_state
 
@@ -36,13 +37,13 @@ def load_recut(run, found: Found, rank: int, per_replica: int) -> dict:
     from checkpoint `found` of another number of workers (module docstring). Returns what was read
     for this rank: its own namespace ("step", "loader", "rng", "run" and "strategy"), or only
     "strategy" where the state is replicated."""
-    s = run.strategy
+    parts = run.strategy.state_parts()
     at_position = range(rank % per_replica, found.world, per_replica)
     own = rank if rank < found.world else at_position[0]
     state = read_state(found, None if found.replicated else own)
     whole = state["strategy"]
-    if s.sharded_state:  # sharded across the ranks at this position
-        whole = s.whole_from_shards([whole if r == own else read_state(found, r)["strategy"] for r in at_position])
+    if laid_out(parts):  # sharded across the ranks at this position
+        whole = whole_from_shards(parts, [whole if r == own else read_state(found, r)["strategy"] for r in at_position])
     load_member(run, whole, joining=rank >= found.world)
     return state
 
@@ -51,7 +52,7 @@ def load_member(run, whole: dict, joining: bool) -> None:
     """Load into `run` this member's cut (member_state) of a commit's whole state: its own, or, as
     a joiner, a peer's with its local parts fresh, then what follows from the peer's state (an
     elastic run's heal and rollback load their snapshots so too)."""
-    s = run.strategy
-    run.load_state_dict(s.member_state(s.as_joiner(whole) if joining else whole))
+    parts = run.strategy.state_parts()
+    run.load_state_dict(member_state(parts, as_joiner(parts, whole) if joining else whole))
     if joining:
-        s.join_from_peer()
+        after_join(parts)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .. import config as C
 from ..errors import UsageError
-from .storage import write_text_atomic
+from ..storage.files import write_text_atomic
 from .choose import Found, latest
 from ..config.nodes import per_replica, under_torchrun
 from .layout import SAFE_KEYS

@@ -4,7 +4,7 @@ DCP keeps one copy of an entry that several ranks save under the same key (it tr
 as replicated and de-duplicates it), so per-rank state -- data position, RNG, ZeRO-1/ACCO
 shards, DPU's pending gradient, error-feedback residuals, DiLoCo's local θ -- goes under a
 per-rank key `rank<r>`, and only state that is identical on every rank (a strategy that
-declares `checkpoint_replicated`, e.g. ddp's parameters and optimizer) goes under the
+declares only replicated state parts, e.g. ddp's parameters and optimizer) goes under the
 shared key `shared`, written once. DCP flattens nested dicts into dotted keys, which turns
 integer keys (an optimizer's `state[0]`) into strings and drops empty containers; so each
 namespace is stored as its tensors (`tensors.<i>`, real DCP tensor entries) plus a

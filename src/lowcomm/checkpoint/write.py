@@ -21,7 +21,7 @@ import torch
 from .. import config as C
 from ..config.nodes import per_replica
 from ..errors import RunError
-from .storage import disk_full, first_failure, write_text_atomic
+from ..storage.files import disk_full, first_failure, write_text_atomic
 from ..contract.context import tensor_bytes
 from .layout import FORMAT, MANIFEST, checksums, config_hash, name_of, prune
 from .state import to_dcp
@@ -55,7 +55,7 @@ def save(trainer, out_dir: Path, keep: int, wall_s: float = 0.0) -> Path | None:
     step, rank = trainer.step, trainer.rank
     _refuse_nonfinite(trainer)
     tmp = out_dir / f".{name_of(step)}.tmp"
-    replicated = getattr(trainer.run, "checkpoint_replicated", False)
+    replicated = trainer.run.state_replicated  # every part replicated (ddp): stored once
     state = to_dcp(trainer, wall_s, replicated)
     try:
         return _save(trainer, state, out_dir, tmp, keep, replicated)

@@ -46,7 +46,7 @@ def strategy_lists() -> dict[str, str]:
         return "every strategy" if which == names else ", ".join(which) or "none yet"
     return {"strategies": ", ".join(names),
             "fsdp_strategies": listed([n for n in names if get(n).runs_inside("fsdp")]),
-            "elastic_strategies": listed([n for n in names if not get(n).elastic_refusal(get(n).Options(), False)])}
+            "elastic_strategies": listed([n for n in names if not get(n).elastic.refusal(get(n).Options(), False)])}
 
 
 def add_link_flag(parser: argparse.ArgumentParser, default: str = "none") -> None:

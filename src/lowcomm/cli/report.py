@@ -17,7 +17,7 @@ def add_report_arguments(report: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from ..bench.report import write_report
-    from ..checkpoint.storage import check_writable
+    from ..storage.files import check_writable
     from ..metrics.runs import is_bench, load_bench, load_entries
 
     target = target_loss(args)

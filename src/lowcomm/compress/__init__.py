@@ -10,9 +10,6 @@ and states its exact wire bytes. Row-wise compressors work on the last dimension
     p = c.compress(x)                          # Payload(parts, n)
     buf = c.to_bytes(p)                        # (..., c.nbytes(n)) uint8: send this
     y = c.decompress(c.from_bytes(buf, n))     # float32, x's shape
-
-Imports: errors.
-
     ef = ErrorFeedback(c)                      # residual per key: sent + residual = input
     p, sent = ef.compress("outer", x)          # ef.state_dict() -> the strategy's state
     c = parse_spec("topk:0.02,bits:2")         # one-line SPEC (diloco's --outer-compress)
@@ -32,6 +29,8 @@ Compressors (bytes per row of n values):
 - PerTensor(inner, sizes): `inner` on each tensor of a flat vector alone (its chunks and
   statistics never mix tensors); the sum of each tensor's bytes (per_tensor.py).
 Bit packing (bits.pack_bits) is real: 4-bit codes take half a byte on the wire.
+
+Imports: nothing (of lowcomm: torch only).
 """
 from __future__ import annotations
 

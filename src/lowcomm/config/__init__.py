@@ -11,11 +11,12 @@ One module a job: schema.py (the dataclasses, presets and fixed choices), settin
 (setting a value by key, strategy options, links), tomlio.py (reading and writing TOML),
 checks.py (validate), flags.py (the run flags' table), nodes.py (one replica per node
 under torchrun). The names below are the package's interface.
-Imports: strategies, engines, contract, comm (what it configures), models (what --init-from holds), errors.
+Imports: strategies, engines, contract, comm (what it configures), models (what --init-from holds), lazy
+(its names imported on first use), errors.
 """
 from __future__ import annotations
 
-import importlib
+from ..lazy.exports import lazy_exports
 
 # name -> the module that defines it, imported on first use (PEP 562): the run flags' table
 # (flags.py) is read by `lowcomm --help`, which must not wait for torch (checks.py imports
@@ -34,14 +35,4 @@ __all__ = ["BACKENDS", "DEVICES", "HF_PREFIX", "MAX_TIMEOUT_S", "MODEL_PRESETS",
            "load_toml", "link_factories", "make_link", "resolve_options", "set_link", "set_option", "set_value", "spelled",
            "to_dict", "to_toml", "validate"]
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -14,12 +14,9 @@ import copy
 import os
 from typing import Mapping
 
-import torch
-
 from .. import config as C
-from ..comm import Comm
 from ..comm.groups import ReplicaLayout
-from ..errors import RunError, UsageError
+from ..errors import UsageError
 
 
 def under_torchrun() -> bool:
@@ -75,23 +72,9 @@ def _why_flat(cfg: C.RunConfig, nodes: int, per_node: int, refused: UsageError) 
     return f"one per node, {nodes} x {per_node}, does not fit: {refused}"
 
 
-def check_numbering(comm: Comm, layout: ReplicaLayout, by_node: bool, device: torch.device,
-                    env: Mapping[str, str] = os.environ) -> None:
-    """Collective over the world, before any replica group is formed: every rank must have
-    chosen the same replica count (a node with another --nproc-per-node would not), and with
-    one replica per node (`by_node`) each rank's replica and position must be its node
-    (GROUP_RANK) and local rank. Raises RunError on every rank alike, so none waits forever
-    in a group the others never form."""
-    mine = torch.tensor([layout.replicas, int(env.get("GROUP_RANK", "-1")), int(env.get("LOCAL_RANK", "-1"))],
-                        dtype=torch.float64, device=device)
-    every = comm.meta_all_gather(mine).cpu().long().tolist()
-    problem = numbering_problem(layout, every, by_node)
-    if problem:
-        raise RunError(problem)
-
-
 def numbering_problem(layout: ReplicaLayout, every: list[list[int]], by_node: bool) -> str | None:
-    """What is wrong with the ranks' [replicas, node, local rank] for `layout`, or None."""
+    """What is wrong with the ranks' [replicas, node, local rank] for `layout`, or None (the ranks'
+    rows gathered where the run starts: train/worker.py's check_numbering)."""
     counts = sorted({r for r, _, _ in every})
     if len(counts) > 1:
         return (f"the ranks chose different replica counts ({', '.join(map(str, counts))}): give every node "

@@ -14,22 +14,21 @@ implements only the hooks its algorithm needs:
                            (default: update(ctx) once ctx.micro reaches accum)
     loss_scale()           what each micro-batch's loss is multiplied by (default 1/accum)
     train_model            property: the module the training forward must call (default: the model)
-    optimizers()           the optimizers whose state is checkpointed (default: none)
-    extra_state() / load_extra_state(sd)   buffers beyond model and optimizers (default: none)
+    optimizers()           the optimizers the lr schedule sets (default: self.optimizer, if it keeps one)
+    state_parts()          its state, by name: {name: Part(save, load, kind, joiner)}, extended by
+                           subclasses (contract/parts.py; default: the model, replicated)
     swapped_for_eval()     context: the module holding the parameters to evaluate (default: the model)
-    finish(rounds)         the run ends: complete `rounds` rounds (see rounds_started), drain what is
-                           in flight, leave the final parameters in the model; True when that
-                           changed them (default: nothing, False)
-    rounds_started()       rounds this rank has started, for finish (default: steps_done)
-    end_run(agree)         collective, at close: finish(agree(rounds_started())), agree = the most over
-                           the ranks; strategies whose rounds run beside compute agree in them (overlap.py)
+    end_run(agree)         collective, at close: the run ends. agree(n) is the most n over the ranks:
+                           complete the rounds any rank started, drain what is in flight, leave the
+                           final parameters in the model; True when that changed them (default:
+                           agree(steps_done), nothing to complete, False). Strategies whose rounds run
+                           beside compute agree in them (overlap.py); local SGD's final sync (outer_contract.py)
     use_comm(comm)         the run's group was replaced between steps (default: self.comm = comm)
     report()               strategy-specific fields of summary.json (default: none)
     resolve(options)       classmethod, optional: (name, options, note) of the strategy an older
                            spelling runs (quantized --bits 1 is onebit_adam); absent: itself
     release()              stop the threads the strategy holds (default: nothing)
-    local_state, commits_at, commit_state ...   how its state survives a change of membership
-                           (--elastic): contract/elastic.py
+    elastic                class: where its steps are kept under --elastic (contract/elastic.py)
 
 The constructor is called with the model, a Comm, make_optimizer(params), accum, the
 schedule (step -> lr), validated options, the run's length (None if unknown) and `inside`.
@@ -58,16 +57,17 @@ import torch.nn as nn
 from ..comm import Comm
 from ..errors import UsageError
 from ..models.layout import ModelLayout, layout_of, trainable
-from .elastic import ElasticPart
+from .elastic import ElasticRules
 from .context import Schedule, StepContext, apply_schedule, tensor_bytes
 from .options import Options
+from .parts import Part, optimizer_part
 from .plan import Cost, PlannedOp
-from .replica import ReplicaPart
+from .replica import ReplicaPart, start_from_rank0
 
 MakeOptimizer = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
-class Strategy(ReplicaPart, ElasticPart):
+class Strategy(ReplicaPart):
     """Data-parallel training, one micro-batch at a time (see the module docstring)."""
 
     name: ClassVar[str] = ""
@@ -75,9 +75,6 @@ class Strategy(ReplicaPart, ElasticPart):
     # Options under which a run depends only on its inputs, not on timing (the contract
     # tests use them for bit-exact comparisons).
     reproducible_options: ClassVar[dict] = {}
-    # True where the whole state_dict() is identical on every rank (ddp): a checkpoint then
-    # stores it once and can load it on another number of workers (lowcomm/checkpoint).
-    checkpoint_replicated: ClassVar[bool] = False
     # The engines inside a replica (--inside) this strategy runs across replica groups with;
     # read from the class itself (runs_inside), never inherited.
     inside_replica: ClassVar[tuple[str, ...]] = ()
@@ -90,6 +87,8 @@ class Strategy(ReplicaPart, ElasticPart):
     # How `lowcomm plan` prices comm_plan's collectives: its engine's cost model (contract/plan.py;
     # the engines' own in engines/costs.py, costs_sharded.py, outer_contract.py).
     cost: ClassVar[type[Cost]] = Cost
+    # Where its steps are kept under --elastic (contract/elastic.py; its state: state_parts).
+    elastic: ClassVar[type[ElasticRules]] = ElasticRules
 
     def __init__(self, model: nn.Module, comm: Comm, make_optimizer: MakeOptimizer, accum: int = 1,
                  schedule: Schedule | None = None, options: Options | None = None,
@@ -107,7 +106,7 @@ class Strategy(ReplicaPart, ElasticPart):
             raise UsageError("the model has no trainable parameters")
         self.steps_done = 0  # optimizer steps finished (the driver counts them)
         self.pace: Callable[[], None] = lambda: None  # the driver's: pay the emulated slowdown so far
-        self._start_from_rank0()
+        start_from_rank0(self)
         # What this rank runs the strategy on, and its layout: every tensor (flat), or the part
         # the engine inside the replica gives this rank (whole tensors; fsdp: its shard of each).
         if self.owns_part:
@@ -142,26 +141,24 @@ class Strategy(ReplicaPart, ElasticPart):
         return self.model
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return []
+        optimizer = getattr(self, "optimizer", None)  # a strategy that keeps one optimizer, as self.optimizer
+        return [optimizer] if optimizer is not None else []
 
-    def extra_state(self) -> dict:
-        return {}
-
-    def load_extra_state(self, sd: dict) -> None:
-        pass
+    def state_parts(self) -> dict[str, Part]:
+        """The state, by name (contract/parts.py): the model's parameters and buffers, and the
+        optimizer a strategy keeps as self.optimizer, replicated."""
+        optimizer = getattr(self, "optimizer", None)
+        return {"model": Part(lambda: {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                              self.model.load_state_dict),
+                **({"optimizer": optimizer_part(optimizer)} if optimizer is not None else {})}
 
     @contextmanager
     def swapped_for_eval(self):
         yield self.model
 
-    def rounds_started(self) -> int:
-        return self.steps_done
-
-    def finish(self, rounds: int) -> bool:
-        return False
-
     def end_run(self, agree: Callable[[int], int]) -> bool:
-        return self.finish(agree(self.rounds_started()))
+        agree(self.steps_done)  # every rank at its close before any ends (nothing in flight to complete)
+        return False
 
     def use_comm(self, comm: Comm) -> None:
         self.comm = comm

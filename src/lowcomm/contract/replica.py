@@ -5,26 +5,45 @@ from __future__ import annotations
 import torch
 
 
+def start_from_rank0(s) -> None:
+    """Every rank of strategy `s` starts from rank 0's values (a bookkeeping broadcast, as DDP does at
+    construction), so a Python-API user who forgot to seed identically still trains one model."""
+    # Across replicas from replica 0, then inside each replica from its first rank.
+    comms = [c for c in (s.comm, getattr(s.inside, "comm", None)) if c is not None and c.world > 1]
+    if not comms:
+        return
+    # Tensor by tensor: a flat copy of the whole model would be a start-up memory peak.
+    with torch.no_grad():
+        for p in s.replica_params:
+            buffer = p.data if p.data.is_contiguous() else p.data.contiguous()
+            for comm in comms:
+                comm.meta_broadcast(buffer, src=0)
+            if buffer is not p.data:
+                p.data.copy_(buffer)
+
+
+def splitting_inside(s):
+    """The engine inside the replica of strategy `s` where it splits the replica's work itself
+    (owns_tensors False, ddp inside); None in a flat run or on a part (fsdp's shards)."""
+    return None if s.owns_part else s.inside
+
+
+def part_is_engines(s) -> bool:
+    """Whether the part strategy `s` runs on is storage the engine inside owns (fsdp's shards, which
+    FSDP all-gathers from): it may write into it, not re-point it."""
+    return s.owns_part and s.inside.reshapes_model
+
+
+def model_reusable(s) -> bool:
+    """Whether a run on another group (a new elastic membership) can be built on the model of
+    strategy `s`: not once the engine inside reshaped it for this group (fsdp's fully_shard)."""
+    return s.inside is None or not s.inside.reshapes_model
+
+
 class ReplicaPart:
     """The replica side of Strategy (base.py): which part of the model this rank runs the
     strategy on, and the reductions inside its replica. Reads the Strategy's comm, inside,
-    owns_tensors, inside_replica and replica_params."""
-
-    def _start_from_rank0(self) -> None:
-        """Every rank starts from rank 0's values (a bookkeeping broadcast, as DDP does at
-        construction), so a Python-API user who forgot to seed identically still trains one model."""
-        # Across replicas from replica 0, then inside each replica from its first rank.
-        comms = [c for c in (self.comm, getattr(self.inside, "comm", None)) if c is not None and c.world > 1]
-        if not comms:
-            return
-        # Tensor by tensor: a flat copy of the whole model would be a start-up memory peak.
-        with torch.no_grad():
-            for p in self.replica_params:
-                buffer = p.data if p.data.is_contiguous() else p.data.contiguous()
-                for comm in comms:
-                    comm.meta_broadcast(buffer, src=0)
-                if buffer is not p.data:
-                    p.data.copy_(buffer)
+    owns_tensors, inside_replica and replica_params (the functions above, too)."""
 
     @property
     def owns_part(self) -> bool:
@@ -32,29 +51,6 @@ class ReplicaPart:
         with ddp inside, the tensors its position owns (a strategy that splits the replica's work
         itself declares owns_tensors False); with fsdp inside always, FSDP's shards of every tensor."""
         return self.inside is not None and (self.owns_tensors or self.inside.reshapes_model)
-
-    @property
-    def splitting_inside(self):
-        """The engine inside this rank's replica where the strategy splits the replica's work
-        itself (owns_tensors False, ddp inside); None in a flat run or on a part (fsdp's shards)."""
-        return None if self.owns_part else self.inside
-
-    @property
-    def part_is_engines(self) -> bool:
-        """Whether the part this rank runs on is storage the engine inside owns (fsdp's shards,
-        which FSDP all-gathers from): a strategy may write into it, not re-point it."""
-        return self.owns_part and self.inside.reshapes_model
-
-    @property
-    def model_reusable(self) -> bool:
-        """Whether a run on another group (a new elastic membership) can be built on this model:
-        not once the engine inside reshaped it for this group (fsdp's fully_shard)."""
-        return self.inside is None or not self.inside.reshapes_model
-
-    @property
-    def data_parallel_ranks(self) -> int:
-        """Every process of the run: the cross-replica group's R ranks times K per replica."""
-        return self.comm.world * (self.inside.comm.world if self.inside is not None else 1)
 
     def reduce_inside(self, op: str = "avg") -> None:
         """Across replica groups: each owned gradient <- its mean ("avg") or sum over the

@@ -3,11 +3,11 @@ what a source holds (info.py), the tokenizer (tokenizer.py) and each rank's batc
 
 The names below are imported on first use (PEP 562): `lowcomm data prepare` needs none of the
 ones that import torch (loader.py), and starts without it (222 MB and seconds less).
-Imports: errors.
+Imports: lazy (the names above, imported on first use), storage (a prepared directory put in place whole), errors.
 """
 from __future__ import annotations
 
-import importlib
+from ..lazy.exports import lazy_exports
 
 _EXPORTS = {
     **{n: ".corpus" for n in ("VOCAB_SIZE", "decode", "encode", "load_bytes")},
@@ -19,14 +19,4 @@ _EXPORTS = {
 __all__ = ["VOCAB_SIZE", "decode", "encode", "load_bytes", "ShardedBatches", "check_sizes", "check_split",
            "split", "val_batches", "DataInfo", "describe", "Tokens", "check_data", "load_tokens"]
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..storage.files import replace_directory
 from ..errors import UsageError
 from .token_files import PREPARED_FORMAT, PREPARED_VERSION
 
@@ -85,11 +86,7 @@ class TokenDir:
         meta = {"format": PREPARED_FORMAT, "version": PREPARED_VERSION, "dtype": self.dtype.name, **meta,
                 "tokens": dict(self.tokens), "tokenizer_sha256": hashlib.sha256(tokenizer_json).hexdigest()}
         (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-        old = self.out.parent / f".{self.out.name}.replaced-{os.getpid()}"
-        if self.out.exists():
-            self.out.rename(old)
-        self.tmp.rename(self.out)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_directory(self.tmp, self.out)
         return meta
 
     def __exit__(self, kind, error, trace) -> None:

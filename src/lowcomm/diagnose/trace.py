@@ -35,7 +35,7 @@ import zlib
 from pathlib import Path
 
 import torch
-from ..checkpoint.storage import write_text_atomic
+from ..storage.files import write_text_atomic
 
 COMM_TID = 1000  # a level's comm lanes are tids COMM_TID·(i+1) + slot, i its place in LANE_ORDER
 LANE_ORDER = {"cross": 0, "intra": 1, "world": 2}  # the slow link's lanes first, bookkeeping last

@@ -17,6 +17,6 @@ Built from torchft's lighthouse (membership by heartbeat and quorum) and plain c
 - checkpoints.py an elastic run's checkpoints and its --resume.
 
 The elastic worker's loop is train/elastic.py, its launcher launch/elastic.py, `lowcomm join`
-launch/join.py. Imports: config, checkpoint, comm, strategies (what each declares), errors --
-never train or launch.
+launch/join.py. Imports: config, checkpoint, comm, strategies (what each declares), data (the loader's
+position a checkpoint keeps), errors -- never train or launch.
 """

@@ -1,8 +1,8 @@
 """What an elastic run can take, in one line each, and what it reads of its strategy.
 
-A strategy runs elastically by declaring how its state survives a change of membership, in its
-own file (contract/elastic.py: its local state, its commit points, how a sharded state is re-cut);
-the runtime here names no strategy. One that cannot (yet) says why (`elastic_refusal`).
+A strategy runs elastically by declaring how its state survives a change of membership: its state
+parts (contract/parts.py: replicated, local, sharded) and its rules (contract/elastic.py: its commit
+points); the runtime here names no strategy. One that cannot (yet) says why (`elastic.refusal`).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def check(cfg) -> None:
     if under_torchrun():  # each torchrun job is one replica (replicas.py)
         check_torchrun(cfg)
     across = under_torchrun() or bool(cfg.replicas and cfg.replicas != cfg.workers)
-    why = strategy_class(cfg).elastic_refusal(cfg.strategy_options(), across)
+    why = strategy_class(cfg).elastic.refusal(cfg.strategy_options(), across)
     if why:
         where = "" if not across else " under torchrun" if under_torchrun() else " with --replicas"
         raise UsageError(f"--elastic{where} does not run strategy '{cfg.strategy}': {why}")
@@ -68,13 +68,13 @@ def check_torchrun(cfg) -> None:
 
 def commit_points(cfg) -> Callable[[int], bool]:
     """Is trainer step `step` (from 1) a commit point: one the strategy declares, or the last."""
-    commits, options = strategy_class(cfg).commits_at, cfg.strategy_options()
+    commits, options = strategy_class(cfg).elastic.commits_at, cfg.strategy_options()
     return lambda step: step == cfg.steps or commits(options, step)
 
 
 def redoes_last_step(cfg) -> bool:
     """Does a failed commit redo only its last step (rounds.py), as the strategy declares?"""
-    return strategy_class(cfg).redoes_last_step(cfg.strategy_options())
+    return strategy_class(cfg).elastic.redoes_last_step(cfg.strategy_options())
 
 
 def min_workers(cfg) -> int:
@@ -120,14 +120,14 @@ def record_overrides(cfg) -> None:
 def strategy_options(cfg):
     """The strategy's options as an elastic run uses them (the local-SGD family's outer merge
     weighted by the tokens each member trained since the last sync: token_weights.py)."""
-    return strategy_class(cfg).elastic_options(cfg.strategy_options())
+    return strategy_class(cfg).elastic.options(cfg.strategy_options())
 
 
 def configure(run, cfg) -> None:
     """--min-workers is the quorum of an update that merges what the members trained."""
-    run.strategy.require_contributors(min_workers(cfg))
+    run.strategy.elastic.require_contributors(run.strategy, min_workers(cfg))
 
 
 def outer_record(run) -> dict | None:
     """steps.jsonl's `outer` at a commit: the workers that contributed to its merge, their tokens."""
-    return run.strategy.contribution()
+    return run.strategy.elastic.contribution(run.strategy)

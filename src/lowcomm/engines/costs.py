@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..comm.compressed import residual_bytes, shard_len, split_piece
+from .compressed import residual_bytes, shard_len, split_piece
 from ..contract.plan import Cost, LevelPlans, PlannedOp, flat_numel
 from ..models.layout import ModelLayout
 
@@ -81,7 +81,7 @@ class BucketedAllReduce(Cost):
 
 
 class CompressedAllReduce(Cost):
-    """comm.compressed's all-reduce after the step (quantized): error-feedback residuals beside
+    """compressed.py's all-reduce after the step (quantized): error-feedback residuals beside
     a replicated AdamW; across replica groups each position's piece (SplitByPosition)."""
 
     reduced_inside = False  # inside a replica: each position's piece reduce-scattered (True: all-reduced whole)

@@ -18,7 +18,6 @@ shard's optimizer has one param group per piece with that group's hyperparameter
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ from ..contract.base import Strategy
 from ..contract.context import StepContext, schedule_like
 from ..contract.options import Options, option
 from ..contract.plan import flat_numel
+from ..contract.replica import part_is_engines
 from . import flat_reshard
 
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the model's own dtype
@@ -249,7 +249,7 @@ class ShardedStrategy(Strategy):
         ordered += [p for p in self.params if all(p is not q for q in ordered)]  # in no group: never stepped
         ends = [sum(p.numel() for _, ps in groups[:g + 1] for p in ps) for g in range(len(groups))]
         self.flat = FlatModel(model, ordered, comm.world, comm.rank, PARAM_DTYPES[self.options.param_dtype], ends,
-                              aliased=not self.part_is_engines)
+                              aliased=not part_is_engines(self))
         self.shard_opt = ShardOptimizer(self.flat, make_optimizer, reference, separate_master=self.separate_master)
         # model.zero_grad() would drop accumulated gradients (set_to_none=False) or cut
         # .grad loose from the flat buffer (True): refuse it with a clear error instead.
@@ -277,26 +277,10 @@ class ShardedStrategy(Strategy):
         self.flat.check_views()
         return super().after_backward(ctx)
 
-    # --elastic (contract/elastic.py): θ, the optimizer state and the master copy are replicated once
-    # gathered whole at a commit (flat_reshard.py) and re-cut for each membership; the flat gradient
-    # buffer is this worker's own, zero at every step's start. Across replica groups the same holds
-    # for each position's tensors, sharded across the replicas at that position.
-    local_state = ("extra.grads",)
-    sharded_state = True
-    flat_buffers: tuple[str, ...] = ()  # extra_state() keys of flat, unsharded buffers (re-padded by member_state)
-
-    def commit_state(self, sd: dict) -> dict:
-        return flat_reshard.gathered(sd, self)
-
-    def member_state(self, whole: dict) -> dict:
-        return flat_reshard.cut(copy.deepcopy(whole), self)
-
-    def whole_from_shards(self, states: list[dict]) -> dict:
-        return flat_reshard.from_shards(states, self.flat.numel)
-
-    def extra_state(self) -> dict:
-        master = self.shard_opt.master.detach().clone() if not self.shard_opt.aliased else None
-        return {"master": master, "grads": self.flat.grads.clone()}
+    def state_parts(self):
+        """θ, the shard optimizer's state and the master copy, sharded (gathered whole at a commit
+        and re-cut for each membership); the flat gradient buffer, this worker's own (flat_reshard.py)."""
+        return flat_reshard.sharded_parts(self, super().state_parts()["model"])
 
     # With fsdp inside (part_is_engines) the flat buffers are copies of FSDP's shards: the
     # replica's gradients are added in where they are reduced, and the parameters written back
@@ -310,10 +294,3 @@ class ShardedStrategy(Strategy):
         if not self.flat.aliased:
             self.flat.write_params()
         super().share_inside(counted)
-
-    def load_extra_state(self, sd: dict) -> None:
-        if not self.flat.aliased:  # the model's shards were loaded: the copies (zero1's master too) follow
-            self.flat.read_params()
-        if sd["master"] is not None:
-            self.shard_opt.master.data.copy_(sd["master"])
-        self.flat.grads.copy_(sd["grads"])

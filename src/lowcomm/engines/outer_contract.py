@@ -10,7 +10,7 @@ calibration, the final sync of every fragment at the run's last step; a regular 
 reduction hides behind τ inner steps (streaming), a whole period (one period late, past its
 warm-up) or none, the final one behind none.
 
-Under --elastic (contract/elastic.py) the commit points are the merges, where every member
+Under --elastic (contract/elastic.py; the parts: outer_sync.py's state_parts) the commit points are the merges, where every member
 holds θ_global and the outer momentum alike: that is the state a joiner receives, as a
 torchft DiLoCo fragment registers exactly its global parameters and outer optimizer. The rest
 is each worker's own, and a joiner starts it as a fresh worker at step 0 did -- its local θ at
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..contract.elastic import ElasticRules
 from ..contract.plan import Cost, PlannedOp
 from .outer_options import outer_step_suffix
 from .outer_sync import sync_offset
@@ -62,16 +63,8 @@ class OuterSyncCost(Cost):
         return f"{strategy.name} H={options.sync_every}{suffix}"
 
 
-class OuterSyncContract:
-    """The plan and ElasticPart's members for a strategy on the outer-sync engine (a mixin,
-    named before Strategy in the bases)."""
-
-    min_contributors = 1  # --outer-weights tokens: an outer step needs this many workers that trained
-
-    @classmethod
-    def comm_plan(cls, layout, world, options):
-        sizes = layout.fragment_sizes(options.streaming()[0])
-        return comm_plan(sizes, world, options.sync_every, options.wire(), options.sync_by == "time")
+class OuterSyncRules(ElasticRules):
+    """--elastic's rules for a strategy on the outer-sync engine (the module docstring)."""
 
     @classmethod
     def commits_at(cls, options, step):
@@ -82,38 +75,48 @@ class OuterSyncContract:
         return options.redoes_last_step()
 
     @classmethod
-    def elastic_refusal(cls, options, across_replicas):
+    def refusal(cls, options, across_replicas):
         if options.sync_by != "steps":
             return ("it needs --sync-by steps: its commit points are the outer syncs, which must fall on the "
                     "same step on every worker")
         return None
 
     @classmethod
-    def elastic_options(cls, options):
+    def options(cls, options):
         # members come and go: each counts for the tokens it trained since the last sync (token-weighted merge)
         return dataclasses.replace(options, outer_weights="tokens")
 
-    def require_contributors(self, n):
-        self.min_contributors = n
+    @classmethod
+    def require_contributors(cls, strategy, n):
+        strategy.min_contributors = n
+
+    @classmethod
+    def contribution(cls, strategy) -> dict | None:
+        """The last outer sync's workers that contributed and their tokens (--outer-weights tokens)."""
+        return contribution(strategy.sync.wire.last_tokens)
+
+
+class OuterSyncContract:
+    """The plan, its end and --elastic's rules for a strategy on the outer-sync engine (a mixin,
+    named before Strategy in the bases)."""
+
+    elastic = OuterSyncRules
+
+    min_contributors = 1  # --outer-weights tokens: an outer step needs this many workers that trained
+
+    @classmethod
+    def comm_plan(cls, layout, world, options):
+        sizes = layout.fragment_sizes(options.streaming()[0])
+        return comm_plan(sizes, world, options.sync_every, options.wire(), options.sync_by == "time")
 
     def quorate(self) -> bool:
         """Did enough workers train since the last sync (tokens > 0)? Always with equal weights."""
-        info = self.contribution()
+        info = OuterSyncRules.contribution(self)
         return info is None or info["contributors"] >= self.min_contributors
 
-    def contribution(self) -> dict | None:
-        """The last outer sync's workers that contributed and their tokens (--outer-weights tokens)."""
-        return contribution(self.sync.wire.last_tokens)
-
-    @classmethod
-    def fresh_local(cls, path, value):
-        return value if path == "model" else super().fresh_local(path, value)  # θ_global: join_from_peer
-
-    def join_from_peer(self):
-        self.sync.restart_from_globals()
-
-    def rounds_started(self) -> int:  # 1 while a sync is owed: the driver takes the most over the ranks
-        return int(self.sync.owed())
+    def end_run(self, agree) -> bool:
+        """At close, the final sync while any rank owes one (1 while owed: the most over the ranks)."""
+        return self.finish(agree(int(self.sync.owed())))
 
 
 def comm_plan(sizes: list[list[int]], world: int, every: int, fmt: WireFormat, timed: bool) -> list[PlannedOp]:

@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from ..comm import Comm
 from ..contract.context import flat_of, write_flat
+from ..contract.parts import LOCAL, Part, attributes, optimizer_part
 from .eager import StandIn
 from .outer_wire import Outgoing, OuterWire, Ticket, WireFormat
 from .sync_by_time import SlotClock
@@ -234,35 +235,48 @@ class OuterSync:
                 "aggregate": self.wire.aggregator.spec,
                 **(self.attackers.report() if self.attackers is not None else {})}
 
-    def state_dict(self) -> dict:
-        """Everything, a reduction in flight as this rank's part of it (to re-issue when loaded)."""
-        sent = {i: t.sent.state() for i, t in self.in_flight.items()}
-        sent.update({i: out.state() for i, out in self.resend.items()})
-        return {"globals": [g.detach().clone() for g in self.globals], "since": list(self.since),
-                "in_flight": {i: {k: v.clone() for k, v in part.items()} for i, part in sent.items()},
-                **({"stand_in": self.stand_in.state_dict()} if self.stand_in is not None else {}),
-                "tokens": list(self.tokens),
-                "pending": dict(self.pending), "landed": {i: v.clone() for i, v in self.landed.items()},
-                "arrived": {i: v.clone() for i, v in self.arrived.items()},
-                "syncs": self.syncs, "outer_residuals": self.wire.state_dict(),
+    def state_parts(self) -> dict[str, Part]:
+        """The engine's state (contract/parts.py): θ_global and the schedule's bookkeeping, alike on
+        every worker; the rest each worker's own: what it trained since a sync (steps, tokens), its
+        part of a reduction in flight (re-issued when loaded), its error-feedback residuals and its
+        --eager stand-in (a joiner starts with none of them: no Δ, no tokens, zero residual)."""
+        parts = {"globals": Part(lambda: [g.detach().clone() for g in self.globals], self._load_globals),
+                 "schedule": Part(self._schedule, self._load_schedule),
+                 **attributes(self, "since", "tokens", kind=LOCAL),
+                 "in_flight": Part(self._in_flight, self._load_in_flight, LOCAL),
+                 "outer_residuals": Part(self.wire.state_dict, self.wire.load_state_dict, LOCAL)}
+        if self.stand_in is not None:
+            parts["stand_in"] = Part(self.stand_in.state_dict, self.stand_in.load_state_dict, LOCAL)
+            parts["stand_in_outer"] = optimizer_part(self.stand_in.outer, LOCAL)  # the offsets' momentum
+        return parts
+
+    def _load_globals(self, saved: list[torch.Tensor]) -> None:
+        for g, value in zip(self.globals, saved, strict=True):
+            g.data.copy_(value)
+
+    def _schedule(self) -> dict:
+        return {"pending": dict(self.pending), "landed": {i: v.clone() for i, v in self.landed.items()},
+                "arrived": {i: v.clone() for i, v in self.arrived.items()}, "syncs": self.syncs,
                 **(self.clock.state_dict() if self.clock is not None else {})}
 
-    def load_state_dict(self, sd: dict) -> None:
-        for g, saved in zip(self.globals, sd["globals"], strict=True):
-            g.data.copy_(saved)
-        self.since, self.pending, self.syncs = list(sd["since"]), dict(sd["pending"]), sd["syncs"]
-        self.tokens = list(sd.get("tokens", [0] * len(self.since)))  # a checkpoint from before tokens were kept
+    def _load_schedule(self, sd: dict) -> None:
+        self.pending, self.syncs = dict(sd["pending"]), sd["syncs"]
         self.landed = {i: v.clone() for i, v in sd["landed"].items()}
-        self.arrived = {i: v.clone() for i, v in sd.get("arrived", {}).items()}
+        self.arrived = {i: v.clone() for i, v in sd["arrived"].items()}
+        if self.clock is not None:
+            self.clock.load_state_dict(sd)
+
+    def _in_flight(self) -> dict:
+        """A reduction in flight as this rank's part of it (to re-issue when loaded)."""
+        sent = {i: t.sent.state() for i, t in self.in_flight.items()}
+        sent.update({i: out.state() for i, out in self.resend.items()})
+        return {i: {k: v.clone() for k, v in part.items()} for i, part in sent.items()}
+
+    def _load_in_flight(self, sent: dict) -> None:
         assert not self.in_flight, "load_state_dict() with an outer sync in flight"
         self.resend = {i: self.wire.resume({k: v.clone() for k, v in part.items()}, f"fragment{self.fragments[i][0]}",
                                            [p.numel() for p in self.fragments[i][1]])
-                       for i, part in sd.get("in_flight", {}).items()}
-        if self.stand_in is not None:
-            self.stand_in.load_state_dict(sd["stand_in"])
-        self.wire.load_state_dict(sd.get("outer_residuals", {}))
-        if self.clock is not None:
-            self.clock.load_state_dict(sd)
+                       for i, part in sent.items()}
 
     def release(self) -> None:
         """Never leave a collective unwaited. After a failed collective (a member lost, --elastic

@@ -41,7 +41,9 @@ from ..comm import Comm
 from ..contract.context import all_finite, fill_nan_if_nonfinite
 from .flat import FlatModel, ShardedStrategy, ShardOptimizer, flat_bytes
 from .inside import replica_sum
+from ..contract.parts import LOCAL, Part, attributes
 from ..contract.plan import PlannedOp
+from .flat_reshard import Repadded
 
 
 class Background:
@@ -142,13 +144,9 @@ class OverlappedRounds:
         """Model parameters <- the parameters the round gathered into B."""
         self.flat.params.copy_(self.buffer)
 
-    def state(self) -> dict:
+    def saved_buffer(self) -> torch.Tensor:
         assert not self.engine.pending, "state taken while a round is in flight"
-        return {"buffer": self.buffer.clone(), "buffer_count": self.buffer_count}
-
-    def load_state(self, sd: dict) -> None:
-        self.buffer.copy_(sd["buffer"])
-        self.buffer_count = sd["buffer_count"]
+        return self.buffer.clone()
 
     # -- communication-thread side -------------------------------------------
     def _round(self, count: int, computing: int, estimate: bool) -> tuple[int, bool]:
@@ -270,12 +268,22 @@ class OverlappedStrategy(ShardedStrategy):
     def loss_scale(self) -> float:
         return 1.0
 
-    def extra_state(self) -> dict:
-        return {**super().extra_state(), **self.rounds.state()}
+    def state_parts(self):
+        """ZeRO-1's, and the round buffer B with the micro-batches it holds: this worker's own (a
+        joiner's holds none, see launch), in its world's padding (re-padded for another membership)."""
+        return {**super().state_parts(),
+                "buffer": Part(self.rounds.saved_buffer, self.rounds.buffer.copy_, LOCAL,
+                               layout=Repadded(self.rounds.buffer)),
+                **attributes(self.rounds, "buffer_count", kind=LOCAL)}
 
-    def load_extra_state(self, sd: dict) -> None:
-        super().load_extra_state(sd)
-        self.rounds.load_state(sd)
+    def extra_memory_bytes(self) -> int:
+        """Bytes held beyond ZeRO-1, measured on the live tensors: the communication buffer B, the
+        separate fp32 master shard (ZeRO-1 aliases it to the fp32 parameters) and the peak
+        estimate-round snapshot (acco's)."""
+        b, m = self.rounds.buffer, self.shard_opt.master
+        zero1_aliases = self.flat.params.dtype == m.dtype
+        return (b.numel() * b.element_size() + (m.numel() * m.element_size() if zero1_aliases else 0)
+                + self.rounds.snapshot_bytes)
 
     def use_comm(self, comm: Comm) -> None:
         super().use_comm(comm)

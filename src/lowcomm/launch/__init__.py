@@ -3,5 +3,6 @@
 (resources.py), an elastic run's services (elastic.py) and `lowcomm join` (join.py; a replica:
 join_replica.py).
 
-Imports: train, elastic, plan, diagnose, metrics, checkpoint, config and the library. Never bench or cli.
+Imports: train, elastic, plan, diagnose, metrics, checkpoint, config, strategies, data, comm (the flight ring),
+storage, errors. Never bench or cli.
 """

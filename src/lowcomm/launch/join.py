@@ -30,7 +30,7 @@ from pathlib import Path
 from .. import config as C
 from . import rundir
 from ..errors import UsageError
-from ..checkpoint.storage import write_text_atomic
+from ..storage.files import write_text_atomic
 from ..elastic.membership import Membership
 from ..elastic.support import member_timeout
 

@@ -24,7 +24,7 @@ from ..comm.flight import ENV_DIR as FLIGHT_ENV_DIR
 from ..diagnose.stalls import StallWatch
 from ..config.nodes import default_replicas, under_torchrun
 from .resources import check_fits, device_type
-from ..checkpoint.storage import remove_partial, write_text_atomic
+from ..storage.files import remove_partial, write_text_atomic
 from ..elastic.support import check as check_elastic
 from ..strategies import available
 from .supervise import run_workers

@@ -21,7 +21,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from ..checkpoint.storage import check_writable
+from ..storage.files import check_writable
 from ..errors import UsageError
 
 STALE = ("steps.jsonl", "summary.json", "trace.json", "error.log", "restarts.jsonl")  # outputs a reused directory must not keep

@@ -2,5 +2,6 @@
 summary.json), totals (summary.py), levels (levels.py), the live view (progress.py),
 dashboards (scalars.py, tensorboard.py, wandb_log.py), and reading runs back (runs.py).
 
-Imports: config, checkpoint (storage) and the library.
+Imports: config, storage, strategies, engines, contract and models (a run's planned bytes beside
+its counted ones), comm, errors.
 """

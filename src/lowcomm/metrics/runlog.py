@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..comm import CommStats
-from ..checkpoint.storage import disk_full, write_text_atomic
+from ..storage.files import disk_full, write_text_atomic
 from ..contract.context import StepResult
 from .levels import LEVELS
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import RunError
-from ..checkpoint.storage import check_writable
+from ..storage.files import check_writable
 from .scalars import missing
 
 INSTALL = "pip install 'lowcomm[tensorboard]' (or: pip install tensorboard)"

@@ -9,6 +9,7 @@ import shutil
 import torch
 import torch.nn as nn
 
+from ..data.info import describe
 from ..errors import UsageError
 from .gpt import GPT
 from .hf import build_hf_causal_lm
@@ -37,6 +38,13 @@ def build_model(model_cfg, vocab_size: int, seed: int, device: torch.device) -> 
     if model_cfg.compile:
         compile_model(model, torch.device(device))
     return model
+
+
+def build_run_model(run, device: torch.device) -> torch.nn.Module:
+    """The model of a run's settings (config.RunConfig, read by attribute) at its data's vocabulary
+    (data.describe: byte text's 256, what token files declare, or --vocab-size), from its seed:
+    what every rank of a run builds, and the planner on the meta device."""
+    return build_model(run.model, describe(run.data.source, run.data.vocab_size).vocab_size, run.seed, device)
 
 
 def checkpoint_activations(model: nn.Module) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..storage.files import replace_directory
 from .gpt import GPT
 from .load import CONFIG, LOWCOMM_GPT, TIED, WEIGHTS
 
@@ -76,7 +77,7 @@ def save_model(model: nn.Module, state: dict[str, torch.Tensor], directory: Path
             else:
                 shutil.copyfile(content, tmp / name)
         _readable_as(tmp / CONFIG, tmp)
-        _replace(tmp, directory)
+        replace_directory(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -104,14 +105,3 @@ def _readable_as(reference: Path, directory: Path) -> None:
     mode = reference.stat().st_mode & 0o777
     for f in directory.iterdir():
         os.chmod(f, mode)
-
-
-def _replace(tmp: Path, directory: Path) -> None:
-    """`tmp` renamed to `directory`; an older `directory` (a run written over) removed after."""
-    old = None
-    if directory.exists():
-        old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-        os.replace(directory, old)
-    os.replace(tmp, directory)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

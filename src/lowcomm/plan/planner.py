@@ -35,6 +35,7 @@ import torch
 
 from ..comm.link import LinkModel
 from ..errors import UsageError
+from ..models.build import build_run_model
 from ..models.layout import ModelLayout, meta_layout
 from ..models.size import ASPECT, HEAD_DIM, MAX_LAYERS, MAX_PARAMS, WIDTH_STEP, dims_for
 from .levels import cluster_levels, inside_rate, replica_state_bytes
@@ -138,8 +139,7 @@ def model_params(cfg) -> int:
 
 
 def _built(cfg) -> ModelLayout:
-    from ..train.worker import build_model
-    return meta_layout(lambda: build_model(cfg, torch.device("meta")))
+    return meta_layout(lambda: build_run_model(cfg, torch.device("meta")))
 
 
 def _with(cfg, **model):

@@ -36,6 +36,7 @@ from ..contract.base import MakeOptimizer, Strategy
 from ..contract.context import Schedule, StepContext, StepResult, batch_tokens
 from ..engines.inside import make_inside
 from ..contract.options import build_options
+from ..contract.parts import load_parts, replicated_only, save_parts
 from ..strategies.registry import get, resolve
 from . import teardown
 from .precision import Precision, make_precision
@@ -299,14 +300,11 @@ class RunDriver:
             self._evaluating = False
 
     def state_dict(self) -> dict:
-        """Everything needed to continue bit-identically: parameters, optimizer state, step
-        count and the strategy's own buffers. Only between optimizer steps."""
+        """Everything needed to continue bit-identically: the step count, the strategy's state
+        parts as it declares them (contract/parts.py) and the loss scale. Only between optimizer steps."""
         self._check_safe_point("state_dict()")
         s = self.strategy
-        extra = s.extra_state()  # first: it may land a sync in flight, which moves an optimizer's state
-        return {"strategy": s.name, "steps_done": s.steps_done,
-                "model": {k: v.detach().clone() for k, v in s.model.state_dict().items()},
-                "optimizers": [opt.state_dict() for opt in s.optimizers()], "extra": extra,
+        return {"strategy": s.name, "steps_done": s.steps_done, "parts": save_parts(s.state_parts()),
                 "precision": self.precision.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
@@ -314,12 +312,11 @@ class RunDriver:
         s = self.strategy
         if sd.get("strategy") != s.name:
             raise UsageError(f"state of strategy '{sd.get('strategy')}' cannot be loaded into '{s.name}'")
+        if "parts" not in sd:
+            raise UsageError("this state was saved by an older lowcomm (no named state parts); it cannot be loaded")
         s.steps_done = sd["steps_done"]
-        s.model.load_state_dict(sd["model"])
-        for opt, osd in zip(s.optimizers(), sd["optimizers"], strict=True):
-            opt.load_state_dict(osd)
-        s.load_extra_state(sd["extra"])
-        self.precision.load_state_dict(sd.get("precision"))  # fp16's loss scale (absent from older states)
+        load_parts(s.state_parts(), sd["parts"])
+        self.precision.load_state_dict(sd.get("precision"))  # fp16's loss scale
 
     def use_comm(self, comm: Comm) -> None:
         """Replace the run's communication group between steps (a new membership): the one
@@ -390,8 +387,11 @@ class RunDriver:
 
     # -- what the trainer reads ---------------------------------------------------------------
     @property
-    def checkpoint_replicated(self) -> bool:
-        return self.strategy.checkpoint_replicated
+    def state_replicated(self) -> bool:
+        """Whether every rank holds the whole state alike (ddp's): a checkpoint stores it once and
+        loads it on any number of workers. Not where a rank runs on its part of the model (FSDP's
+        shards inside a replica)."""
+        return replicated_only(self.strategy.state_parts()) and not self.strategy.owns_part
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return self.strategy.optimizers()

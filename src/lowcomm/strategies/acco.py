@@ -16,23 +16,15 @@ so there is no stale-gradient bias, and communication hides behind compute.
 Start-up, as in the reference code: one micro-batch gradient at θ_0 fills G,
 B <- G, and the first round is an estimate round treating θ_0 as θ̃_0.
 
-A trainer step is one optimizer update: an estimate round then a real round, each
-computing half of the step's batch -- the paper splits each worker's mini-batch into
-these two stages, so an update sums as many sequences as a zero1 (or ddp) step of the
-same flags and --steps counts the same updates and tokens. The CLI's loader cuts each
---micro-batch in two (`micro_batch_parts`); a round computes at least `accum` of those
-halves. A user's own loop (wrap) feeds its micro-batches to the rounds as they come.
-Compute keeps accumulating while the round's communication is in flight, up
-to `max_accum` micro-batches a round, so faster workers contribute more; N is the
-all-reduced total. `deterministic=True` computes exactly `accum` per round.
-The schedule counts updates, as the reference code's LambdaLR does (it steps once per
-update): both rounds of step t use schedule(t). Adaptive rounds compute more than --accum
-while they wait, so an update may sum more than zero1's batch; indexed by tokens instead,
-the schedule would end early on a slow link (at half the run when rounds compute twice
---accum) and the rest would train at the final lr.
-Adaptive rounds mean equal backward() counts can end on different round counts: a
-rank that has closed serves its peers' further rounds with no new micro-batch until
-a round finds no rank computing (overlap.py), then the model gets the real θ.
+A trainer step is one optimizer update: an estimate round then a real round, each computing
+half of the step's batch, as the paper splits each worker's mini-batch (the CLI's loader cuts
+each --micro-batch in two: `micro_batch_parts`), so --steps counts zero1's updates and tokens.
+A round computes at least `accum` halves, and keeps computing while its communication is in
+flight, up to `max_accum` (faster workers contribute more; N is the all-reduced total);
+`deterministic=True` computes exactly `accum`. The schedule counts updates, as the reference
+code's LambdaLR does (docs/strategies.md says why not tokens). A rank that has closed serves
+its peers' further rounds until one finds no rank computing (overlap.py); then the model gets
+the real θ.
 """
 from __future__ import annotations
 
@@ -42,6 +34,7 @@ from dataclasses import dataclass
 from ..errors import UsageError
 from ..engines.flat import ShardedOptions
 from ..contract.options import option
+from ..contract.parts import LOCAL, attributes
 from ..engines.overlap import OverlappedStrategy
 from ..engines.costs_sharded import AccoCost, two_rounds
 from .registry import register
@@ -94,15 +87,11 @@ class ACCO(OverlappedStrategy):
     def comm_plan(cls, layout, world, options):
         return two_rounds(super().comm_plan(layout, world, options))
 
-    # --elastic (contract/elastic.py) -----------------------------------------------------------
-    # θ (or θ̃, all-gathered), the optimizer state, the master copy and the round bookkeeping are
-    # replicated (the sharded parts gathered whole and re-cut, as zero1's). The gradients G summed
-    # since the last round, and B with them, are this worker's own: a joiner holds none, so its first
-    # round votes no micro-batch (as a closed rank does; the round divides by the others' count) and
-    # it contributes from its next. Commit point: every step (no round is in flight between steps).
-    local_state = ("extra.grads", "extra.buffer", "extra.buffer_count", "extra.local_count")
-    flat_buffers = ("buffer",)  # one world's flat layout: re-padded for another membership
-    # ----------------------------------------------------------------------------------------------
+    def state_parts(self):
+        """ZeRO-1's and B (overlap.py), G's count this worker's own (a joiner's first round votes none,
+        as a closed rank's; it contributes from its next), the round bookkeeping replicated."""
+        return {**super().state_parts(), **attributes(self, "local_count", kind=LOCAL),
+                **attributes(self, "starting", "estimate_next", "holds_estimate", "round_micro", "real_rounds", "lr")}
 
     def begin_step(self, ctx):
         if self.starting:  # G must hold ∇θ_0 before the first round can start
@@ -202,28 +191,6 @@ class ACCO(OverlappedStrategy):
             yield self.model
         finally:
             self.flat.params.copy_(estimate)
-
-    def extra_state(self):
-        return {**super().extra_state(), "starting": self.starting,
-                "estimate_next": self.estimate_next, "holds_estimate": self.holds_estimate,
-                "local_count": self.local_count, "round_micro": self.round_micro,
-                "real_rounds": self.real_rounds, "lr": self.lr}
-
-    def load_extra_state(self, sd):
-        super().load_extra_state(sd)
-        for key in ("starting", "estimate_next", "holds_estimate", "local_count", "round_micro",
-                    "real_rounds", "lr"):
-            setattr(self, key, sd[key])
-
-    def extra_memory_bytes(self) -> int:
-        """Bytes ACCO holds beyond ZeRO-1, measured on the live tensors: the
-        communication buffer B, the separate fp32 master shard (ZeRO-1 aliases
-        it to the fp32 parameters) and the peak estimate-round snapshot."""
-        b = self.rounds.buffer
-        m = self.shard_opt.master
-        zero1_aliases = self.flat.params.dtype == m.dtype
-        return (b.numel() * b.element_size() + (m.numel() * m.element_size() if zero1_aliases else 0)
-                + self.rounds.snapshot_bytes)
 
     def report(self) -> dict:
         return {"rounds": 2 * self.real_rounds, "real_rounds": self.real_rounds,

@@ -73,7 +73,6 @@ class SingleProcess(nn.Module):
 @register("ddp")
 class DDP(Strategy):
     Options = DDPOptions
-    checkpoint_replicated = True  # parameters and optimizer state are the same on every rank
     inside_replica = ("ddp", "fsdp")  # across replica groups: HSDP's split by position (comm = cross); fsdp: hsdp.py
     owns_tensors = False  # splits each bucket by position instead (replica_hook)
     cost = BucketedAllReduce  # the buckets behind the last backward; across replica groups HSDP's split
@@ -130,9 +129,6 @@ class DDP(Strategy):
     @property
     def train_model(self):
         return self.ddp if self.ddp is not None else self.local_model
-
-    def optimizers(self):
-        return [self.optimizer]
 
     @classmethod
     def comm_plan(cls, layout, world, options):

@@ -40,7 +40,9 @@ from ..compress.dct_stacks import DCTStacks, encoders
 from ..errors import UsageError
 from ..contract.base import Strategy
 from ..contract.options import Options, option
+from ..contract.parts import LOCAL, Part, optimizer_part
 from ..contract.plan import PlannedOp
+from ..contract.replica import part_is_engines
 from ..engines.costs import DeMoCost
 from ..robust import GatheredUpdate, UnscoredRobustOptions
 from .registry import register
@@ -86,11 +88,10 @@ class DeMo(GatheredUpdate, Strategy):
     Options = DeMoOptions
     inside_replica = ("ddp", "fsdp")  # across replica groups: on the tensors each position owns (fsdp: its shards)
     cost = DeMoCost  # one all-gather after the step; no AdamW state
-    local_state = ("extra.dct_momenta",)  # --elastic: δ̂, this worker's own; a joiner's is zero (docstring)
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)
-        if self.part_is_engines:
+        if part_is_engines(self):
             check_rows_per_shard(self.replica_params, self.inside.comm.world)
         # The run's optimizer, built only to hold each param group's lr and weight decay (and
         # carry the schedule): it never steps and holds no state.
@@ -181,15 +182,14 @@ class DeMo(GatheredUpdate, Strategy):
         """δ in the parameters' domain (the inverse DCT of the δ̂ kept), one per parameter."""
         return [enc.decode(d) for enc, d in zip(self.encoders, self.deltas)]
 
-    def extra_state(self):
-        return {"dct_momenta": [d.clone() for d in self.deltas]}
+    def state_parts(self):
+        """θ and the settings (replicated); δ̂, this worker's own (a joiner's is zero: the docstring)."""
+        return {**super().state_parts(), "settings": optimizer_part(self.settings),
+                "dct_momenta": Part(lambda: [d.clone() for d in self.deltas], self._load_momenta, LOCAL)}
 
-    def load_extra_state(self, sd):
-        if "dct_momenta" not in sd:  # lowcomm before δ̂ saved δ under "deltas"
-            raise UsageError("demo: this checkpoint holds DeMo's momentum in the parameters' domain, "
-                             "from an older lowcomm; it cannot be resumed by this version")
-        for d, saved in zip(self.deltas, sd["dct_momenta"], strict=True):
-            d.copy_(saved)
+    def _load_momenta(self, saved: list) -> None:
+        for d, value in zip(self.deltas, saved, strict=True):
+            d.copy_(value)
 
     def report(self):
         return {"compress_s": self.compress_s, "compress_s_per_step": self.compress_s / max(self.steps_done, 1),

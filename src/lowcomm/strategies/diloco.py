@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..contract.base import Strategy
 from ..contract.context import all_finite
 from ..contract.options import option
+from ..contract.parts import LOCAL, Part, attributes, optimizer_part
 from ..engines.outer_contract import OuterSyncContract, OuterSyncCost
 from ..engines.outer_options import OuterSyncOptions
 from ..engines.outer_schedule import OuterSchedule
@@ -147,29 +148,27 @@ class DiLoCo(OuterSyncContract, Strategy):  # its plan, its price and --elastic'
         stand_in = self.sync.stand_in
         return [self.inner, self.outer] + ([stand_in.outer] if stand_in is not None else [])
 
-    def extra_state(self) -> dict:
-        if not self.options.outer_delay:
-            self._land()  # a sync in flight lands first: its outer step is part of the state
-        # --outer-delay 1: a mean in flight stays in flight, kept as this rank's part of it and
-        # re-issued when the state is loaded (on the group of the run that loads it)
-        return {**self.sync.state_dict(), "inner_steps": self.inner_steps, "last_loss": self.last_loss}
+    def state_parts(self):
+        """θ_global, the outer momentum and the syncs' schedule are replicated (--elastic's commit points
+        are the merges); the rest is the worker's own (engines/outer_contract.py), its local θ restarted
+        from θ_global on a joiner. A joiner's inner AdamW is its donor's, as torchft's DiLoCo heals the
+        inner optimizer: fresh, its first inner steps were sign steps (a full lr on every coordinate),
+        each joiner's first pseudo-gradient was inflated into the outer momentum, and a faulted
+        streaming_diloco run's training loss drifted above the fault-free run's join by join."""
+        model = super().state_parts()["model"]
+        # Saved first: a sync in flight lands (its outer step is part of the state); with --outer-delay 1
+        # it stays in flight, kept as this rank's part of it and re-issued when the state is loaded.
+        return {"landed": Part(self._land_unless_delayed, lambda _: None), **self.sync.state_parts(),
+                "model": replace(model, kind=LOCAL, joiner="peer", after_join=self.sync.restart_from_globals),
+                "inner": optimizer_part(self.inner, LOCAL, joiner="peer"), "outer": optimizer_part(self.outer),
+                **attributes(self, "inner_steps", "last_loss")}
 
-    def load_extra_state(self, sd: dict) -> None:
-        self.sync.load_state_dict(sd)
-        self.inner_steps, self.last_loss = sd["inner_steps"], sd["last_loss"]
+    def _land_unless_delayed(self) -> None:
+        if not self.options.outer_delay:
+            self._land()
 
     def report(self) -> dict:
         o = self.options
         return {**self.sync.report(self.steps_done), "inner_steps_rank0": self.inner_steps, "sync_every": o.sync_every,
                 "inner_steps_per_step_rank0": self.inner_steps / max(self.steps_done, 1), "sync_by": o.sync_by,
                 "outer_precision": o.outer_precision, "outer_compress": o.outer_compress}
-
-    # -- --elastic: commit points are the merges; θ_global, the outer momentum and the syncs'
-    # schedule are replicated, the rest the worker's own (engines/outer_contract.py) -------------
-    local_state = ("model", "optimizers.0.state", "optimizers.2.state", "extra.since", "extra.tokens",
-                   "extra.outer_residuals", "extra.in_flight", "extra.stand_in")
-    # A joiner's inner AdamW: its donor's moments, as torchft's DiLoCo heals the inner optimizer.
-    # Fresh, its first inner steps were sign steps (a full lr on every coordinate, several times a
-    # settled step): each joiner's first pseudo-gradient was inflated into the outer momentum, and
-    # a faulted streaming_diloco run's training loss drifted above the fault-free run's join by join.
-    from_donor = ("optimizers.0.state",)

@@ -23,6 +23,7 @@ from ..comm import CommStats
 from ..contract.context import StepContext
 from ..engines.flat import ShardedOptions
 from ..contract.options import option
+from ..contract.parts import attributes
 from ..engines.costs_sharded import DpuCost
 from ..engines.overlap import OverlappedStrategy
 from .registry import register
@@ -44,11 +45,6 @@ class DPU(OverlappedStrategy):
         super().__init__(*args, **kwargs)
         self.warmup_steps = self.options.warmup_steps
         self.updates = 0
-
-    # --elastic (the module docstring): B and what it counts are this worker's own
-    # (a joiner's B holds no micro-batch: its first delayed round votes none, overlap.py's launch)
-    local_state = ("extra.grads", "extra.buffer", "extra.buffer_count")
-    flat_buffers = ("buffer",)  # one world's flat layout: re-padded for another membership
 
     def begin_step(self, ctx):
         ctx.lr = self.set_lr(self.updates)
@@ -88,12 +84,9 @@ class DPU(OverlappedStrategy):
         self.update(ctx)
         return not self.rounds.ended
 
-    def extra_state(self):
-        return {**super().extra_state(), "updates": self.updates}
-
-    def load_extra_state(self, sd):
-        super().load_extra_state(sd)
-        self.updates = sd["updates"]
+    def state_parts(self):
+        """The engine's (the module docstring: B and what it counts are this worker's own), the updates."""
+        return {**super().state_parts(), **attributes(self, "updates")}
 
     def report(self) -> dict:
         return {"optimizer_steps": self.updates, "warmup_steps": self.warmup_steps}

@@ -30,9 +30,6 @@ class HSDP(Strategy):
     def comm_plan(cls, layout, world, options):
         return DDP.comm_plan(layout, world, options)  # the gradient (here: of a shard) all-reduced, fp32
 
-    def optimizers(self):
-        return [self.optimizer]
-
     def update(self, ctx):
         self.reduce_inside()  # this rank's shard of the replica's mean gradient
         grads = [p.grad for p in self.params]

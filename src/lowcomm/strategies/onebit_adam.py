@@ -10,7 +10,7 @@ Algorithm 1, with every byte through Comm:
 Why v is frozen: sign-compressed gradients fed to Adam corrupt v (error feedback keeps the
 *sum* of what is sent right, not the sum of squares); measured here, 1-bit gradients into AdamW
 gained nothing from error feedback. With v frozen the update is linear in m, so error feedback
-on m is sound. The compressed mean is comm.compressed.CompressedAllReduce (quantized sends
+on m is sound. The compressed mean is engines/compressed.py's CompressedAllReduce (quantized sends
 gradients through the same engine); Adam's frozen-v step is lowcomm.engines.optim.FrozenAdam, which
 keeps m and t in the run's optimizer's state (and so in its checkpoint) and honours each param
 group's lr, betas, eps and weight decay.
@@ -32,12 +32,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.compressed import compressed_allreduce, payload_bytes
+from ..engines.compressed import compressed_allreduce, payload_bytes
 from ..errors import UsageError
 from ..engines.optim import FrozenAdam
 from ..contract.base import Strategy
 from ..contract.options import Options, option
+from ..contract.parts import LOCAL, Part, attributes
 from ..contract.plan import PlannedOp
+from ..contract.replica import splitting_inside
 from ..engines.costs import OneBitAdamCost
 from .registry import register
 
@@ -89,17 +91,16 @@ class OneBitAdam(Strategy):
     # A warm-up that needs no run length (the contract tests build runs without total_steps)
     # and ends early enough that their few steps cross the freeze.
     reproducible_options = {"freeze_variance_after": 2}
-    # across replica groups: each position's blocks (comm.compressed.SplitByPosition); fsdp: its shards' blocks
+    # across replica groups: each position's blocks (engines/compressed.py's SplitByPosition); fsdp: its shards' blocks
     inside_replica = ("ddp", "fsdp")
     owns_tensors = False
-    local_state = ("extra.residuals",)  # --elastic: the error feedback, this rank's own; a joiner's is zero
     cost = OneBitAdamCost  # exact warm-up, then the compressed pair after the step; split by position across
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         super().__init__(model, comm, make_optimizer, *args, **kwargs)
         self.optimizer = make_optimizer(self.params)
         self.adam = FrozenAdam(self.optimizer, self.params)
-        self.allreduce = compressed_allreduce(comm, self.splitting_inside, self.params, BITS,
+        self.allreduce = compressed_allreduce(comm, splitting_inside(self), self.params, BITS,
                                               self.options.block_size, self.options.error_feedback)
         self.warmup: int | None = None  # T0, known once the run's length is (first step)
 
@@ -109,9 +110,6 @@ class OneBitAdam(Strategy):
         return [PlannedOp("all_to_all", total, what="1-bit momentum shards (worker -> owner)"),
                 PlannedOp("all_gather", total, what="1-bit summed shards (owner -> all)"),
                 PlannedOp("all_reduce", 4 * layout.numel, what="fp32 gradient (1-bit Adam's warm-up)")]
-
-    def optimizers(self):
-        return [self.optimizer]
 
     def use_comm(self, comm):
         self.comm = self.allreduce.comm = comm
@@ -155,13 +153,11 @@ class OneBitAdam(Strategy):
         for p, m, denominator in zip(self.params, self.allreduce.views(mean), adam.denominators()):
             adam.apply(p, m, denominator)
 
-    def extra_state(self):
-        return {"residuals": self.allreduce.state_dict(), "warmup": self.warmup, "adam": self.adam.state_dict()}
-
-    def load_extra_state(self, sd):
-        self.allreduce.load_state_dict(sd["residuals"])
-        self.warmup = sd["warmup"]  # fixed for the run: a resume with another --steps keeps it
-        self.adam.load_state_dict(sd["adam"])
+    def state_parts(self):
+        """θ, Adam (replicated); the error feedback, this rank's own (a joiner's is zero); the warm-up's
+        length, fixed for the run (a resume with another --steps keeps it)."""
+        return {**super().state_parts(), "residuals": Part(self.allreduce.state_dict, self.allreduce.load_state_dict, LOCAL),
+                **attributes(self, "warmup"), "adam": Part(self.adam.state_dict, self.adam.load_state_dict)}
 
     def report(self):
         return {**self.allreduce.report(self.steps_done), "exact_warmup_steps": self.warmup}

@@ -14,7 +14,7 @@ first `start` steps all-reduce plain gradients. Bytes per step: 4·P before, the
 It is ddp with another `comm_hook`: torch's hook runs unchanged, with its all-reduces through
 Comm (comm.torch_hooks), buckets reduced one after another (BucketChain: several DDP
 buckets, --bucket-mb, otherwise issued their collectives in an order that differed between
-ranks), and its state kept per parameter (comm.powersgd_state), so that a resumed run
+ranks), and its state kept per parameter (engines/powersgd_state.py), so that a resumed run
 continues bit-identically although its fresh DDP lays buckets out anew.
 
 Across replica groups (--replicas), and in a process without a group, there is no DDP
@@ -42,13 +42,14 @@ from dataclasses import dataclass
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as _default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 
-from ..comm.powersgd_state import (MIN_COMPRESSION_RATE, HookStateLayout, compresses, hook_state_dict,
+from ..engines.powersgd_state import (MIN_COMPRESSION_RATE, HookStateLayout, compresses, hook_state_dict,
                                    load_hook_state, matrix_shape)
 from ..comm.torch_hooks import BucketChain, CountedGroup, route_collectives
 from ..errors import UsageError
 from ..contract.base import Strategy
 from .ddp import DDP, DDPOptions
 from ..contract.options import option
+from ..contract.parts import LOCAL, REPLICATED, Part
 from ..contract.plan import PlannedOp
 from ..engines.costs import PowerSGDCost
 from .registry import register
@@ -82,11 +83,9 @@ def powersgd_sizes(shapes, rank: int) -> tuple[int, int, int]:
 @register("powersgd")
 class PowerSGD(DDP):
     Options = PowerSGDOptions
-    checkpoint_replicated = False  # the hook's error feedback differs per rank
     inside_replica = ("ddp",)  # across replica groups: on the tensors each position owns, without DDP
     owns_tensors = True
     cost = PowerSGDCost  # plain until `start`, then P and Q, all exposed; across replicas the owned tensors'
-    local_state = ("extra.powersgd.error_dict",)  # --elastic: the error feedback; a joiner's is zero
 
     def __init__(self, model, comm, make_optimizer, *args, **kwargs):
         Strategy.__init__(self, model, comm, make_optimizer, *args, **kwargs)
@@ -128,14 +127,14 @@ class PowerSGD(DDP):
         return [PlannedOp("all_reduce", 4 * num_params, what="gradients before PowerSGD starts")] + \
             [op for op in after if op.nbytes > 0]
 
-    def extra_state(self):
-        """torch's hook state (step count, error feedback, warm-started P/Q, its RNG), and
-        which parameters each bucket's part of it is laid out in."""
-        return {"powersgd": hook_state_dict(self.psgd), "layout": self.layout.state_dict()}
-
-    def load_extra_state(self, sd):
-        load_hook_state(self.psgd, sd["powersgd"])
-        self.layout.load_state_dict(sd["layout"])
+    def state_parts(self):
+        """θ and the optimizer (ddp's); torch's hook state (step count, warm-started P/Q, its RNG) and
+        which parameters each bucket's part of it is laid out in; the hook's error feedback, which
+        differs per rank (a joiner's is zero)."""
+        def hook(error_feedback: bool, kind: str) -> Part:
+            return Part(lambda: hook_state_dict(self.psgd, error_feedback), lambda sd: load_hook_state(self.psgd, sd), kind)
+        return {**super().state_parts(), "powersgd": hook(False, REPLICATED), "error_feedback": hook(True, LOCAL),
+                "layout": Part(self.layout.state_dict, self.layout.load_state_dict)}
 
     def update(self, ctx):
         super().update(ctx)

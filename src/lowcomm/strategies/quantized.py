@@ -4,7 +4,7 @@
     g  <- compressed mean of every rank's g       two stages, error feedback at each (below)
     θ  <- opt(θ; g)                               replicated optimizer, like DDP
 
-The compressed mean is 1-bit Adam's two-stage all-reduce (comm.compressed.CompressedAllReduce):
+The compressed mean is 1-bit Adam's two-stage all-reduce (engines/compressed.py's CompressedAllReduce):
 each rank quantizes its W shards (adding its residual), an all_to_all hands shard r to rank r,
 which sums it in fp32 and quantizes it again (adding its own residual), and an all_gather
 gives every rank the same mean. Q is int8 / int4 with a per-block absmax scale or 1-bit sign
@@ -28,14 +28,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, fields
 
-from ..comm.compressed import compressed_allreduce, payload_bytes
+from ..engines.compressed import compressed_allreduce, payload_bytes
 from ..compress import quantizer_for_bits
 from ..errors import UsageError
 from ..contract.base import Strategy
 from .onebit_adam import OneBitAdamOptions
 from ..engines.costs import CompressedAllReduce
 from ..contract.plan import PlannedOp
+from ..contract.replica import splitting_inside
 from ..contract.options import option
+from ..contract.parts import LOCAL, Part
 from .registry import register
 
 
@@ -59,10 +61,9 @@ class QuantizedOptions(OneBitAdamOptions):
 @register("quantized")
 class Quantized(Strategy):
     Options = QuantizedOptions
-    # across replica groups: each position's blocks (comm.compressed.SplitByPosition); fsdp: its shards' blocks
+    # across replica groups: each position's blocks (engines/compressed.py's SplitByPosition); fsdp: its shards' blocks
     inside_replica = ("ddp", "fsdp")
     owns_tensors = False
-    local_state = ("extra.residuals",)  # --elastic: the error feedback, this rank's own; a joiner's is zero
     cost = CompressedAllReduce  # after the step; across replica groups each position's piece
 
     @classmethod
@@ -82,7 +83,7 @@ class Quantized(Strategy):
             raise UsageError("quantized with bits=1 and freeze_variance_after -1 or > 0 is 1-bit Adam: "
                              "use strategy 'onebit_adam' (freeze_variance_after=0 sends 1-bit gradients)")
         self.optimizer = make_optimizer(self.params)
-        self.allreduce = compressed_allreduce(comm, self.splitting_inside, self.params, self.options.bits,
+        self.allreduce = compressed_allreduce(comm, splitting_inside(self), self.params, self.options.bits,
                                               self.options.block_size, self.options.error_feedback)
 
     @classmethod
@@ -91,9 +92,6 @@ class Quantized(Strategy):
         name = quantizer_for_bits(options.bits, options.block_size).name
         return [PlannedOp("all_to_all", total, what=f"{name} gradient shards (worker -> owner)"),
                 PlannedOp("all_gather", total, what=f"{name} summed shards (owner -> all)")]
-
-    def optimizers(self):
-        return [self.optimizer]
 
     def use_comm(self, comm):
         self.comm = self.allreduce.comm = comm
@@ -109,11 +107,9 @@ class Quantized(Strategy):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def extra_state(self):
-        return {"residuals": self.allreduce.state_dict()}
-
-    def load_extra_state(self, sd):
-        self.allreduce.load_state_dict(sd["residuals"])
+    def state_parts(self):
+        """θ, the optimizer (replicated), the error feedback (this rank's own; a joiner's is zero)."""
+        return {**super().state_parts(), "residuals": Part(self.allreduce.state_dict, self.allreduce.load_state_dict, LOCAL)}
 
     def report(self):
         return self.allreduce.report(self.steps_done)

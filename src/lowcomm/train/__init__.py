@@ -5,6 +5,7 @@ is assembled, one build_trainer for both (assemble.py); what the loop routes eac
 (outputs.py), its optimizer and schedule from the config (optim.py), its run end, one for both
 (run_end.py), test-only fault hooks (faults.py: the run's and an elastic member's).
 
-Imports: run and the library below it, config, checkpoint, metrics, diagnose, elastic.
+Imports: run, engines, contract, comm, models, data, storage, errors, config, checkpoint, metrics, diagnose,
+elastic.
 Never launch, plan, bench or cli.
 """

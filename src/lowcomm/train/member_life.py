@@ -17,6 +17,8 @@ from . import run_end
 from ..comm.flight import FlightRecorder
 from ..comm.groups import ReplicaLayout
 from ..comm.objects import all_gather_object
+from ..contract.parts import replicated_tensors
+from ..contract.replica import model_reusable
 from ..data import load_tokens
 from ..diagnose.trace import Tracer
 from ..elastic import support, transfer
@@ -27,7 +29,8 @@ from .loop import LoopResult, Progress
 from .member_data import loader_for, val_for
 from .outputs import StepOutputs
 from .rounds import RoundState
-from .worker import build_model, pick_device
+from ..models import build_run_model
+from .worker import pick_device
 
 
 class MemberLife:
@@ -38,7 +41,7 @@ class MemberLife:
         # torchrun its rank in the job), by which the test faults name it
         self.cfg, self.slot, self.m, self.out_dir, self.quiet = cfg, slot, membership, out_dir, quiet
         self.device = pick_device(cfg, "gloo", 0)
-        self.model = build_model(cfg, self.device)  # θ0 from the seed: alike on every worker, no collective
+        self.model = build_run_model(cfg, self.device)  # θ0 from the seed: alike on every worker, no collective
         self.model_reusable = True  # False once a run reshaped the model for its group (fsdp inside)
         data = load_tokens(cfg.data.source, cfg.data.val_fraction, cfg.data.vocab_size, quiet=True)
         self.train_tokens, self.val_tokens, self.source = data.train, data.val, data.label
@@ -70,7 +73,7 @@ class MemberLife:
         cfg = self.cfg
         if not self.model_reusable:  # θ0 again (the RNG left as it was): the state is loaded next
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                self.model = build_model(cfg, self.device)
+                self.model = build_run_model(cfg, self.device)
         seat = Seat(view.rank, ReplicaLayout(view.world, view.world // view.size()), view.slots[view.rank])
         draws = self.snapshot["draws"] if self.snapshot else 0
         self.t = build_trainer(cfg, seat, self.device, "gloo", lambda: self.model,
@@ -79,7 +82,7 @@ class MemberLife:
                                self.flight, self.tracer, member_timeout=support.member_timeout(cfg),
                                options=support.strategy_options(cfg), fault_rank=self.slot)
         support.configure(self.t.run, cfg)
-        self.model_reusable = self.t.run.strategy.model_reusable
+        self.model_reusable = model_reusable(self.t.run.strategy)
         self.view = view
 
     def restart_data(self, draws: int) -> None:
@@ -88,7 +91,7 @@ class MemberLife:
 
     def hash_of(self, snapshot: dict) -> str:
         """The hash of a snapshot's replicated state (membership.jsonl's state_sha256)."""
-        return transfer.state_hash(self.t.run.strategy.replicated_state(snapshot["strategy"]))
+        return transfer.state_hash(replicated_tensors(self.t.run.strategy.state_parts(), snapshot["strategy"]))
 
     def _log_file(self) -> str | None:
         """This member's steps.jsonl, named across hosts. Under torchrun each job has its own --out,

@@ -1,5 +1,5 @@
 """The local-SGD family under --elastic: a failed outer sync costs that sync, not the round before
-it (for strategies that declare `redoes_last_step`, contract/elastic.py).
+it (for strategies whose rules say `redoes_last_step`, contract/elastic.py).
 
 A local-SGD member trains H inner steps alone between outer syncs, so a peer's death or freeze is
 found only when the members reach the sync. Going back to the last commit would throw away every
@@ -19,13 +19,14 @@ and the sync's `outer.tokens_per_member` in steps.jsonl shows the tokens that di
 from __future__ import annotations
 
 from ..comm.objects import all_gather_object
+from ..contract.parts import commit_state
 from ..metrics.runlog import absent_vector
 
 
 def snapshot_of(run) -> dict:
     """The run's state as a member of any later membership can load it (collective where the
-    strategy's state is sharded: contract/elastic.py's commit_state)."""
-    return run.strategy.commit_state(run.state_dict())
+    strategy's state is sharded: contract/parts.py's commit_state)."""
+    return commit_state(run.strategy.state_parts(), run.state_dict())
 
 
 class RoundState:

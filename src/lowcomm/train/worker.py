@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -15,16 +17,16 @@ from .. import config as C
 from . import run_end
 from ..comm import Comm
 from ..comm.groups import ReplicaLayout
-from ..data import describe, load_tokens, val_batches
+from ..data import load_tokens, val_batches
 from ..errors import RunError
-from ..checkpoint.storage import disk_full, first_failure
+from ..storage.files import disk_full, first_failure
 from .outputs import StepOutputs
 from ..comm.flight import FlightRecorder
 from ..diagnose.trace import Tracer
 from .member_data import plain_loader
-from .. import models
+from ..models import build_run_model
 from ..models.layout import meta_layout
-from ..config.nodes import check_numbering, under_torchrun
+from ..config.nodes import numbering_problem, under_torchrun
 from .assemble import Seat, Trainer, build_trainer
 from .loop import FixedMembers, LoopResult, Progress, evaluate, loop  # noqa: F401 (evaluate: callers import it here)
 
@@ -65,17 +67,26 @@ def verify_identical_params(model: torch.nn.Module, comm: Comm) -> None:
         raise RunError(f"initial parameters differ across ranks (checksums {every[:, 0].tolist()})")
 
 
-def build_model(cfg: C.RunConfig, device: torch.device) -> torch.nn.Module:
-    """The run's model (models/build.py) at its data's vocabulary (data.describe: byte text's 256,
-    what token files declare, or --vocab-size)."""
-    return models.build_model(cfg.model, describe(cfg.data.source, cfg.data.vocab_size).vocab_size, cfg.seed, device)
+def check_numbering(comm: Comm, layout: ReplicaLayout, by_node: bool, device: torch.device,
+                    env: Mapping[str, str] = os.environ) -> None:
+    """Collective over the world, before any replica group is formed: every rank must have
+    chosen the same replica count (a node with another --nproc-per-node would not), and with
+    one replica per node (`by_node`) each rank's replica and position must be its node
+    (GROUP_RANK) and local rank (config/nodes.py's numbering_problem). Raises RunError on every
+    rank alike, so none waits forever in a group the others never form."""
+    mine = torch.tensor([layout.replicas, int(env.get("GROUP_RANK", "-1")), int(env.get("LOCAL_RANK", "-1"))],
+                        dtype=torch.float64, device=device)
+    every = comm.meta_all_gather(mine).cpu().long().tolist()
+    problem = numbering_problem(layout, every, by_node)
+    if problem:
+        raise RunError(problem)
 
 
 def check_model(cfg: C.RunConfig) -> None:
     """Build the model on the meta device (no memory, no compute) so a bad architecture or
     dimensions, or a strategy option this model cannot honour, fail as a usage error before
     any worker starts or any file is written."""
-    layout = meta_layout(lambda: build_model(cfg, torch.device("meta")))
+    layout = meta_layout(lambda: build_run_model(cfg, torch.device("meta")))
     cfg.strategy_options().check_model(layout)
 
 
@@ -95,7 +106,7 @@ def build(cfg: C.RunConfig, rank: int, world: int, local_rank: int) -> Trainer:
         val = val_batches(tokens.val, rank, world, cfg.model.seq_len, cfg.micro_batch, cfg.eval_batches)
         return plain_loader(cfg, tokens.train, seat.layout, rank), val, tokens.label
     # the flight recorder always on (the last events, for a post-mortem)
-    return build_trainer(cfg, seat, device, backend, lambda: build_model(cfg, device), data, FlightRecorder.for_rank(rank),
+    return build_trainer(cfg, seat, device, backend, lambda: build_run_model(cfg, device), data, FlightRecorder.for_rank(rank),
                          Tracer(rank) if cfg.trace else None, check=verify_identical_params, before_groups=numbering,
                          mem_before=mem_before)
 

@@ -29,9 +29,11 @@ def compresses(n: int, m: int, rank: int) -> bool:
     return (n + m) * r * MIN_COMPRESSION_RATE < n * m
 
 
-def hook_state_dict(state) -> dict:
-    """A PowerSGDState's slots (step count, error feedback, P/Q, its RNG) without the process group."""
-    return {slot: _clone(getattr(state, slot)) for slot in state.__slots__ if slot != "process_group"}
+def hook_state_dict(state, error_feedback: bool = False) -> dict:
+    """A PowerSGDState's slots without the process group: its error feedback alone (`error_feedback`,
+    each rank's own), or the rest (step count, P/Q, its RNG)."""
+    return {slot: _clone(getattr(state, slot)) for slot in state.__slots__
+            if slot != "process_group" and (slot == "error_dict") == error_feedback}
 
 
 def load_hook_state(state, sd: dict) -> None:

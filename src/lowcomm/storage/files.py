@@ -1,4 +1,4 @@
-"""Writing the run's files when the disk may be full.
+"""Writing the run's files whole, when the disk may be full.
 
 A full disk (ENOSPC, or a quota: EDQUOT) must end a run with one line that says so and names
 the path, leave no partial file that keeps the disk full, and never leave a directory that
@@ -150,3 +150,16 @@ def _writable(path: Path) -> bool:
     except OSError:
         return False
     return True
+
+
+def replace_directory(tmp: Path, directory: Path) -> None:
+    """`tmp` (written beside `directory`, on the same file system) renamed to `directory`, so that a
+    reader sees the old directory or the new one, never half of either; an older `directory` (a run
+    or a prepared data set written over) moved aside first and removed after."""
+    old = None
+    if directory.exists():
+        old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
