@@ -27,8 +27,8 @@ from pathlib import Path
 from _runs import BenchRun, train
 
 RECIPE = ["--n-layer", "2", "--n-head", "2", "--d-model", "64", "--seq-len", "64", "--micro-batch", "8",
-          "--lr", "1e-3", "--warmup", "10", "--steps", "120", "--sync-every", "10", "--eval-every", "0",
-          "--eval-batches", "8"]
+          "--lr", "1e-3", "--warmup", "10", "--steps", "120", "--eval-every", "0", "--eval-batches", "8"]
+OUTER = ["--sync-every", "10"]  # the local-SGD family's period (demo has none: it syncs every step)
 ATTACKS = ["none", "sign-flip", "scale:100", "scale:-100", "noise:1", "zero", "copy", "stale:2", "alie:1"]
 DEFENCES = {  # column -> flags
     "mean": ["--aggregate", "mean"],
@@ -42,7 +42,8 @@ QUICK = dict(strategies=["diloco"], seeds=[0], attacks=["none", "sign-flip", "sc
 
 
 def run(out: Path, strategy: str, attack: str, defence: str, seed: int, workers: int, attackers: str):
-    flags = ["--strategy", strategy, "--workers", str(workers), "--seed", str(seed), *RECIPE, *DEFENCES[defence]]
+    flags = ["--strategy", strategy, "--workers", str(workers), "--seed", str(seed), *RECIPE,
+             *(OUTER if strategy != "demo" else []), *DEFENCES[defence]]
     if attack != "none":
         flags += ["--attack", attack, "--attackers", attackers]
     name = f"{strategy}-{attack.replace(':', '')}-{defence.replace(':', '').replace('+', '_')}-s{seed}"
