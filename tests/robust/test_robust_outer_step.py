@@ -8,6 +8,7 @@ The batches follow a pattern a tiny GPT learns in a few steps (each token the on
 plus 1, mod 64), so that a damaged outer step shows in the loss."""
 from __future__ import annotations
 
+import copy
 import hashlib
 
 import pytest
@@ -82,8 +83,32 @@ def _scenario(rank: int, name: str, seed: int) -> dict:
     return {"hashes": hashes, "bytes": counted, "loss": loss, "rounds": run.strategy.report().get("score_rounds")}
 
 
+def _resumed(rank: int) -> dict:
+    """A scored run with a stale:2 attacker, its state taken after step 7 (mid-period) and loaded
+    into a fresh run: both go on to step 12."""
+    runs, hashes = [], [[], []]
+    for _ in range(2):
+        torch.manual_seed(0)
+        runs.append(make_run("diloco", make_model(), lowcomm.Comm(), lambda p: torch.optim.AdamW(p, lr=1e-2),
+                             total_steps=STEPS, sync_every=3, score=True, attack="stale:2", attackers=ATTACKER))
+    for _ in range(7):
+        step = runs[0].steps_done
+        runs[0].step(lambda: batch(step, rank, 0), lowcomm.lm_loss)
+    runs[1].load_state_dict(copy.deepcopy(runs[0].state_dict()))  # a copy: the state holds live tensors
+    for _ in range(STEPS - 7):
+        for k, run in enumerate(runs):
+            step = run.steps_done
+            run.step(lambda: batch(step, rank, 0), lowcomm.lm_loss)
+            hashes[k].append(hashlib.sha1(torch.cat([g.detach().reshape(-1) for g in run.strategy.sync.globals])
+                                          .numpy().tobytes()).hexdigest())
+    for run in runs:
+        run.close()
+    return {"hashes": hashes, "rounds": [run.strategy.report()["score_rounds"] for run in runs]}
+
+
 def _all(rank: int, world: int) -> dict:
-    return {(name, seed): _scenario(rank, name, seed) for seed in SEEDS for name in SCENARIOS}
+    return {**{(name, seed): _scenario(rank, name, seed) for seed in SEEDS for name in SCENARIOS},
+            "resumed": _resumed(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +122,7 @@ def loss(ranks, name, seed) -> float:
 
 @pytest.mark.procs
 def test_every_worker_holds_the_same_global_model_at_every_step(ranks):
-    for key in ranks[0]:
+    for key in (k for k in ranks[0] if k != "resumed"):
         for r in (1, 2):  # the attacker too: it runs the protocol as the others do
             assert ranks[r][key]["hashes"] == ranks[0][key]["hashes"], f"{key}: rank {r} differs from rank 0"
         assert len(set(ranks[0][key]["hashes"])) >= STEPS // BASE["sync_every"], f"{key}: θ_global never moved"
@@ -179,3 +204,14 @@ def test_scoring_an_honest_run_leaves_nobody_out_and_keeps_its_loss(ranks, seed)
     honest = rounds(ranks, "score-clean", seed)
     assert len(honest) == STEPS // BASE["sync_every"] and not any(k["left_out"] or k["events"] for k in honest)
     assert abs(loss(ranks, "score-clean", seed) - loss(ranks, "clean", seed)) < 1e-3
+
+
+@pytest.mark.procs
+def test_a_scored_attacked_run_resumes_as_it_would_have_gone_on(ranks):
+    """The scoreboard, the held sequences and the attacker's replays are state: a run loaded from
+    a mid-period state scores, replays and moves as the uninterrupted one."""
+    for r in range(W):
+        resumed = ranks[r]["resumed"]
+        assert resumed["hashes"][1] == resumed["hashes"][0], f"rank {r}"
+        assert resumed["rounds"][1] == resumed["rounds"][0] and len(resumed["rounds"][0]) == 4
+        assert any("(stale)" in e for k in resumed["rounds"][0][2:] for e in k["events"])

@@ -34,6 +34,7 @@ from typing import Iterator
 
 import torch
 
+from ..contract.parts import LOCAL, Part
 from ..robust import attackers_of
 from .outer_options import OuterSyncOptions
 from .outer_scoring import OuterScoring
@@ -55,6 +56,17 @@ class OuterSchedule(OuterSync):
         self.scoring = OuterScoring(self, model, o.outer_lr, o.score_batches, o.score_patience) if o.score else None
         if self.scoring is not None:
             self.wire.admit = self.scoring.admit
+
+    def state_parts(self) -> dict[str, Part]:
+        """The engine's parts, and --score's scoreboard (alike on every worker) and held sequences
+        (each worker's own), and --attack's rounds and replays (the attacker's own), where they run."""
+        parts = super().state_parts()
+        if self.scoring is not None:
+            parts["scores"] = Part(self.scoring.board.state_dict, self.scoring.board.load_state_dict)
+            parts["held_sequences"] = Part(self.scoring.held.state_dict, self.scoring.held.load_state_dict, LOCAL)
+        if self.attackers is not None:
+            parts["attack"] = Part(self.attackers.state_dict, self.attackers.load_state_dict, LOCAL)
+        return parts
 
     def report(self, steps: int) -> dict:
         return {**super().report(steps), **(self.scoring.report() if self.scoring is not None else {})}

@@ -10,8 +10,8 @@ collective and in the same order everywhere): the round counter advances alike o
 and an attack that reads the other workers' Δ (copy, alie) learns them through one extra
 all-gather -- the emulation's oracle, a real attacker's eavesdropping, counted with the
 bookkeeping (`Comm.meta`), not with the strategy's bytes, as the protocol itself sends none
-of it. The round number and stale's history are not checkpointed: a resumed run's attacker
-starts its rounds again (its noise differs from the uninterrupted run's).
+of it. The rounds and stale's replays are the attacker's state (the engine's part "attack"):
+a resumed run attacks as the uninterrupted one.
 """
 from __future__ import annotations
 
@@ -64,6 +64,13 @@ class Attackers:
             history.append(sent.detach().clone())
             del history[:-self.attack.keeps]
         return sent
+
+    def state_dict(self) -> dict:
+        return {"rounds": dict(self.rounds), "history": {k: [t.clone() for t in v] for k, v in self.history.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.rounds = dict(sd["rounds"])
+        self.history = {k: [t.clone() for t in v] for k, v in sd["history"].items()}
 
     def report(self) -> dict:
         """summary.json's record of the emulated attack."""

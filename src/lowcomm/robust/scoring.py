@@ -58,6 +58,12 @@ class HeldBatch:
             self.last, self.ids = self.ids, None
         return self.last
 
+    def state_dict(self) -> dict:
+        return {"ids": self.ids, "last": self.last}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.ids, self.last = sd["ids"], sd["last"]
+
     def close(self) -> None:
         self.hook.remove()
 
@@ -125,3 +131,13 @@ class Scoreboard:
 
     def report(self) -> dict:
         return {"score_rounds": self.history}
+
+    def state_dict(self) -> dict:
+        return {"negative": list(self.negative), "positive": list(self.positive), "left_out": sorted(self.left_out),
+                "rounds": self.rounds, "history": [dict(h) for h in self.history],
+                "seen": [dict(s) for s in self.seen]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.negative, self.positive = list(sd["negative"]), list(sd["positive"])
+        self.left_out, self.rounds = set(sd["left_out"]), sd["rounds"]
+        self.history, self.seen = [dict(h) for h in sd["history"]], [dict(s) for s in sd["seen"]]
