@@ -20,7 +20,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "lowcomm"
 # The library: what a loop of your own (wrap, make_run) is built from, with storage/ (files written
 # whole) and lazy/ (names imported on first use) that every folder may use. It imports nothing above
 # it (megatron/core vs megatron/training): no config, cli, train, launch, ...
-LIBRARY = {"contract", "engines", "strategies", "comm", "compress", "models", "data", "run", "storage", "lazy"}
+LIBRARY = {"contract", "engines", "strategies", "comm", "compress", "models", "data", "run", "storage", "lazy",
+           "robust"}
 TOP = {"__init__.py", "__main__.py", "errors.py"}  # the face; every other module has a folder
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60

@@ -5,5 +5,5 @@ token_weights.py, eager.py), the engine inside a replica (inside.py, inside_fsdp
 optimizers (optim.py), the two-stage compressed all-reduce with its error feedback (compressed.py)
 and torch's PowerSGD hook state kept per parameter (powersgd_state.py).
 
-Imports: contract, comm, compress, models, errors. Never strategies/.
+Imports: contract, comm, compress, models, robust, errors. Never strategies/.
 """

@@ -58,7 +58,9 @@ class OuterSyncCost(Cost):
 
     @classmethod
     def plan_label(cls, strategy, options):
-        return f"{strategy.name} H={options.sync_every}" + outer_step_suffix(options.outer_delay, options.eager)
+        robust = f" {options.wire().aggregator.spec}" if options.robust_wire() else ""  # its all-gather, priced
+        suffix = outer_step_suffix(options.outer_delay, options.eager) + robust
+        return f"{strategy.name} H={options.sync_every}{suffix}"
 
 
 class OuterSyncRules(ElasticRules):

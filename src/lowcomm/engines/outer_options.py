@@ -34,6 +34,12 @@ class OuterSyncOptions(Options):
     outer_delay: int
     eager: bool
     outer_delay_warmup: int
+    aggregate: str  # robust/options.py's RobustOptions: how the outer step combines the workers' Δ_r
+    score: bool     # and whether it scores them first (--score)
+
+    def robust_wire(self) -> bool:
+        """Does the outer step aggregate every worker's Δ_r itself (not only their mean)?"""
+        return self.wire().gathers
 
     def check(self) -> None:
         self.wire().check()
@@ -49,6 +55,10 @@ class OuterSyncOptions(Options):
         if self.sync_by == "time" and self.outer_weights == "tokens":
             raise UsageError("--outer-weights tokens does not run with --sync-by time, whose FedNova averaging "
                              "already weights each worker by its inner steps")
+        if self.robust_wire() and (self.sync_by == "time" or self.outer_weights == "tokens"):
+            weighted = "--sync-by time" if self.sync_by == "time" else "--outer-weights tokens"
+            raise UsageError(f"--aggregate {self.aggregate}{' --score' * self.score} does not run with {weighted}: "
+                             f"a robust aggregate trusts every worker alike, it takes no weights")
 
     def check_run(self, cfg) -> None:
         if self.sync_by == "time" and (cfg.replicas or cfg.workers) < cfg.workers:
@@ -77,7 +87,8 @@ class OuterSyncOptions(Options):
                 f"momentum overshoots; PCCL's async DiLoCo runs it with --outer-momentum 0 (docs/strategies.md)")
 
     def wire(self) -> WireFormat:
-        return WireFormat(self.outer_precision, self.outer_compress, self.outer_ef_decay, self.outer_weights)
+        return WireFormat(self.outer_precision, self.outer_compress, self.outer_ef_decay, self.outer_weights,
+                          self.aggregate, self.score)
 
     def streaming(self) -> tuple[int, int, float]:
         """(fragments F, merge delay τ, merge weight α): one, none, θ_global (Streaming DiLoCo's vary)."""

@@ -34,7 +34,10 @@ from typing import Iterator
 
 import torch
 
+from ..contract.parts import LOCAL, Part
+from ..robust import attackers_of
 from .outer_options import OuterSyncOptions
+from .outer_scoring import OuterScoring
 from .outer_sync import OuterSync
 
 Means = Iterator[tuple[int, torch.Tensor]]  # (fragment i, the combined Δ of its sync)
@@ -44,11 +47,29 @@ class OuterSchedule(OuterSync):
     """The outer-sync engine with its schedule, built from the family's options `o`:
     `make_outer(params)` is the strategy's outer optimizer (--eager steps its stand-ins with one)."""
 
-    def __init__(self, params, layout, comm, o: OuterSyncOptions, make_outer):
+    def __init__(self, params, layout, comm, o: OuterSyncOptions, make_outer, model=None):
         fragments, delay, self.alpha = o.streaming()
         super().__init__(params, layout.fragments(fragments), comm, o.sync_every, o.wire(),
-                         timed=o.sync_by == "time", delay=delay, eager_outer=make_outer if o.eager else None)
+                         timed=o.sync_by == "time", delay=delay, eager_outer=make_outer if o.eager else None,
+                         attackers=attackers_of(o))
         self.options = o
+        self.scoring = OuterScoring(self, model, o.outer_lr, o.score_batches, o.score_patience) if o.score else None
+        if self.scoring is not None:
+            self.wire.admit = self.scoring.admit
+
+    def state_parts(self) -> dict[str, Part]:
+        """The engine's parts, and --score's scoreboard (alike on every worker) and held sequences
+        (each worker's own), and --attack's rounds and replays (the attacker's own), where they run."""
+        parts = super().state_parts()
+        if self.scoring is not None:
+            parts["scores"] = Part(self.scoring.board.state_dict, self.scoring.board.load_state_dict)
+            parts["held_sequences"] = Part(self.scoring.held.state_dict, self.scoring.held.load_state_dict, LOCAL)
+        if self.attackers is not None:
+            parts["attack"] = Part(self.attackers.state_dict, self.attackers.load_state_dict, LOCAL)
+        return parts
+
+    def report(self, steps: int) -> dict:
+        return {**super().report(steps), **(self.scoring.report() if self.scoring is not None else {})}
 
     def means_at(self, t: int, t0: float, final: bool) -> Means:
         """The end of trainer step t (from 1, begun at perf_counter() t0; `final`: the run's last)."""

@@ -14,9 +14,11 @@ and the engine owns: the fragments (tensor groups of the model's layout, models/
 and their fp32 θ_global; the schedule (fragment f of F syncs at the trainer steps t with
 (t − ⌊f·H/F⌋) mod H = 0, t ≥ 1, so F syncs spread over each period H); the wire format
 and its error-feedback residuals; what is in flight, landed and pending; the step info
-the --sync-by time clock needs (sync_by_time.py); --eager's stand-in offsets (eager.py); the
-state to checkpoint, where a reduction still in flight is this rank's part of it, sent again
-(`reissue`) on the group of the run that loads it. The plan's price: outer_contract.py.
+the --sync-by time clock needs (sync_by_time.py); --eager's stand-in offsets (eager.py);
+--attack's emulated bad workers (robust/emulation.py: what an attacker hands the wire in place
+of its Δ_r); the state to checkpoint, where a reduction still in flight is this rank's part of
+it, sent again (`reissue`) on the group of the run that loads it. The plan's price:
+outer_contract.py.
 
 Why not overlap.py's Background engine: its job runs the collectives on a communication
 thread, and a job still in flight when the trainer step ends races the trainer's own
@@ -61,8 +63,9 @@ class OuterSync:
     empty ones never sync): Δ on the wire every `every` trainer steps, merged `delay` later."""
 
     def __init__(self, params: list[nn.Parameter], groups: list[list[int]], comm: Comm, every: int,
-                 fmt: WireFormat, timed: bool = False, delay: int = 0, eager_outer=None):
+                 fmt: WireFormat, timed: bool = False, delay: int = 0, eager_outer=None, attackers=None):
         self.comm, self.every, self.delay = comm, every, delay
+        self.attackers = attackers  # --attack: robust.Attackers, else None
         self.clock = SlotClock() if timed else None  # --sync-by time: the step info it needs rides along
         self.count = len(groups)  # F, empty fragments included: they keep their place in the schedule
         self.fragments = [(f, [params[j] for j in g]) for f, g in enumerate(groups) if g]
@@ -128,9 +131,12 @@ class OuterSync:
 
     def _issue(self, i: int, merge_at: int, c: float) -> torch.Tensor:
         f, ps = self.fragments[i]
-        delta = self.start(i) - flat_of(ps).float()
-        self.in_flight[i] = self.wire.issue(self.comm, f"fragment{f}", delta, self.since[i], c,
-                                            [p.numel() for p in ps], self.tokens[i])
+        delta, key, att = self.start(i) - flat_of(ps).float(), f"fragment{f}", self.attackers
+        sent = delta if att is None else att.values(self.comm, key, delta)  # --attack: what it hands the wire
+        out = self.wire.prepare(key, sent, self.since[i], c, [p.numel() for p in ps], self.tokens[i])
+        if att is not None:  # a replay (copy, stale) sends what the wire sent before
+            out.data = att.payload(self.comm, key, out.data)
+        self.in_flight[i] = self.wire.send(self.comm, out)
         self.since[i] = self.tokens[i] = 0
         self.pending[i] = merge_at
         return delta
@@ -225,7 +231,9 @@ class OuterSync:
         per_step = self.wire.compress_s / max(steps, 1)
         return {"outer_syncs": self.syncs, "bytes_per_sync_per_rank": max(self.bytes_per_sync()),
                 "compress_s": self.wire.compress_s, "compress_s_per_step": per_step,
-                "global_copy_bytes": sum(g.numel() * g.element_size() for g in self.globals)}
+                "global_copy_bytes": sum(g.numel() * g.element_size() for g in self.globals),
+                "aggregate": self.wire.aggregator.spec,
+                **(self.attackers.report() if self.attackers is not None else {})}
 
     def state_parts(self) -> dict[str, Part]:
         """The engine's state (contract/parts.py): θ_global and the schedule's bookkeeping, alike on

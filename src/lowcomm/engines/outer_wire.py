@@ -20,6 +20,11 @@ A compressor (int8/int4 or a SPEC) runs on each tensor of a fragment alone
 SparseLoCo's reference (per parameter), so a replica whose ranks own whole tensors sends
 exactly what one worker holding them all would.
 
+--aggregate other than mean (robust/aggregators.py) needs every rank's Δ_r, not their sum: an
+fp32/bf16 wire then all_gathers Δ_r in that precision ((W−1)·n·itemsize bytes per rank), a
+compressed one decodes each rank's payload alone, and every rank aggregates the rows in rank
+order (the same bits everywhere). A robust aggregate takes no weights (outer_options.py).
+
 w_r is 1/W, FedNova's weight under --sync-by time (sync_by_time.py), or with --outer-weights
 tokens each rank's share of the tokens trained since the last sync (token_weights.py). Collectives are
 issued asynchronously on the calling (compute) thread, so every rank issues them in the
@@ -36,6 +41,7 @@ from ..comm import Comm
 from ..compress import Compressor, ErrorFeedback, IntQuantizer, parse_spec, per_tensor
 from ..errors import UsageError
 from ..contract.plan import PlannedOp
+from ..robust import Aggregator, parse_aggregator
 from .sync_by_time import INFO_BYTES, fednova_factor, fednova_scale, fednova_weights, step_info
 from .token_weights import TOKEN_BYTES, token_weights
 
@@ -55,6 +61,17 @@ class WireFormat:
     compress: str = "none"
     ef_decay: float = 1.0
     weights: str = "equal"  # or "tokens": each Δ_r weighted by the tokens its rank trained (token_weights.py)
+    aggregate: str = "mean"  # or a robust aggregator over every rank's Δ_r (robust/aggregators.py)
+    scored: bool = False     # --score: every rank's Δ_r scored, and the aggregate over those admitted
+
+    @property
+    def gathers(self) -> bool:
+        """Does every rank receive every rank's Δ_r (a robust aggregate, or scoring)?"""
+        return self.aggregator.robust or self.scored
+
+    @property
+    def aggregator(self) -> Aggregator:
+        return parse_aggregator(self.aggregate)
 
     def check(self) -> None:
         if self.compress == "none":
@@ -84,6 +101,10 @@ class WireFormat:
             return [PlannedOp("all_gather", world * (comp.nbytes(numel) + INFO_BYTES), every, offset,
                               what=f"fragment {f}: {comp.name} outer gradient + step info, every rank's")]
         itemsize = torch.empty((), dtype=PRECISIONS[self.precision]).element_size()
+        if self.gathers:  # every rank's Δ_r, aggregated where it lands
+            return [PlannedOp("all_gather", world * numel * itemsize, every, offset,
+                              what=f"fragment {f}: {self.precision} outer gradient, every rank's "
+                                   f"({self.aggregator.spec})")]
         ops = [PlannedOp("all_reduce", numel * itemsize, every, offset,
                          what=f"fragment {f}: {self.precision} outer gradient")]
         if fednova:  # the τ_r travel beside the all-reduce
@@ -120,6 +141,7 @@ class Ticket:
     sizes: tuple[int, int] | None = None   # all-gather: (payload bytes, Δ's numel)
     compressor: Compressor | None = None   # all-gather: the fragment's compressor
     sent: Outgoing | None = None           # this rank's contribution (to send it again)
+    rows: tuple[int, ...] | None = None    # robust all-gather of Δ_r: the fragment's tensor sizes
 
 
 class OuterWire:
@@ -136,6 +158,8 @@ class OuterWire:
         self.compress_s = 0.0  # CPU time spent compressing and decoding outer gradients
         self.by_tokens = fmt.weights == "tokens"
         self.last_tokens: torch.Tensor | None = None  # --outer-weights tokens: every rank's, at the last sync
+        self.aggregator = fmt.aggregator
+        self.admit = None  # --score: (key, rows [W, n]) -> the rows the aggregate takes (bool [W])
 
     def issue(self, comm: Comm, key: str, delta: torch.Tensor, tau: int, c: float, sizes: list[int],
               tokens: int = 0) -> Ticket:
@@ -176,6 +200,11 @@ class OuterWire:
             handle = comm.all_gather(every, payload, async_op=True)
             return Ticket([handle], every, W, sizes=(out.data.numel(), sum(out.sizes)),
                           compressor=self._compressor(out.key, out.sizes), sent=out)
+        if self.fmt.gathers:  # every rank's Δ_r (no step info: a robust aggregate takes no weights)
+            mine = out.data.to(PRECISIONS[self.fmt.precision])
+            every = torch.empty(W * mine.numel(), dtype=mine.dtype, device=mine.device)
+            handle = comm.all_gather(every, mine, async_op=True)
+            return Ticket([handle], every, W, sent=out, rows=out.sizes)
         handles, infos = [], None
         if self.fednova:  # every rank sends Δ_r/τ_r, the τ_r travel beside it
             infos = torch.empty(W * 2, dtype=torch.float64)
@@ -197,6 +226,8 @@ class OuterWire:
             h.wait()
         if ticket.sizes is not None:
             return self._decode(ticket)
+        if ticket.rows is not None:  # gathered Δ_r, rank by rank
+            return self._aggregate(ticket.sent.key, ticket.buf.view(ticket.world, -1).float(), list(ticket.rows)), None
         total = ticket.buf.float()
         if ticket.infos is None:
             return total, None
@@ -215,9 +246,19 @@ class OuterWire:
         t0 = time.perf_counter()
         comp = ticket.compressor
         payloads = [comp.from_bytes(every[r, :nq], numel) for r in range(W)]
-        total = comp.combine(payloads, [float(w) for w in weights])
+        if self.fmt.gathers:  # each payload decoded alone; where top-k sent a value: its senders
+            total = self._aggregate(ticket.sent.key, *decoded_rows(comp, payloads))
+        else:
+            total = comp.combine(payloads, [float(w) for w in weights])
         self.compress_s += time.perf_counter() - t0
         return total, (infos if self.fednova else None)
+
+    def _aggregate(self, key: str, rows: torch.Tensor, sizes, support=None) -> torch.Tensor:
+        """The aggregate of the gathered rows (those --score admits)."""
+        if self.admit is not None:
+            keep = self.admit(key, rows)
+            rows, support = rows[keep], (support[keep] if support is not None else None)
+        return self.aggregator(rows, sizes, support)
 
     def state_dict(self) -> dict:
         return self.ef.state_dict() if self.ef else {}
@@ -225,3 +266,13 @@ class OuterWire:
     def load_state_dict(self, sd: dict) -> None:
         if self.ef is not None:
             self.ef.load_state_dict(sd)
+
+
+def decoded_rows(comp: Compressor, payloads: list) -> tuple[torch.Tensor, list[int] | None, torch.Tensor | None]:
+    """Every rank's payload decoded alone: (rows [W, n], the tensor sizes, which values each sent
+    [W, n] or None where every payload carries every value)."""
+    rows = torch.stack([comp.decompress(p).reshape(-1) for p in payloads])
+    masks = [comp.support(p) for p in payloads]
+    support = None if all(m is None for m in masks) else \
+        torch.stack([torch.ones_like(rows[0]) if m is None else m.reshape(-1).to(rows.dtype) for m in masks])
+    return rows, getattr(comp, "sizes", None), support

@@ -2,7 +2,7 @@
 listed. hsdp.py is ddp's form with FSDP inside. The contract they implement is in contract/,
 what they are built from in engines/; the names below are re-exported for strategy authors.
 
-Imports: contract, engines, comm, compress, errors.
+Imports: contract, engines, comm, compress, robust, errors.
 """
 from ..contract.base import Strategy
 from ..contract.context import StepContext, StepResult

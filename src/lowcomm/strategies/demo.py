@@ -44,11 +44,12 @@ from ..contract.parts import LOCAL, Part, optimizer_part
 from ..contract.plan import PlannedOp
 from ..contract.replica import part_is_engines
 from ..engines.costs import DeMoCost
+from ..robust import GatheredUpdate, UnscoredRobustOptions
 from .registry import register
 
 
 @dataclass
-class DeMoOptions(Options):
+class DeMoOptions(UnscoredRobustOptions, Options):  # --attack, --aggregate (robust/gathered.py)
     beta: float = option(0.999, "DeMo momentum decay β (0 <= β < 1)", flag="--demo-beta", min=0.0)
     chunk: int = option(64, "DCT chunk length per dimension (largest divisor not above it)",
                         flag="--demo-chunk", min=1)
@@ -59,6 +60,7 @@ class DeMoOptions(Options):
                                  flag="--demo-compact-index")
 
     def check(self):
+        super().check()
         if self.beta >= 1.0:
             raise UsageError(f"--demo-beta (demo.beta) must be below 1, got {self.beta}")
 
@@ -82,7 +84,7 @@ def check_rows_per_shard(params, K: int) -> None:
 
 
 @register("demo")
-class DeMo(Strategy):
+class DeMo(GatheredUpdate, Strategy):
     Options = DeMoOptions
     inside_replica = ("ddp", "fsdp")  # across replica groups: on the tensors each position owns (fsdp: its shards)
     cost = DeMoCost  # one all-gather after the step; no AdamW state
@@ -131,7 +133,7 @@ class DeMo(Strategy):
         grads = [s.stack([self.params[m].grad for m in s.members]) for s in self.dct.stacks]
         ctx.poison_nonfinite(*(g for g in grads if g is not None))  # what is sent, not p.grad
         staged, sent = [], []
-        for s, delta, g in zip(self.dct.stacks, self._stacks, grads):
+        for j, (s, delta, g) in enumerate(zip(self.dct.stacks, self._stacks, grads)):
             new = delta.mul(self.options.beta)
             if g is not None:
                 new.add_(s.enc.encode(g), alpha=self._hyper(s.members[0])[0])
@@ -140,14 +142,14 @@ class DeMo(Strategy):
             # the rounding / sign error stays for bf16 / sign. No inverse DCT needed here.
             new.scatter_(-1, top, val - s.enc.unpack(*s.enc.pack(top, val))[1])
             staged.append(new)
-            sent.append((top, val))
-        mine = self.dct.pack(sent)
+            sent.append((top, self.attacked_values(f"stack{j}", val)))  # --attack: on the values it sends
+        mine = self.attacked_payload(self.dct.pack(sent))
         gathered = torch.empty(self.comm.world * mine.numel(), dtype=torch.uint8, device=mine.device)
         self.compress_s += time.perf_counter() - t0
         self.comm.all_gather(gathered, mine)
 
         t0 = time.perf_counter()
-        qs = self.dct.decode(gathered.view(self.comm.world, -1))
+        qs = self.combined(self.dct.decode, gathered.view(self.comm.world, -1))  # --aggregate
         if ctx.received_finite(*qs):
             self._apply_signs(qs)
             self._stacks[:] = staged
@@ -191,4 +193,4 @@ class DeMo(Strategy):
 
     def report(self):
         return {"compress_s": self.compress_s, "compress_s_per_step": self.compress_s / max(self.steps_done, 1),
-                "sent_bytes_per_worker_per_step": self.dct.nbytes()}
+                "sent_bytes_per_worker_per_step": self.dct.nbytes(), **self.untrusted_report()}

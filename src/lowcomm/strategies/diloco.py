@@ -32,11 +32,12 @@ from ..engines.outer_options import OuterSyncOptions
 from ..engines.outer_schedule import OuterSchedule
 from ..engines.outer_wire import PRECISIONS
 from ..engines.token_weights import WEIGHTS
+from ..robust import RobustOptions
 from .registry import register
 
 
 @dataclass
-class DiLoCoOptions(OuterSyncOptions):
+class DiLoCoOptions(RobustOptions, OuterSyncOptions):
     """The local-SGD family's options (Streaming DiLoCo and SparseLoCo share the flags); the
     rules between them are the engine's (engines/outer_options.py)."""
     sync_every: int = option(32, "inner steps (trainer steps) between outer syncs, H", min=1)
@@ -72,7 +73,7 @@ class DiLoCo(OuterSyncContract, Strategy):  # its plan, its price and --elastic'
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.inner = self.make_optimizer(self.params)
-        self.sync = OuterSchedule(self.params, self.layout, self.comm, self.options, self._outer_sgd)
+        self.sync = OuterSchedule(self.params, self.layout, self.comm, self.options, self._outer_sgd, self.model)
         self.outer = self._outer_sgd(self.sync.globals)
         self.inner_steps, self.last_loss = 0, float("nan")
 

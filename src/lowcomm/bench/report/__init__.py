@@ -12,6 +12,7 @@ from ...metrics.runs import Failed, RecordedRun, load_bench, load_entries, load_
 from .setup import describe, not_comparable
 from .slowed import causes, section
 from .table import default_target, markdown, row
+from .untrusted import section as untrusted_section
 
 __all__ = ["PLOTS", "Failed", "RecordedRun", "load_bench", "load_entries", "load_run", "write_report"]
 
@@ -31,7 +32,7 @@ def write_report(entries: list, out: Path, target_loss: float | None = None, tit
     plots = plot_section(lambda: write_plots(runs, out, target, setting if not apart else "runs of different setups")
                          if runs else [])
     text = (f"# {title}\n\n" + answer(rows, target, setting) + "\n\n" + (preamble + "\n\n" if preamble else "")
-            + markdown(rows, target) + section(runs) + plots)
+            + markdown(rows, target) + section(runs) + untrusted_section(runs) + plots)
     (out / "report.md").write_text(text)
     write_json_atomic(out / "report.json", {"target_loss": target, "setting": setting, "rows": rows,
                                             "slowed": {r.label: causes(r) for r in runs}})

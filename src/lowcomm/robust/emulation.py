@@ -1,0 +1,77 @@
+"""An attacker in a run: the emulated attack applied where a worker hands its outer gradient
+to the wire, on the ranks `--attackers` names, and nowhere else (an attacker otherwise runs
+the protocol as every worker does: same collectives, same bytes). An attack on values
+(sign-flip, scale, noise, zero, alie) changes the Δ the wire then encodes (`values`); a replay
+(copy, stale) resends what was on the wire (`payload`): on a compressed wire the very bytes
+another worker sent this round, or this one sent N rounds before, as a real copier would.
+
+Every rank calls `Attackers.contribution` at each sync of each fragment (the syncs are
+collective and in the same order everywhere): the round counter advances alike on every rank,
+and an attack that reads the other workers' Δ (copy, alie) learns them through one extra
+all-gather -- the emulation's oracle, a real attacker's eavesdropping, counted with the
+bookkeeping (`Comm.meta`), not with the strategy's bytes, as the protocol itself sends none
+of it. The rounds and stale's replays are the attacker's state (the engine's part "attack"):
+a resumed run attacks as the uninterrupted one.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm
+from .attacks import Attack, Round
+
+
+def round_seed(seed: int, round_: int, rank: int) -> int:
+    """The generator seed of `rank`'s attack at `round_` of a run seeded `seed`."""
+    return ((seed * 1_000_003 + round_) * 1009 + rank) % (2**63)
+
+
+def attackers_of(options) -> "Attackers | None":
+    """--attack's emulated bad workers of a strategy's RobustOptions, seeded by the run's seed
+    (torch's, set where the model was built from it), or None."""
+    attack = options.emulated_attack()
+    return Attackers(attack, options.attacking_ranks(), torch.initial_seed()) if attack.kind != "none" else None
+
+
+class Attackers:
+    """The attack `attack` of the ranks `ranks`, on one worker (its rank: comm.rank at each call)."""
+
+    def __init__(self, attack: Attack, ranks: tuple[int, ...], seed: int):
+        self.attack, self.ranks, self.seed = attack, tuple(ranks), seed
+        self.rounds: dict[str, int] = {}                     # key -> syncs of it so far
+        self.history: dict[str, list[torch.Tensor]] = {}     # key -> what this rank sent, oldest first
+
+    def values(self, comm: Comm, key: str, delta: torch.Tensor) -> torch.Tensor:
+        """The Δ this rank hands the wire (every rank calls it, before the wire encodes)."""
+        return delta if self.attack.replays else self.contribution(comm, key, delta)
+
+    def payload(self, comm: Comm, key: str, data: torch.Tensor) -> torch.Tensor:
+        """What this rank's wire sends (every rank calls it, after the wire encoded)."""
+        return self.contribution(comm, key, data) if self.attack.replays else data
+
+    def contribution(self, comm: Comm, key: str, delta: torch.Tensor) -> torch.Tensor:
+        """What this rank sends for its honest `delta` of sync `key` (collective where the attack
+        reads the others': every rank calls it)."""
+        others = comm.meta_all_gather(delta) if self.attack.needs_others else None
+        round_ = self.rounds.get(key, 0)
+        self.rounds[key] = round_ + 1
+        if comm.rank not in self.ranks:
+            return delta
+        history = self.history.setdefault(key, [])
+        generator = torch.Generator().manual_seed(round_seed(self.seed, round_, comm.rank))
+        sent = self.attack(delta, Round(comm.rank, round_, self.ranks, generator, others, history))
+        if self.attack.keeps:
+            history.append(sent.detach().clone())
+            del history[:-self.attack.keeps]
+        return sent
+
+    def state_dict(self) -> dict:
+        return {"rounds": dict(self.rounds), "history": {k: [t.clone() for t in v] for k, v in self.history.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.rounds = dict(sd["rounds"])
+        self.history = {k: [t.clone() for t in v] for k, v in sd["history"].items()}
+
+    def report(self) -> dict:
+        """summary.json's record of the emulated attack."""
+        return {"attack": self.attack.spec, "attackers": list(self.ranks)}

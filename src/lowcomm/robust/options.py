@@ -1,0 +1,88 @@
+"""The flags of untrusted workers, as options of a strategy whose outer step aggregates one
+contribution per worker (the local-SGD family: `class DiLoCoOptions(RobustOptions, ...)`):
+
+    --attack KIND       an emulated attack (attacks.py), on the ranks of --attackers
+    --attackers RANKS   which workers attack ('3', '5,6'): ranks of the group the outer step
+                        runs on (with --replicas: replica indices)
+    --aggregate NAME    how the outer step combines the contributions (aggregators.py)
+    --score             score every contribution and leave out the bad (scoring.py), with
+                        --score-patience and --score-batches
+
+Every other strategy lacks these options, so the CLI refuses them there in one line naming
+the strategies that take them (a ddp step averages gradients inside the all-reduce: there is
+no per-worker contribution to aggregate robustly).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..contract.options import Options, option
+from ..errors import UsageError
+from .aggregators import Aggregator, parse_aggregator
+from .attacks import Attack, parse_attack, parse_ranks
+
+
+@dataclass
+class RobustOptions(Options):
+    """A mixin of dataclass options (name it first among the bases: its checks call on)."""
+    attack: str = option("none", "emulate bad workers: sign-flip, scale:K, noise:SIGMA, zero, copy, stale:N, "
+                         "alie[:Z] (what the --attackers send in place of their outer gradient)")
+    attackers: str = option("", "the workers that run --attack: ranks, comma-separated (e.g. 3 or 5,6)")
+    aggregate: str = option("mean", "how the outer step combines the workers' outer gradients: mean, median, "
+                            "trimmed:BETA, centered-clip:TAU, median-norm-clip (all but mean all-gather "
+                            "every worker's)")
+    score: bool = option(False, "score every worker's outer gradient by the loss change it causes (Covenant's "
+                         "rule) and leave out a worker whose score stays negative; names copies and stale ones")
+    score_patience: int = option(3, "with --score: rounds in a row of negative scores before a worker is left out",
+                                 min=1)
+    score_batches: int = option(4, "with --score: sequences of each worker's own data its contribution is scored "
+                                "on (at most --micro-batch)", min=1)
+
+    def emulated_attack(self) -> Attack:
+        return parse_attack(self.attack)
+
+    def attacking_ranks(self) -> tuple[int, ...]:
+        return parse_ranks(self.attackers)
+
+    def aggregator(self) -> Aggregator:
+        return parse_aggregator(self.aggregate)
+
+    def check(self) -> None:
+        super().check()
+        attack, ranks = self.emulated_attack(), self.attacking_ranks()
+        self.aggregator()
+        if attack.kind != "none" and not ranks:
+            raise UsageError(f"--attack {self.attack} needs --attackers RANKS: which workers attack")
+        if ranks and attack.kind == "none":
+            raise UsageError(f"--attackers {self.attackers} needs --attack KIND: what they send")
+
+    def check_run(self, cfg) -> None:
+        super().check_run(cfg)
+        world, ranks = cfg.replicas or cfg.workers, self.attacking_ranks()
+        group = "replicas" if world < cfg.workers else "workers"
+        if ranks and ranks[-1] >= world:
+            raise UsageError(f"--attackers {self.attackers}: rank {ranks[-1]} is out of range for {world} {group} "
+                             f"(ranks 0 to {world - 1})")
+        if ranks and len(ranks) == world:
+            raise UsageError(f"--attackers {self.attackers} leaves no honest worker of {world}")
+        aggregator = self.aggregator()
+        aggregator.check_world(world)
+        if aggregator.robust and world < cfg.workers:
+            raise UsageError(f"--aggregate {self.aggregate} does not run across replica groups (--replicas "
+                             f"{cfg.replicas}) yet: each position holds only part of a replica's outer gradient")
+        if getattr(cfg, "elastic", False) and (ranks or aggregator.robust or self.score):
+            raise UsageError("--attack, --aggregate and --score do not run with --elastic yet: ranks change as "
+                             "members come and go, and an elastic outer step weights each member by its tokens")
+        if self.score and world < cfg.workers:
+            raise UsageError(f"--score does not run across replica groups (--replicas {cfg.replicas}) yet")
+
+
+class UnscoredRobustOptions(RobustOptions):
+    """RobustOptions of a strategy that gathers every worker's payload but has no outer step to
+    score (DeMo): --attack and --aggregate apply, --score is refused."""
+
+    def check(self) -> None:
+        super().check()
+        if self.score:
+            raise UsageError("--score scores outer gradients on the outer-sync engine (diloco, sparseloco, "
+                             "streaming_diloco): not a per-step update like this strategy's yet")

@@ -1,0 +1,143 @@
+"""Contribution scoring (--score): Covenant's validator rule ("Gauntlet", one-covenant/templar),
+run by every worker on every contribution of an outer step before it is aggregated.
+
+Each worker holds the first --score-batches sequences it trained on since the last sync (its
+own assigned data, caught as its model's input: `HeldBatch`), and the workers share them at the
+sync. Worker r's contribution Δ_r is scored on the model every worker holds, θ_global:
+
+    L_b(θ)     next-token loss of batch b at θ
+    own        worker r's batch;  random: the next worker's, (r + 1) mod W (data r was not given)
+    score_r  = (L_random(θ_g) − L_random(θ_g − 0.2·lr·Δ_r)) / L_random(θ_g)  Gauntlet's score
+    fit_r    = +1 if Δ_r improved own more than random, else −1        (did it train on its data?)
+
+lr is the outer learning rate: Δ_r applied as if it were the round's mean, at Gauntlet's 0.2 of
+the step (the slope along Δ_r, not a full step that may overshoot on a few sequences). Each
+contribution is scored by one other worker and one all-reduce shares the scores
+(engines/outer_scoring.py), so every worker decides alike even where forward passes differ in
+the last bit. A worker whose score is negative for `patience` rounds in a row is left out of the
+aggregate, and taken back once it is non-negative for `patience` rounds in a row (it is still
+scored every round; near a plateau a flipped update's score flickers around 0, and one lucky
+round does not bring it back). Replays are named and counted once: a contribution equal bit for
+bit to another worker's of the same round (a copy: the later rank's copy is left out of that
+round), or to one of an earlier round (stale: left out of that round); an all-zero one sent
+nothing and is left out of its round. A perturbed copy is not caught.
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import torch
+import torch.nn as nn
+
+from ..models.gpt import lm_loss
+
+STALE_ROUNDS = 8  # rounds of contributions whose fingerprints are kept to name a stale one
+PROBE_SCALE = 0.2  # Gauntlet applies a contribution at 0.2 x the learning rate: the loss's slope along it
+
+
+class HeldBatch:
+    """The first `sequences` sequences a model was trained on since `take()`: caught by a forward
+    pre-hook, in training mode only (not an evaluation, not a probe). Where nothing was trained
+    since (the final sync of a streaming run's other fragments), the sequences held before."""
+
+    def __init__(self, model: nn.Module, sequences: int):
+        self.sequences, self.ids, self.last, self.paused = sequences, None, None, False
+        self.hook = model.register_forward_pre_hook(self._seen, with_kwargs=True)
+
+    def _seen(self, module, args, kwargs):
+        if self.ids is None and module.training and not self.paused:
+            ids = args[0] if args else kwargs.get("input_ids")
+            if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] >= 2:
+                self.ids = ids[:self.sequences].detach().clone()
+
+    def take(self) -> torch.Tensor | None:
+        """This period's held sequences (the last held where none was seen since; None: none ever),
+        and a new period."""
+        if self.ids is not None:
+            self.last, self.ids = self.ids, None
+        return self.last
+
+    def state_dict(self) -> dict:
+        return {"ids": self.ids, "last": self.last}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.ids, self.last = sd["ids"], sd["last"]
+
+    def close(self) -> None:
+        self.hook.remove()
+
+
+def next_token_loss(model: nn.Module, ids: torch.Tensor) -> float:
+    """Mean next-token loss of sequences `ids` (each predicts its next token)."""
+    return float(lm_loss(model, (ids[:, :-1], ids[:, 1:])))
+
+
+def fingerprint(row: torch.Tensor) -> str:
+    return hashlib.sha1(row.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+
+
+class Scoreboard:
+    """The scores over the rounds and who is left out (identical on every worker)."""
+
+    def __init__(self, world: int, patience: int, loud: bool = False):
+        self.patience, self.loud = patience, loud
+        self.negative = [0] * world        # rounds in a row with a negative score
+        self.positive = [0] * world        # rounds in a row with a non-negative score
+        self.left_out: set[int] = set()
+        self.rounds = 0
+        self.history: list[dict] = []      # per round: scores, fits, left out, named replays
+        self.seen: list[dict[str, int]] = []  # per earlier round: fingerprint -> rank
+
+    def judge(self, rows: torch.Tensor, scores: list[float] | None, fits: list[float] | None) -> torch.Tensor:
+        """This round's scores (None: no sequence to score on, no worker's standing changes) ->
+        which rows the aggregate takes (bool [W])."""
+        world, events = rows.shape[0], []
+        prints = [fingerprint(rows[r]) for r in range(world)]
+        replay = [False] * world
+        for r, fp in enumerate(prints):
+            if not rows[r].any():
+                replay[r] = True
+                events.append(f"worker {r} sent nothing (a zero contribution)")
+                continue
+            first = prints.index(fp)
+            if first < r:
+                replay[r] = True
+                events.append(f"worker {r} sent worker {first}'s contribution (a copy)")
+            old = next((k for k, seen in enumerate(self.seen) if fp in seen), None)
+            if old is not None:
+                replay[r] = True
+                events.append(f"worker {r} sent a contribution of round {self.rounds - len(self.seen) + old} (stale)")
+        for r, s in enumerate(scores or ()):
+            self.negative[r] = self.negative[r] + 1 if s < 0 else 0
+            self.positive[r] = self.positive[r] + 1 if s >= 0 else 0
+            if r not in self.left_out and self.negative[r] >= self.patience:
+                self.left_out.add(r)
+                events.append(f"worker {r} left out: its score was negative for {self.negative[r]} rounds")
+            elif r in self.left_out and self.positive[r] >= self.patience:
+                self.left_out.discard(r)
+                events.append(f"worker {r} taken back: its score was non-negative for {self.positive[r]} rounds")
+        self.seen = (self.seen + [dict((fp, r) for r, fp in enumerate(prints))])[-STALE_ROUNDS:]
+        admitted = torch.tensor([r not in self.left_out and not replay[r] for r in range(world)])
+        if not admitted.any():  # nobody left: the round keeps every worker rather than none
+            admitted[:] = True
+        self.history.append({"round": self.rounds, "scores": scores, "fits": fits,
+                             "left_out": sorted(r for r in range(world) if not admitted[r]), "events": events})
+        if self.loud:
+            for e in events:
+                print(f"outer round {self.rounds}: {e}", file=sys.stderr, flush=True)
+        self.rounds += 1
+        return admitted
+
+    def report(self) -> dict:
+        return {"score_rounds": self.history}
+
+    def state_dict(self) -> dict:
+        return {"negative": list(self.negative), "positive": list(self.positive), "left_out": sorted(self.left_out),
+                "rounds": self.rounds, "history": [dict(h) for h in self.history],
+                "seen": [dict(s) for s in self.seen]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.negative, self.positive = list(sd["negative"]), list(sd["positive"])
+        self.left_out, self.rounds = set(sd["left_out"]), sd["rounds"]
+        self.history, self.seen = [dict(h) for h in sd["history"]], [dict(s) for s in sd["seen"]]

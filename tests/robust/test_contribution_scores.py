@@ -1,0 +1,64 @@
+"""The scoreboard's rule on hand-made rounds: left out after --score-patience negative scores,
+taken back after as many non-negative ones, copies and stale replays counted once and named."""
+from __future__ import annotations
+
+import torch
+
+from lowcomm.robust.scoring import Scoreboard
+
+
+def rows(*values):
+    return torch.tensor([[float(v), 1.0] for v in values])
+
+
+def test_left_out_after_patience_and_taken_back_when_the_score_recovers():
+    board = Scoreboard(3, patience=2)
+    scores = [-0.1, -0.2, 0.01, -0.3, 0.05, 0.0, -0.1, 0.2]
+    seen = [board.judge(rows(10 * k + 1, 10 * k + 2, 10 * k + 3), [0.1, 0.1, s], [1, 1, -1]).tolist()[2]
+            for k, s in enumerate(scores)]
+    # out after two negatives; one lucky round (0.01) does not bring it back, two in a row do;
+    # then one negative round again is not yet two
+    assert seen == [True, False, False, False, False, True, True, True]
+    events = [h["events"] for h in board.history]
+    assert events[1] == ["worker 2 left out: its score was negative for 2 rounds"]
+    assert events[5] == ["worker 2 taken back: its score was non-negative for 2 rounds"]
+    assert sum(len(e) for e in events) == 2
+
+
+def test_a_copy_is_counted_once_and_a_replay_of_an_earlier_round_is_stale():
+    board = Scoreboard(3, patience=3)
+    assert board.judge(rows(1, 2, 1), [0.1] * 3, [1] * 3).tolist() == [True, True, False]
+    assert board.history[0]["events"] == ["worker 2 sent worker 0's contribution (a copy)"]
+    assert board.judge(rows(5, 2, 6), [0.1] * 3, [1] * 3).tolist() == [True, False, True]
+    assert board.history[1]["events"] == ["worker 1 sent a contribution of round 0 (stale)"]
+
+
+def test_a_zero_contribution_is_named_and_a_round_never_drops_everyone():
+    board = Scoreboard(2, patience=1)
+    assert board.judge(torch.ones(2, 2), None, None).tolist() == [True, False]  # no scores: a copy still named
+    assert board.judge(torch.zeros(2, 2), [0.0, 0.0], [-1, -1]).tolist() == [True, True]
+    assert board.history[1]["events"] == ["worker 0 sent nothing (a zero contribution)",
+                                          "worker 1 sent nothing (a zero contribution)"]
+
+
+def test_a_worker_holds_the_first_sequences_it_trained_on_since_the_last_sync():
+    from lowcomm import GPT
+    from lowcomm.robust.scoring import HeldBatch
+
+    model = GPT(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=8)
+    held = HeldBatch(model, sequences=2)
+    first, second = torch.randint(0, 32, (3, 8)), torch.randint(0, 32, (3, 8))
+    model.eval()
+    model(second)                     # an evaluation: not training data
+    model.train()
+    held.paused = True
+    model(second)                     # a probe of the scoring itself
+    held.paused = False
+    model(first), model(second)
+    assert torch.equal(held.take(), first[:2])
+    assert torch.equal(held.take(), first[:2])  # nothing trained since: the sequences held before
+    model(second)
+    assert torch.equal(held.take(), second[:2])
+    held.close()
+    model(first)
+    assert torch.equal(held.take(), second[:2])
