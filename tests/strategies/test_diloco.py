@@ -230,9 +230,11 @@ def test_sync_by_time_keeps_the_fast_worker_busy(tmp_path):
     # The fast rank steps in every slot; the slow one fits as many as its measured speed allows
     # (their ratio measured 0.81 to 1.23 at loads 5 to 20: the slow rank's 7 to 20 steps make it
     # coarse, and it schedules by mean costs of a moving load; one that stepped every slot, or half
-    # as often as it could, is off by a factor of 2 or more).
+    # as often as it could, is off by a factor of 2 or more). A step either way is the count's grain:
+    # beside other jobs (load 14) rank 1 measured 30.7x slower, 2.1 steps were its due, it took 3.
     assert fast == 64 and speed_ratio >= 2, figures
-    assert 0.7 <= (fast / slow) / speed_ratio <= 1.5, figures
+    due = fast / speed_ratio
+    assert due / 1.5 - 1 <= slow <= due / 0.7 + 1, figures
     # With fixed H the fast rank idles while the slow one finishes each period: 1 - its cost over the
     # slow one's, both measured in that run; sized to the speeds, it waits at most half of that.
     assert abs(exposed_f - (1 - fixed_cost[0] / fixed_cost[1])) <= 0.2, figures
