@@ -214,3 +214,13 @@ def inside_level_plans(inside: str, cls, layout, replicas: int, size: int, optio
         plans = fsdp_plans(accum * cls.micro_batch_parts)  # acco computes a step's batch in two halves
         return LevelPlans(plans.intra + cls.cost.fsdp_intra_extra(lambda: fsdp_plans(1).intra, options), plans.cross)
     return cls.cost.level_plans(cls, layout, replicas, size, options)
+
+
+def run_level_plans(strategy, layout, replicas: int) -> LevelPlans:
+    """What one rank of a built run sends inside its replica and across (a flat run: nothing
+    inside), as its summary sets the counted bytes beside."""
+    cls = type(strategy)
+    if strategy.inside is None:
+        return LevelPlans([], [cls.comm_plan(layout, replicas, strategy.options)])
+    return inside_level_plans(strategy.inside.name, cls, layout, replicas, strategy.inside.comm.world,
+                              strategy.options, strategy.accum)

@@ -2,6 +2,6 @@
 summary.json), totals (summary.py), levels (levels.py), the live view (progress.py),
 dashboards (scalars.py, tensorboard.py, wandb_log.py), and reading runs back (runs.py).
 
-Imports: config, storage, strategies, engines, contract and models (a run's planned bytes beside
-its counted ones), comm, errors.
+Imports: config, storage, strategies (the registry's names), engines (the outer step's name),
+contract (a step's result), comm (its counters), errors.
 """

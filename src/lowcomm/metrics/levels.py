@@ -3,31 +3,18 @@
 A flat run has one level, "cross" (every worker is a replica of one process); a run with
 --replicas R < W has "intra" (inside each replica of K = W/R ranks, --intra-link) and
 "cross" (the K groups of R ranks at the same position of every replica, --link). Each
-level's bytes are set beside its plan (Strategy.cost.level_plans): the strategy's own plan on R
-ranks across (one per position of a replica), the inside engine's on K ranks inside (the
-engine asks the strategy: fsdp's all-gathers run once per micro-batch, so its plan needs accum).
+level's bytes are set beside its plan (engines/inside.py's run_level_plans: the strategy's own
+plan on R ranks across, one per position of a replica, the inside engine's on K ranks inside).
+Every rank's counters are gathered where the run ends (train/run_end.py): this module only
+puts numbers in their places.
 """
 from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
-from ..models.layout import ModelLayout
-from ..contract.plan import LevelPlans
-from ..engines.inside import inside_level_plans
-
 LEVELS = ("intra", "cross")
 # A level in words a user reads (progress line, summary, report), the slow link's first.
 LEVEL_WORDS = {"cross": "across replicas", "intra": "inside replicas"}
-
-
-def gather_levels(world_comm: Comm, levels: list[Comm], device) -> torch.Tensor:
-    """(W, levels, 3) of every rank's wire bytes, exposed and busy seconds per level (collective)."""
-    mine = torch.zeros(len(LEVELS), 3, dtype=torch.float64)
-    for comm in levels:
-        s = comm.snapshot()
-        mine[LEVELS.index(comm.level)] = torch.tensor([s.wire_bytes, s.exposed_s, s.busy_s], dtype=torch.float64)
-    return world_comm.meta_all_gather(mine.to(device)).cpu()
 
 
 def planned_bytes(plans, ranks_in_group: int, groups: int, occurrences) -> int:
@@ -37,20 +24,10 @@ def planned_bytes(plans, ranks_in_group: int, groups: int, occurrences) -> int:
     return total * ranks_in_group * groups // len(plans)
 
 
-def level_plans(strategy, layout: ModelLayout, replicas: int) -> LevelPlans:
-    """What one rank sends inside its replica and across (a flat run: nothing inside)."""
-    cls = type(strategy)
-    if strategy.inside is None:
-        return LevelPlans([], [cls.comm_plan(layout, replicas, strategy.options)])
-    return inside_level_plans(strategy.inside.name, cls, layout, replicas, strategy.inside.comm.world,
-                              strategy.options, strategy.accum)
-
-
-def level_summary(every: torch.Tensor, strategy, layout: ModelLayout, world: int, replicas: int,
-                  steps: int, links: dict) -> dict:
-    """summary.json's `levels` from gather_levels' tensor, with each level's planned bytes."""
+def level_summary(every: torch.Tensor, strategy, plans, world: int, replicas: int, steps: int, links: dict) -> dict:
+    """summary.json's `levels` from every rank's (W, levels, 3) wire bytes, exposed and busy seconds
+    per level, with each level's planned bytes (`plans`: a LevelPlans)."""
     cls, size = type(strategy), world // replicas
-    plans = level_plans(strategy, layout, replicas)
     counts = {"intra": ([plans.intra], size, replicas, lambda op: cls.cost.intra_occurrences(op, steps, strategy.options)),
               "cross": (plans.cross, replicas, size, lambda op: cls.cost.plan_occurrences(op, steps, strategy.options))}
     out = {}

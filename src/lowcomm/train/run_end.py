@@ -9,7 +9,9 @@ import torch
 
 from .. import config as C
 from ..comm.groups import combined
-from ..metrics.levels import gather_levels, level_plans, level_summary
+from ..comm import Comm
+from ..engines.inside import run_level_plans
+from ..metrics.levels import LEVELS, level_summary
 from ..metrics.runlog import write_json_atomic
 from ..metrics.calibration import machine_at_end
 from ..metrics.summary import build_summary, describe
@@ -53,6 +55,15 @@ def finish(t, result, out_dir: Path | None, quiet: bool, extra: Callable[[], dic
     return summarize(t, result, out_dir, quiet, extra() if extra is not None else None)
 
 
+def gather_levels(world_comm: Comm, levels: list[Comm], device) -> torch.Tensor:
+    """(W, levels, 3) of every rank's wire bytes, exposed and busy seconds per level (collective)."""
+    mine = torch.zeros(len(LEVELS), 3, dtype=torch.float64)
+    for comm in levels:
+        s = comm.snapshot()
+        mine[LEVELS.index(comm.level)] = torch.tensor([s.wire_bytes, s.exposed_s, s.busy_s], dtype=torch.float64)
+    return world_comm.meta_all_gather(mine.to(device)).cpu()
+
+
 def summarize(t, run, out_dir: Path | None, quiet: bool, extra: dict | None = None) -> dict | None:
     """Gather every rank's measurements; rank 0 writes summary.json (with `extra`'s keys) and trace.json."""
     comm, strategy = t.comm, t.run.strategy
@@ -70,9 +81,10 @@ def summarize(t, run, out_dir: Path | None, quiet: bool, extra: dict | None = No
     if not lead:
         return None
     replicas, layout = t.cfg.replicas or t.world, layout_of(t.model)
-    plan = level_plans(strategy, layout, replicas).slowest_cross(replicas)  # across (a flat run's only level)
+    plans = run_level_plans(strategy, layout, replicas)
+    plan = plans.slowest_cross(replicas)  # across (a flat run's only level)
     links = {c.level: c.link.describe() for c in t.run.levels if c.link is not None}
-    levels = level_summary(every_level, strategy, layout, t.world, replicas, t.cfg.steps, links)
+    levels = level_summary(every_level, strategy, plans, t.world, replicas, t.cfg.steps, links)
     planned = sum(level["planned_wire_bytes"] for level in levels.values())
     summary = build_summary(
         t.cfg, world=t.world, backend=t.backend, params=sum(p.numel() for p in t.model.parameters()), source=t.source,
