@@ -28,12 +28,16 @@ class WorldSizeError(UsageError):
     """The run's world size does not fit its checkpoints (every one of them: no fallback)."""
 
 
+class FormatError(UsageError):
+    """A checkpoint of another format: the run's older ones are too (no fallback, no warning each)."""
+
+
 def verify(path: Path, cfg: C.RunConfig, world: int) -> Found:
     """The checkpoint at `path` if it is complete, intact and fits this run; else UsageError
     with one line naming the problem."""
     manifest = _manifest(path)
     if manifest.get("format") != FORMAT:
-        raise UsageError(f"it is in checkpoint format {manifest.get('format')}, written by an older lowcomm; "
+        raise FormatError(f"it is in checkpoint format {manifest.get('format')}, written by an older lowcomm; "
                          f"this version reads format {FORMAT} (restart the run, or resume it with that lowcomm)")
     _check_files(path, manifest.get("files", {}))
     if manifest.get("strategy") != cfg.strategy:
@@ -108,6 +112,8 @@ def latest(out_dir: Path, cfg: C.RunConfig, world: int, warn=None) -> Found | No
             if isinstance(e, WorldSizeError):
                 raise
             first_problem = first_problem or f"{path}: {e}"
+            if isinstance(e, FormatError):
+                break
             warn(f"warning: checkpoint {path} refused: {e}; trying the previous one")
     if candidates:
         raise UsageError(f"no usable checkpoint in {out_dir} (newest: {first_problem})")
