@@ -10,9 +10,10 @@ does the same for an elastic member's membership policy (its commit points and i
     LOWCOMM_TEST_NAN_AT=RANK:STEP     that rank's loss is NaN in that step
     LOWCOMM_TEST_KILL_AT=RANK:STEP    that rank is SIGKILLed after that step; the i-th entry fires in
                                       launch attempt i (LOWCOMM_ATTEMPT, or torchrun's restart count)
-    LOWCOMM_TEST_KILL_IN=RANK:STEP    that rank is SIGKILLed inside a collective: the first one of the
-                                      strategy's own traffic from that step on, once it is issued (its
-                                      peers wait in it for this rank's part); by launch attempt as KILL_AT
+    LOWCOMM_TEST_KILL_IN=RANK:STEP[:FILE]  that rank is SIGKILLed inside a collective: the first one of
+                                      the strategy's own traffic from that step on (and, with FILE, once
+                                      FILE exists), once it is issued (its peers wait in it for this
+                                      rank's part); by launch attempt as KILL_AT
     LOWCOMM_TEST_HOLD_FOR_JOINER, LOWCOMM_TEST_COMMIT_HASHES  (--elastic) see their functions below
     LOWCOMM_TEST_KILL_BEFORE_LOG=RANK:STEP  (--elastic) that rank of the quorum is SIGKILLed at that
                                       step's commit point once every member has committed the step,
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
 
 def inject(run, rank: int):
     """`run`, or a stand-in for it that injects the faults the environment asks for."""
-    if not any(_fault_spec(name) for name in ("HANG_AT", "STOP_AT", "NAN_AT", "KILL_AT", "KILL_IN")):
+    if not any(os.environ.get(f"LOWCOMM_TEST_{name}") for name in ("HANG_AT", "STOP_AT", "NAN_AT", "KILL_AT",
+                                                                   "KILL_IN")):
         return run
     return _FaultyRun(run, rank)
 
@@ -139,12 +141,20 @@ def _this_attempts(name: str) -> tuple[int, int] | None:
 
 
 def kill_inside_collective_if_asked(comm, rank: int, step: int) -> None:
-    """Test-only fault: LOWCOMM_TEST_KILL_IN=RANK:STEP[,...] SIGKILLs that rank inside the first
-    collective of the strategy's own traffic (not bookkeeping) it issues from that step on: the
-    collective is launched, then the rank dies, so its peers are in it waiting for this rank's
-    part (a step without one -- diloco's inner steps -- passes it on to the next). By launch
-    attempt as KILL_AT; LOWCOMM_TEST_KILL_LOG gets "TIME OP"."""
-    if comm is None or _this_attempts("KILL_IN") != (rank, step):
+    """Test-only fault: LOWCOMM_TEST_KILL_IN=RANK:STEP[:FILE][,...] SIGKILLs that rank inside the
+    first collective of the strategy's own traffic (not bookkeeping) it issues from that step on:
+    the collective is launched, then the rank dies, so its peers are in it waiting for this rank's
+    part (a step without one -- diloco's inner steps -- passes it on to the next). With FILE, not
+    before FILE exists (a test's sign that what must come first has: a join that failed as its
+    group formed, at a load of 30, came back only after the kill, and the faults came apart).
+    By launch attempt as KILL_AT; LOWCOMM_TEST_KILL_LOG gets "TIME OP"."""
+    entries = [part.split(":", 2) for part in os.environ.get("LOWCOMM_TEST_KILL_IN", "").split(",") if part.strip()]
+    attempt = int(os.environ.get("LOWCOMM_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if comm is None or attempt >= len(entries):
+        return
+    at_rank, at_step, *after = entries[attempt]
+    if (int(at_rank) != rank or step < int(at_step) or (after and not os.path.exists(after[0]))
+            or getattr(comm._run, "dies", False)):
         return
     run = comm._run
 
@@ -154,6 +164,7 @@ def kill_inside_collective_if_asked(comm, rank: int, step: int) -> None:
         launch(True)
         _note("KILL_LOG", f"{time.time()} {op}")
         os.kill(os.getpid(), signal.SIGKILL)
+    dying.dies = True
     comm._run = dying  # every collective of Comm passes through _run
 
 
