@@ -236,7 +236,8 @@ def _plan_cluster(args, cfg, calibrated: bool):
     elif not calibrated:
         raise UsageError("give --worker-tflops X (one worker's sustained TFLOP/s) or --calibrate BENCHDIR")
     cluster = planner.Cluster(layout, cfg.workers, tokens, 0.0, C.make_link(cfg), tuple(cfg.slowdown), cfg.accum,
-                              intra_link=C.make_link(cfg, table="intra_link"), inside=cfg.inside)
+                              intra_link=C.make_link(cfg, table="intra_link"), inside=cfg.inside,
+                              seq_len=cfg.model.seq_len)
     return cluster, dims, per_token
 
 

@@ -109,6 +109,12 @@ class Cost:
     comm_overlap: ClassVar[float] = 0.0
 
     @classmethod
+    def defence_work(cls, options: Options, world: int, numel: int, seq_len: int):
+        """What a defence against untrusted workers (--aggregate, --score) costs a worker beyond
+        the wire, at each of its syncs (robust/costs.py's DefenceWork), or None: no defence."""
+        return None
+
+    @classmethod
     def plan_label(cls, strategy, options: Options) -> str:
         """The strategy as a plan's table names it, with the option that sets how often it
         talks where it has one (e.g. 'diloco H=64')."""

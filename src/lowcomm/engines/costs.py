@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .compressed import residual_bytes, shard_len, split_piece
 from ..contract.plan import Cost, LevelPlans, PlannedOp, flat_numel
 from ..models.layout import ModelLayout
+from ..robust.costs import defence_work
 
 
 def bucket_runs(nbytes: int, first: int, size: int) -> list[tuple[int, int]]:
@@ -148,3 +149,13 @@ class DeMoCost(Cost):
     @classmethod
     def model_state_bytes(cls, num_params, world, options):
         return 12 * num_params  # θ, ∇θ and the momentum δ (fp32); no AdamW state
+
+    @classmethod
+    def defence_work(cls, options, world, numel, seq_len):
+        # a robust --aggregate decodes every sender's payload alone, each step (robust/gathered.py)
+        return defence_work(options.aggregator(), False, world, numel, 0, seq_len, 1.0)
+
+    @classmethod
+    def plan_label(cls, strategy, options):
+        aggregator = options.aggregator()
+        return f"{strategy.name} {aggregator.spec}" if aggregator.robust else strategy.name

@@ -30,6 +30,7 @@ import dataclasses
 
 from ..contract.elastic import ElasticRules
 from ..contract.plan import Cost, PlannedOp
+from ..robust.costs import defence_work
 from .outer_options import outer_step_suffix
 from .outer_sync import sync_offset
 from .outer_wire import WireFormat
@@ -55,6 +56,11 @@ class OuterSyncCost(Cost):
     def model_state_bytes(cls, num_params, world, options):  # θ, ∇θ, moments, θ_global, momentum (+ residual)
         # (+ --eager's offset, the share standing in and the offset's momentum)
         return (24 + 4 * (options.outer_compress != "none") + 12 * options.eager) * num_params
+
+    @classmethod
+    def defence_work(cls, options, world, numel, seq_len):
+        return defence_work(options.wire().aggregator, options.score, world, numel, options.score_batches, seq_len,
+                            1 / options.sync_every)
 
     @classmethod
     def plan_label(cls, strategy, options):

@@ -59,6 +59,7 @@ class Cluster:
     replicas: int = 0           # R replicas of W/R ranks (0: W, the flat cluster); `link` runs across them
     intra_link: LinkModel | None = None  # the link inside a replica (None: unshaped)
     inside: str = "ddp"         # what runs inside a replica (engines/inside.py)
+    seq_len: int = 0            # tokens a sequence (--score's forwards: robust/costs.py)
 
     @property
     def params(self) -> int:
@@ -105,6 +106,8 @@ class Prediction:
     # over the positions of a replica), bytes_per_token (all ranks), comm_s (the step's: across, the
     # position that sends the most)
     levels: dict = field(default_factory=dict)
+    defence_s: float = 0.0      # an untrusted-workers defence's own work a step (robust/costs.py), in step_s
+    defence: dict | None = None  # its DefenceWork, and the rates it was priced at
 
     @property
     def exposed_fraction(self) -> float:
@@ -222,7 +225,8 @@ def predict(name: str, cluster: Cluster, options: Options | None = None, steps: 
     comm = cross_s + intra_s
     per_rank = {"intra": inside.wire_bytes_per_rank(in_rate), "cross": across.wire_bytes_per_rank(rate)}
     wire = per_rank["cross"] + per_rank["intra"]
-    step = compute + overhead_s + exposed
+    defence, defence_s = priced_defence(cls, options, cluster, per_token)
+    step = compute + overhead_s + defence_s + exposed
     # tokens a step really computes: T, or more where workers keep computing while they wait
     tokens = T * cls.cost.micro_batches_per_step(cost, comm, options) / cluster.accum
     levels = {level.name: {"ranks_per_group": level.ranks, "groups": level.groups,
@@ -233,9 +237,30 @@ def predict(name: str, cluster: Cluster, options: Options | None = None, steps: 
         strategy=name, label=cls.cost.plan_label(cls, options), step_s=step, compute_s=compute, overhead_s=overhead_s,
         exposed_comm_s=exposed, comm_s=comm, idle_s=sum(compute - f * unit for f in factors) / len(factors),
         wire_bytes_per_rank_per_step=wire, bytes_per_token=W * wire / tokens,
-        model_state_bytes=replica_state_bytes(cls, cluster.layout, W, cluster.groups, options, cluster.inside),
+        model_state_bytes=replica_state_bytes(cls, cluster.layout, W, cluster.groups, options, cluster.inside)
+        + (defence["held_bytes"] if defence else 0),
         tokens_per_s=tokens / step if step > 0 else math.inf, tokens_per_step=tokens, tokens_asked=T,
-        options=asdict(options) if fields(options) else {}, replicas=cluster.groups, levels=levels)
+        options=asdict(options) if fields(options) else {}, replicas=cluster.groups, levels=levels,
+        defence_s=defence_s, defence=defence)
+
+
+# A worker's memory bandwidth, where the plan knows only its sustained FLOP rate: an accelerator
+# training at about 40 % of its peak FLOP/s against the bandwidth its memory sustains (H100 SXM:
+# about 400 TFLOP/s to 3.35 TB/s, 120; A100: 125 to 2.0, 62). It prices the robust aggregate's
+# memory traffic (robust/costs.py): a memory-bound pass, a few operations per value.
+FLOPS_PER_BYTE = 100.0
+
+
+def priced_defence(cls, options, cluster: Cluster, per_token: float) -> tuple[dict | None, float]:
+    """The strategy's untrusted-workers defence (its cost model's DefenceWork) with the seconds a
+    step it costs a worker whose FLOP rate does 6 N FLOPs a token in `per_token` s (0: unpriced)."""
+    work = cls.cost.defence_work(options, cluster.groups, cluster.params, cluster.seq_len)
+    if work is None:
+        return None, 0.0
+    flops = 6 * cluster.params / per_token if per_token > 0 else math.inf
+    rates = {"memory_bytes_per_s": flops / FLOPS_PER_BYTE, "flops_per_s": flops}
+    seconds = work.seconds(rates["memory_bytes_per_s"], flops)
+    return {**asdict(work), **rates, "seconds_per_step": seconds}, seconds
 
 
 def named(p: Prediction, workers: int) -> str:

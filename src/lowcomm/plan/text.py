@@ -33,6 +33,7 @@ def plan_table(ranked, cluster, cfg, target, left_out: dict) -> str:
         note += ("\nintra/cross MB/step/rank: what a rank sends inside its replica and across replicas (averaged "
                  "over the positions of a replica); bytes/token: both levels, all ranks; exposed comm: the inside "
                  "collectives in full, plus what the strategy leaves exposed across")
+    note += "".join(defence_line(p) for p in ranked if p.defence)
     if left_out:
         note += "\nnot planned here: " + "; ".join(f"{name} ({why})" for name, why in left_out.items())
     return head + columns(cols, rows) + note
@@ -68,3 +69,15 @@ def link_specs(cfg: C.RunConfig) -> dict[str, str]:
     links = C.to_dict(cfg)
     return {k: links[k]["bandwidth"] + "," + links[k]["latency"] if links[k]["bandwidth"] else "none"
             for k in ("link", "intra_link")}
+
+
+def defence_line(p) -> str:
+    """What a prediction's untrusted-workers defence costs a worker (robust/costs.py), one line."""
+    from .planner import FLOPS_PER_BYTE, format_seconds as _s
+    d = p.defence
+    every = "a step" if d["syncs_per_step"] >= 1 else f"a sync (every {1 / d['syncs_per_step']:g} steps)"
+    score = f"; scoring {_s(d['score_flops'] / d['flops_per_s'])}" if d["score_flops"] else ""
+    return (f"\ndefence, {p.label}: holds every worker's contribution ({d['held_bytes'] / 2**30:,.3g} GiB, in "
+            f"memory/worker); its aggregate moves {d['moved_bytes'] / 1e9:,.3g} GB of memory, "
+            f"{_s(d['moved_bytes'] / d['memory_bytes_per_s'])} at {d['memory_bytes_per_s'] / 1e9:,.0f} GB/s (FLOP/s "
+            f"/ {FLOPS_PER_BYTE:g}){score}, {every}: {_s(p.defence_s)} a step, in its step time")
