@@ -58,6 +58,9 @@ def _driver_run(rank: int, validators: str) -> dict:
     return {"rounds": run.strategy.report()["score_rounds"], "forwards": len(forwards)}
 
 
+STREAMING = ("--strategy", "streaming_diloco", "--fragments", "3", "--fragment-delay", "1", "--n-layer", "3")
+
+
 def trainer_argv(data: str, out: Path, *extra: str) -> list[str]:
     return ["train", "--strategy", "diloco", "--workers", str(W), "--steps", str(STEPS), "--sync-every", str(H),
             "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--seq-len", "16", "--micro-batch", "4",
@@ -66,13 +69,13 @@ def trainer_argv(data: str, out: Path, *extra: str) -> list[str]:
             "--data", data, "--out", str(out), *extra]
 
 
-def _trained(rank: int, data: str, out: Path, resume: bool) -> str:
+def _trained(rank: int, data: str, out: Path, resume: bool, *extra: str) -> str:
     """The trainer's run, summary.json included (its progress lines on rank 0), or the same run
     resumed from its step-6 checkpoint."""
     from lowcomm import checkpoint
     from lowcomm import config as C
     from lowcomm.train.worker import train
-    cfg = config_from_args(build_parser().parse_args(trainer_argv(data, out)))
+    cfg = config_from_args(build_parser().parse_args(trainer_argv(data, out, *extra)))
     C.validate(cfg)
     if resume:
         cfg.resume_from = str(out / checkpoint.name_of(6))
@@ -94,8 +97,9 @@ def _all(rank: int, world: int, data: str, root: str) -> dict:
     if rank == 0:
         results["straight"] = _logged(out)
     _trained(rank, data, out, resume=True)
+    _trained(rank, data, out.with_name("streaming"), False, *STREAMING)
     if rank == 0:
-        results["resumed"] = _logged(out)
+        results["resumed"], results["streaming"] = _logged(out), _logged(out.with_name("streaming"))
     return results
 
 
@@ -103,6 +107,7 @@ def _all(rank: int, world: int, data: str, root: str) -> dict:
 def ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("scored")
     (root / "scored").mkdir()
+    (root / "streaming").mkdir()
     data = root / "text.txt"
     data.write_text("It is a truth universally acknowledged, that a single man in possession of a good "
                     "fortune, must be in want of a wife.\n" * 60)
@@ -139,6 +144,17 @@ def test_steps_jsonl_holds_the_summarys_rounds_on_their_steps(ranks):
     for _, k in on_steps:
         assert len(k["score_s_per_rank"]) == W and k["score_s"] == max(k["score_s_per_rank"]) > 0
     assert any(k["left_out"] == [2] for k in rounds), rounds  # scale:-100 is left out (patience 1)
+
+
+@pytest.mark.procs
+def test_a_streaming_run_logs_one_round_per_fragment_sync(ranks):
+    """Fragment f of 3 syncs at t ≡ f (mod 3) and merges a step later; at step 12 the final sync
+    merges fragment 2's sync of step 11 and then scores every fragment once more."""
+    logged = ranks[0]["streaming"]
+    on_steps = [(r["step"], k) for r in logged["steps"] for k in r.get("score_rounds", ())]
+    assert [without_seconds(k) for _, k in on_steps] == logged["summary"]["score_rounds"]
+    assert [step for step, _ in on_steps] == list(range(2, 12)) + [12] * 4
+    assert all("score_s" in k for _, k in on_steps)
 
 
 @pytest.mark.procs
