@@ -62,3 +62,13 @@ def test_a_worker_holds_the_first_sequences_it_trained_on_since_the_last_sync():
     held.close()
     model(first)
     assert torch.equal(held.take(), second[:2])
+
+
+def test_an_unscored_contribution_keeps_its_standing():
+    """A lone validator's own contribution has no scorer (None): neither left out nor taken back by score."""
+    board = Scoreboard(3, patience=1)
+    assert board.judge(rows(1, 2, 3), [None, 0.1, -0.1], [None, 1, -1]).tolist() == [True, True, False]
+    assert board.judge(rows(4, 5, 6), [None, -0.1, 0.2], [None, -1, 1]).tolist() == [True, False, True]
+    assert board.history[1]["events"] == ["worker 1 left out: its score was negative for 1 round",
+                                          "worker 2 taken back: its score was non-negative for 1 round"]
+    assert board.negative[0] == board.positive[0] == 0

@@ -3,47 +3,71 @@
 
 At each sync the wire gathers every worker's Δ_r (outer_wire.py) and asks `admit(key, rows)`
 which rows to aggregate. The workers share the sequences each held this period (one
-bookkeeping all-gather of token ids), and the scoring is spread over them: worker q scores
-the contribution of worker (q + 1) mod W -- never its own -- on θ_global, and one all-reduce of
-W × 3 values gives every worker every score, so all decide alike. A worker's cost per round:
-four forwards of --score-batches sequences (the loss at θ_global and at θ_global − 0.2·lr·Δ_r, on
-the contributor's batch and on the next worker's), whatever W. An emulated attacker scores
-honestly (it attacks only its own contribution).
+bookkeeping all-gather of token ids), and the scoring is spread over the validators (every
+worker, or --validators): `scorers` gives each contribution one validator other than its
+contributor, rotating round by round, and one all-reduce of W × 4 values gives every worker every
+score, so all decide alike. A validator's cost per round and contribution it scores: two
+forwards of --score-batches sequences at θ_global − 0.2·lr·Δ_r (on the contributor's batch and on
+the next worker's), and once per batch the loss at θ_global (every worker validating: four
+forwards each, whatever W). A worker that validates nothing runs no forward. An emulated
+attacker scores honestly (it attacks only its own contribution).
+
+The same all-reduce carries each worker's seconds of scoring work that round (its forwards and
+the rows' fingerprints), so every worker knows the round's slowest (`seconds`); they and the
+trainer step each round merged at are kept beside the scoreboard, not in it (they are not the
+run's state: a resumed run's earlier rounds are in its steps.jsonl already), for `rounds_from`.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn as nn
 
 from ..contract.context import write_flat
-from ..robust.scoring import PROBE_SCALE, HeldBatch, Scoreboard, next_token_loss
+from ..robust.scoring import (PROBE_SCALE, HeldBatch, Scoreboard, fingerprint, next_token_loss, scorers,
+                              standing_changes)
+
+COLUMNS = 4  # per contribution: score, own data's gain, random data's gain; per worker: its seconds
 
 
 class OuterScoring:
     """Scores and admits the contributions to `sync`'s fragments (an OuterSync over `model`): a
-    fragment's Δ_r moves only that fragment, the others held at their θ_global."""
+    fragment's Δ_r moves only that fragment, the others held at their θ_global. `o`: the
+    strategy's options (outer_lr, score_batches, score_patience, validators)."""
 
-    def __init__(self, sync, model: nn.Module, lr: float, sequences: int, patience: int):
-        self.sync, self.model, self.lr = sync, model, lr
-        self.held = HeldBatch(model, sequences)
-        self.board = Scoreboard(sync.comm.world, patience, loud=sync.comm.rank == 0)
+    def __init__(self, sync, model: nn.Module, o):
+        self.sync, self.model, self.lr = sync, model, o.outer_lr
+        self.held = HeldBatch(model, o.score_batches)
+        self.board = Scoreboard(sync.comm.world, o.score_patience)
+        self.validators = o.validator_ranks(sync.comm.world)
+        self.seconds: dict[int, list[float]] = {}  # round -> each worker's seconds of scoring work
+        self.steps: dict[int, int] = {}            # round -> the trainer step its merge is due at
 
     def admit(self, key: str, rows: torch.Tensor) -> torch.Tensor:
         """Every worker's Δ_r of the sync (rows [W, n], rank order) -> which the aggregate takes."""
-        comm, world = self.sync.comm, rows.shape[0]
+        comm, world, round_ = self.sync.comm, rows.shape[0], self.board.rounds
         batches = self._share(comm, self.held.take(), rows.device)
-        table = torch.zeros(world, 3, dtype=torch.float64, device=rows.device)  # score, own gain, random gain
-        target = (comm.rank + 1) % world
+        assigned = scorers(world, self.validators, round_)
+        mine = [r for r in range(world) if assigned[r] == comm.rank]
+        t0 = time.perf_counter()
+        table = torch.zeros(world, COLUMNS, dtype=torch.float64, device=rows.device)
         i = next(i for i, (f, _) in enumerate(self.sync.fragments) if key == f"fragment{f}")
-        table[target] = torch.tensor(self._score(i, rows[target], batches[target], batches[(target + 1) % world]),
-                                     dtype=torch.float64)
+        for r, values in zip(mine, self._score(i, rows, mine, batches)):
+            table[r, :3] = torch.tensor(values, dtype=torch.float64)
+        prints = [fingerprint(rows[r]) for r in range(world)]
+        table[comm.rank, 3] = time.perf_counter() - t0
         comm.meta_all_reduce(table, op="sum")
-        if batches.numel() == 0:  # nobody held a sequence: no evidence this round
-            return self.board.judge(rows, None, None)
         table = table.cpu()
-        scores = [float(s) for s in table[:, 0]]
-        fits = [1.0 if own > rand else -1.0 for own, rand in table[:, 1:].tolist()]
-        return self.board.judge(rows, scores, fits)
+        self.seconds[round_] = [float(s) for s in table[:, 3]]
+        if self.sync.pending.get(i):  # 0: the final sync, at the run's last step (or at its close)
+            self.steps[round_] = self.sync.pending[i]
+        if batches.numel() == 0:  # nobody held a sequence: no evidence this round
+            return self.board.judge(rows, None, None, prints)
+        scores = [None if assigned[r] is None else float(table[r, 0]) for r in range(world)]
+        fits = [None if assigned[r] is None else 1.0 if own > rand else -1.0
+                for r, (own, rand) in enumerate(table[:, 1:3].tolist())]
+        return self.board.judge(rows, scores, fits, prints)
 
     @staticmethod
     def _share(comm, mine: torch.Tensor | None, device) -> torch.Tensor:
@@ -55,23 +79,43 @@ class OuterScoring:
         return comm.meta_all_gather(held[:n, :t].contiguous())
 
     @torch.no_grad()
-    def _score(self, i: int, delta: torch.Tensor, own: torch.Tensor, rand: torch.Tensor) -> list[float]:
-        """(Gauntlet's score, own data's relative improvement, random data's) of one contribution
-        to fragment i."""
-        if own.numel() == 0 or own.shape[1] < 2:
-            return [0.0, 0.0, 0.0]
-        params = self.sync.fragments[i][1]
-        g = self.sync.globals[i].detach()
+    def _score(self, i: int, rows: torch.Tensor, mine: list[int], batches: torch.Tensor) -> list[list[float]]:
+        """(Gauntlet's score, own data's relative improvement, random data's) of each contribution
+        in `mine` to fragment i: contribution r on its own batch and the next worker's, r + 1."""
+        world = rows.shape[0]
+        if not mine or batches.numel() == 0 or batches.shape[2] < 2:
+            return [[0.0, 0.0, 0.0] for _ in mine]
+        params, g = self.sync.fragments[i][1], self.sync.globals[i].detach()
+        pairs = {r: (r, (r + 1) % world) for r in mine}  # (own, random)
         self.held.paused = True
         try:
             with self.sync.globals_in_model():
-                before = [next_token_loss(self.model, b) for b in (own, rand)]
-                write_flat(g - PROBE_SCALE * self.lr * delta.to(g.dtype), params)
-                after = [next_token_loss(self.model, b) for b in (own, rand)]
+                needed = sorted({b for pair in pairs.values() for b in pair})
+                base = {b: next_token_loss(self.model, batches[b]) for b in needed}  # the loss at θ_global
+                out = []
+                for r in mine:
+                    write_flat(g - PROBE_SCALE * self.lr * rows[r].to(g.dtype), params)
+                    after = [next_token_loss(self.model, batches[b]) for b in pairs[r]]
+                    gain = [(base[b] - a) / base[b] if base[b] > 0 else 0.0 for b, a in zip(pairs[r], after)]
+                    out.append([gain[1], gain[0], gain[1]])
         finally:
             self.held.paused = False
-        gain = [(b - a) / b if b > 0 else 0.0 for b, a in zip(before, after)]
-        return [gain[1], gain[0], gain[1]]
+        return out
+
+    def rounds_from(self, first: int) -> list[tuple[int | None, dict]]:
+        """The scored rounds from round `first` on: (the trainer step whose outer step took it, None
+        where unknown: the final sync, or a round loaded with the state; its history entry with
+        `score_s`, the slowest worker's seconds of scoring work that round, and
+        `score_s_per_rank`, each worker's, where this process scored it)."""
+        out = []
+        for entry in self.board.history[first:]:
+            k, seconds = entry["round"], self.seconds.get(entry["round"])
+            timed = {"score_s": round(max(seconds), 6), "score_s_per_rank": [round(s, 6) for s in seconds]} \
+                if seconds else {}
+            out.append((self.steps.get(k), {**entry, **timed}))
+        return out
+
+    standing_changes = staticmethod(standing_changes)  # a round's events that left out or took back a worker
 
     def report(self) -> dict:
         return self.board.report()

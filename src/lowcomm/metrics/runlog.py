@@ -24,6 +24,15 @@ every rank's StepResult gathered each step). Field meanings:
                   240 ms, link model 100 ms)" (diagnose/slowlink.py), "stalled all_reduce #412
                   rank 1 3.2 s" (the launcher's, diagnose/stalls.py), "loss spike 9.65 (x2.8
                   the median 3.46 of the last 10 steps)" (diagnose/spikes.py)
+  score_rounds    present with --score on the steps whose outer step took a scored round (a
+                  list: a streaming run scores one fragment's sync a round, and the final sync
+                  every fragment in the last step), each round as summary.json's score_rounds
+                  has it: round, scores and fits (per worker; None where no validator could
+                  score it), left_out, events (copies, stale and zero contributions named,
+                  workers left out or taken back), and the seconds of scoring work that round
+                  (its forwards and the contributions' fingerprints, not the sharing of the held
+                  sequences): score_s the slowest worker's, score_s_per_rank each worker's
+                  (shared by the scores' own all-reduce; absent on a round a resumed run loaded)
 With replica groups (--replicas R < W) each level's share of the above, L = cross or intra:
   wire_bytes_L         summed over ranks (wire_bytes_cross + wire_bytes_intra = wire_bytes)
   exposed_comm_s_L     max over ranks

@@ -7,6 +7,7 @@ contribution per worker (the local-SGD family: `class DiLoCoOptions(RobustOption
     --aggregate NAME    how the outer step combines the contributions (aggregators.py)
     --score             score every contribution and leave out the bad (scoring.py), with
                         --score-patience and --score-batches
+    --validators RANKS  with --score: only these workers run the scoring forwards (default: all)
 
 Every other strategy lacks these options, so the CLI refuses them there in one line naming
 the strategies that take them (a ddp step averages gradients inside the all-reduce: there is
@@ -37,6 +38,8 @@ class RobustOptions(Options):
                                  min=1)
     score_batches: int = option(4, "with --score: sequences of each worker's own data its contribution is scored "
                                 "on (at most --micro-batch)", min=1)
+    validators: str = option("", "with --score: the workers that run the scoring forwards, ranks comma-separated "
+                             "(default: every worker); no validator scores its own contribution")
 
     def emulated_attack(self) -> Attack:
         return parse_attack(self.attack)
@@ -47,6 +50,10 @@ class RobustOptions(Options):
     def aggregator(self) -> Aggregator:
         return parse_aggregator(self.aggregate)
 
+    def validator_ranks(self, world: int) -> tuple[int, ...]:
+        """The workers that score (--validators; every one of `world` by default)."""
+        return parse_ranks(self.validators, "--validators") or tuple(range(world))
+
     def check(self) -> None:
         super().check()
         attack, ranks = self.emulated_attack(), self.attacking_ranks()
@@ -55,6 +62,8 @@ class RobustOptions(Options):
             raise UsageError(f"--attack {self.attack} needs --attackers RANKS: which workers attack")
         if ranks and attack.kind == "none":
             raise UsageError(f"--attackers {self.attackers} needs --attack KIND: what they send")
+        if parse_ranks(self.validators, "--validators") and not self.score:
+            raise UsageError(f"--validators {self.validators} needs --score: validators run the scoring")
 
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
@@ -75,6 +84,16 @@ class RobustOptions(Options):
                              "members come and go, and an elastic outer step weights each member by its tokens")
         if self.score and world < cfg.workers:
             raise UsageError(f"--score does not run across replica groups (--replicas {cfg.replicas}) yet")
+        self._check_validators(world, group)
+
+    def _check_validators(self, world: int, group: str) -> None:
+        validators = parse_ranks(self.validators, "--validators")
+        if validators and validators[-1] >= world:
+            raise UsageError(f"--validators {self.validators}: rank {validators[-1]} is out of range for {world} "
+                             f"{group} (ranks 0 to {world - 1})")
+        if validators and world == 1:
+            raise UsageError(f"--validators {self.validators}: the only worker would score only its own "
+                             f"contribution, and no validator scores its own")
 
 
 class UnscoredRobustOptions(RobustOptions):

@@ -12,12 +12,14 @@ sync. Worker r's contribution Δ_r is scored on the model every worker holds, θ
 
 lr is the outer learning rate: Δ_r applied as if it were the round's mean, at Gauntlet's 0.2 of
 the step (the slope along Δ_r, not a full step that may overshoot on a few sequences). Each
-contribution is scored by one other worker and one all-reduce shares the scores
-(engines/outer_scoring.py), so every worker decides alike even where forward passes differ in
-the last bit. A worker whose score is negative for `patience` rounds in a row is left out of the
-aggregate, and taken back once it is non-negative for `patience` rounds in a row (it is still
-scored every round; near a plateau a flipped update's score flickers around 0, and one lucky
-round does not bring it back). Replays are named and counted once: a contribution equal bit for
+contribution is scored by one validator other than its contributor (`scorers`: every worker, or
+--validators) and one all-reduce shares the scores (engines/outer_scoring.py), so every worker
+decides alike even where forward passes differ in the last bit; a contribution no validator but
+its own contributor could score (a lone validator's) is not scored (None), its standing unchanged.
+A worker whose score is negative for `patience` rounds in a row is left out of the aggregate, and
+taken back once it is non-negative for `patience` rounds in a row (it is still scored every round;
+near a plateau a flipped update's score flickers around 0, and one lucky round does not bring it
+back). Replays are named and counted once: a contribution equal bit for
 bit to another worker's of the same round (a copy: the later rank's copy is left out of that
 round), or to one of an earlier round (stale: left out of that round); an all-zero one sent
 nothing and is left out of its round. A perturbed copy is not caught.
@@ -25,7 +27,6 @@ nothing and is left out of its round. A perturbed copy is not caught.
 from __future__ import annotations
 
 import hashlib
-import sys
 
 import torch
 import torch.nn as nn
@@ -34,6 +35,33 @@ from ..models.gpt import lm_loss
 
 STALE_ROUNDS = 8  # rounds of contributions whose fingerprints are kept to name a stale one
 PROBE_SCALE = 0.2  # Gauntlet applies a contribution at 0.2 x the learning rate: the loss's slope along it
+LEFT_OUT = "worker {} left out: its score was negative for {}"
+TAKEN_BACK = "worker {} taken back: its score was non-negative for {}"
+
+
+def rounds_text(n: int) -> str:
+    return f"{n} round{'s' * (n != 1)}"
+
+
+def scorers(world: int, validators: tuple[int, ...], round_: int) -> list[int | None]:
+    """Who scores each worker's contribution in round `round_`: contribution r goes to the
+    validators other than r, in rank order, at position (r + round_) mod their count -- so no
+    validator scores its own, the work is spread over the validators, and the scorer of a
+    contribution rotates round by round (one colluding validator does not score the same peer
+    every round). With every worker a validator this is the cyclic shift r -> (r + 1 + round_
+    mod (W - 1)) mod W: one contribution per worker and round. None: only r itself validates."""
+    out: list[int | None] = []
+    for r in range(world):
+        others = [v for v in validators if v != r]
+        out.append(others[(r + round_) % len(others)] if others else None)
+    return out
+
+
+def standing_changes(round_entry: dict) -> list[str]:
+    """The events of a scored round (a Scoreboard history entry) that left a worker out or took
+    one back: what the progress line says (replays are named in steps.jsonl and the report)."""
+    heads = (LEFT_OUT.split("{}")[1], TAKEN_BACK.split("{}")[1])  # ' left out: ...', ' taken back: ...'
+    return [e for e in round_entry.get("events", ()) if any(h in e for h in heads)]
 
 
 class HeldBatch:
@@ -80,8 +108,8 @@ def fingerprint(row: torch.Tensor) -> str:
 class Scoreboard:
     """The scores over the rounds and who is left out (identical on every worker)."""
 
-    def __init__(self, world: int, patience: int, loud: bool = False):
-        self.patience, self.loud = patience, loud
+    def __init__(self, world: int, patience: int):
+        self.patience = patience
         self.negative = [0] * world        # rounds in a row with a negative score
         self.positive = [0] * world        # rounds in a row with a non-negative score
         self.left_out: set[int] = set()
@@ -89,11 +117,13 @@ class Scoreboard:
         self.history: list[dict] = []      # per round: scores, fits, left out, named replays
         self.seen: list[dict[str, int]] = []  # per earlier round: fingerprint -> rank
 
-    def judge(self, rows: torch.Tensor, scores: list[float] | None, fits: list[float] | None) -> torch.Tensor:
-        """This round's scores (None: no sequence to score on, no worker's standing changes) ->
-        which rows the aggregate takes (bool [W])."""
+    def judge(self, rows: torch.Tensor, scores: list[float | None] | None, fits: list[float | None] | None,
+              prints: list[str] | None = None) -> torch.Tensor:
+        """This round's scores (None: no sequence to score on, no worker's standing changes; a None
+        entry: that contribution was not scored) -> which rows the aggregate takes (bool [W]).
+        `prints`: the rows' fingerprints, where the caller took them already."""
         world, events = rows.shape[0], []
-        prints = [fingerprint(rows[r]) for r in range(world)]
+        prints = prints or [fingerprint(rows[r]) for r in range(world)]
         replay = [False] * world
         for r, fp in enumerate(prints):
             if not rows[r].any():
@@ -109,23 +139,22 @@ class Scoreboard:
                 replay[r] = True
                 events.append(f"worker {r} sent a contribution of round {self.rounds - len(self.seen) + old} (stale)")
         for r, s in enumerate(scores or ()):
+            if s is None:
+                continue
             self.negative[r] = self.negative[r] + 1 if s < 0 else 0
             self.positive[r] = self.positive[r] + 1 if s >= 0 else 0
             if r not in self.left_out and self.negative[r] >= self.patience:
                 self.left_out.add(r)
-                events.append(f"worker {r} left out: its score was negative for {self.negative[r]} rounds")
+                events.append(LEFT_OUT.format(r, rounds_text(self.negative[r])))
             elif r in self.left_out and self.positive[r] >= self.patience:
                 self.left_out.discard(r)
-                events.append(f"worker {r} taken back: its score was non-negative for {self.positive[r]} rounds")
+                events.append(TAKEN_BACK.format(r, rounds_text(self.positive[r])))
         self.seen = (self.seen + [dict((fp, r) for r, fp in enumerate(prints))])[-STALE_ROUNDS:]
         admitted = torch.tensor([r not in self.left_out and not replay[r] for r in range(world)])
         if not admitted.any():  # nobody left: the round keeps every worker rather than none
             admitted[:] = True
         self.history.append({"round": self.rounds, "scores": scores, "fits": fits,
                              "left_out": sorted(r for r in range(world) if not admitted[r]), "events": events})
-        if self.loud:
-            for e in events:
-                print(f"outer round {self.rounds}: {e}", file=sys.stderr, flush=True)
         self.rounds += 1
         return admitted
 

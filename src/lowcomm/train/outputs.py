@@ -1,10 +1,13 @@
 """Where each gathered step goes: rank 0's steps.jsonl, progress view and flags (stragglers, slow
-link, loss spikes, the launcher's stalled collectives), and the dashboards asked for (--tensorboard, --wandb).
-The training loop (loop.py) hands records over; this module knows where they are written."""
+link, loss spikes, the launcher's stalled collectives), --score's rounds (on the records of the steps
+that scored, and a worker left out or taken back on the progress line), and the dashboards asked for
+(--tensorboard, --wandb). The training loop (loop.py) hands records over; this module knows where
+they are written."""
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..engines.outer_scoring import OuterScoring
 from ..engines.outer_sync import OuterSync
 from ..metrics.progress import ProgressView
 from ..metrics.runlog import StepLog
@@ -43,6 +46,9 @@ class StepOutputs:
             board = ScalarLogs.for_run(cfg) if t.rank == 0 else None
         self.board = board or None
         self.loader_s = t.loader_s  # the trainer's reading time per step (Trainer.next_batch)
+        scoring = getattr(getattr(t.run.strategy, "sync", None), "scoring", None)
+        self.scores = ScoreRounds(scoring, self.log.kept, cfg.end_step) if self.lead and scoring else None
+        self._standing: list[str] = []  # --score: workers left out or taken back in a gather's steps
 
     def kept_totals(self, world: int) -> tuple[Totals, float, float]:
         """The totals, last loss and last validation loss of the steps before a resumed checkpoint."""
@@ -56,6 +62,8 @@ class StepOutputs:
 
     def write(self, records: list[dict], totals: Totals) -> None:
         """The steps' records into the totals and the logs (the flags first: they go in the record)."""
+        if self.scores is not None and records:
+            self._standing = self.scores.place(records)
         for record in records:
             totals.add(record)
             loader_s = self.loader_s.pop(record["step"], 0.0)
@@ -83,7 +91,7 @@ class StepOutputs:
         if self.lead:
             self.view.update(step, last["loss"], totals.tokens / elapsed, totals.wire / 1e6, totals.exposed / elapsed,
                              last.get("val_loss"), totals.per_level(step, elapsed),
-                             self._shown_late + last.get("flags", []))
+                             self._shown_late + last.get("flags", []) + self._standing)
 
     def close(self) -> None:
         self.view.close()
@@ -91,3 +99,34 @@ class StepOutputs:
             self.log.close()
         if self.board is not None and self._owns_board:
             self.board.close()
+
+
+class ScoreRounds:
+    """Rank 0's placing of --score's rounds (engines/outer_scoring.py, alike on every worker) on
+    the records of steps.jsonl: each round on the record of the step whose outer step took it
+    (`score_rounds`, a list: a streaming run's fragments and the final sync score several rounds
+    in one step), a round of unknown step (the final sync's) on the last record gathered, and at
+    the run's last step every round left. A resumed run goes on after the last round its kept
+    records hold."""
+
+    def __init__(self, scoring: OuterScoring, kept: list[dict], end_step: int):
+        self.scoring, self.end_step = scoring, end_step
+        self.next = 1 + max((k["round"] for r in kept for k in r.get("score_rounds", ())), default=-1)
+        self.waiting: list[tuple[int | None, dict]] = []  # rounds due at a step not gathered yet
+
+    def place(self, records: list[dict]) -> list[str]:
+        """The rounds scored up to these records' last step into them -> what the progress line
+        says of them ('round 4: worker 2 left out: its score was negative for 3 rounds')."""
+        new = self.scoring.rounds_from(self.next)
+        self.next += len(new)
+        placed, self.waiting = self.waiting + new, []
+        ends = records[-1]["step"] >= self.end_step
+        said = []
+        for step, entry in placed:
+            target = records[-1] if step is None else next((r for r in records if r["step"] >= step), None)
+            if target is None and not ends:
+                self.waiting.append((step, entry))
+                continue
+            (target or records[-1]).setdefault("score_rounds", []).append(entry)
+            said += [f"round {entry['round']}: {e}" for e in self.scoring.standing_changes(entry)]
+        return said
