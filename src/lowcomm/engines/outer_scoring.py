@@ -28,14 +28,17 @@ class OuterScoring:
         self.held = HeldBatch(model, sequences)
         self.board = Scoreboard(sync.comm.world, patience, loud=sync.comm.rank == 0)
 
-    def admit(self, key: str, rows: torch.Tensor) -> torch.Tensor:
-        """Every worker's Δ_r of the sync (rows [W, n], rank order) -> which the aggregate takes."""
+    def admit(self, key: str, rows: torch.Tensor, probe: torch.Tensor | None = None) -> torch.Tensor:
+        """Every worker's Δ_r of the sync (rows [W, n], rank order) -> which the aggregate takes;
+        each scored as `probe` has it (default: as sent; a compressed wire's median-norm clip:
+        as clipped, as Covenant's validator scores it), replays named by `rows`."""
+        probe = rows if probe is None else probe
         comm, world = self.sync.comm, rows.shape[0]
         batches = self._share(comm, self.held.take(), rows.device)
         table = torch.zeros(world, 3, dtype=torch.float64, device=rows.device)  # score, own gain, random gain
         target = (comm.rank + 1) % world
         i = next(i for i, (f, _) in enumerate(self.sync.fragments) if key == f"fragment{f}")
-        table[target] = torch.tensor(self._score(i, rows[target], batches[target], batches[(target + 1) % world]),
+        table[target] = torch.tensor(self._score(i, probe[target], batches[target], batches[(target + 1) % world]),
                                      dtype=torch.float64)
         comm.meta_all_reduce(table, op="sum")
         if batches.numel() == 0:  # nobody held a sequence: no evidence this round
