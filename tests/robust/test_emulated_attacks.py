@@ -162,7 +162,8 @@ def _watched_run(rank: int, cfg) -> dict:
         run_plain(t, None, quiet=True)
     finally:
         t.run.close()
-    return {"assigned": assigned, "trained_on": trained_on, "held": held}
+    said = {k: v for k, v in t.run.strategy.report().items() if k in ("attack", "attackers")}  # summary.json's
+    return {"assigned": assigned, "trained_on": trained_on, "held": held, "said": said}
 
 
 def _final_loss(rank: int, cfg) -> float:
@@ -200,6 +201,7 @@ def test_the_wrong_data_attacker_trains_on_its_windows_backwards_and_the_honest_
         assert len(seen["assigned"]) == len(seen["trained_on"]) == 4, rank
         for (x, y), inputs in zip(seen["assigned"], seen["trained_on"]):
             assert torch.equal(inputs, y.flip(-1) if rank == 1 else x), rank
+        assert seen["said"] == {"attack": "wrong-data", "attackers": [1]}, rank
     shards = [torch.cat([x for x, _ in wrong_data_ranks[r]["watched"]["assigned"]]) for r in (0, 1)]
     assert not torch.equal(shards[0], shards[1])  # each its own shard
 
