@@ -149,8 +149,9 @@ def wrong_data(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
 
 
 def check_own_loop(spec: str, name: str = "attack") -> None:
-    """wrap(): a loop of the user's own reads its own data, which no emulation reaches."""
-    if parse_attack(spec, name).on_data:
+    """wrap(): a loop of the user's own reads its own data, which no emulation reaches (a bad
+    spec is left to the options' own check, which names it as for every strategy)."""
+    if str(spec).strip() == "wrong-data":
         raise UsageError(f"{name}='wrong-data' changes the data a worker trains on, which lowcomm train's trainer "
                          f"reads and a loop of your own reads itself: feed that rank other data in your loop")
 
