@@ -29,7 +29,7 @@ from _runs import BenchRun, train
 RECIPE = ["--n-layer", "2", "--n-head", "2", "--d-model", "64", "--seq-len", "64", "--micro-batch", "8",
           "--lr", "1e-3", "--warmup", "10", "--steps", "120", "--eval-every", "0", "--eval-batches", "8"]
 OUTER = ["--sync-every", "10"]  # the local-SGD family's period (demo has none: it syncs every step)
-ATTACKS = ["none", "sign-flip", "scale:100", "scale:-100", "noise:1", "zero", "copy", "stale:2", "alie:1"]
+ATTACKS = ["none", "sign-flip", "scale:100", "scale:-100", "noise:1", "zero", "copy", "stale:2", "alie:1", "wrong-data"]
 DEFENCES = {  # column -> flags
     "mean": ["--aggregate", "mean"],
     "median": ["--aggregate", "median"],

@@ -1,5 +1,7 @@
 """Each emulated attack's contribution against its definition, the attackers' emulation on one
-rank of a stub group (who attacks, the rounds, the oracle for copy and alie), and bad flags."""
+rank of a stub group (who attacks, the rounds, the oracle for copy and alie), and bad flags;
+wrong-data in the CLI's trainer on W = 2 gloo workers (what each rank trains on, what --score
+holds of it, what it does to the loss under the mean)."""
 from __future__ import annotations
 
 from statistics import NormalDist
@@ -7,9 +9,10 @@ from statistics import NormalDist
 import pytest
 import torch
 
+import lowcomm
 from lowcomm.errors import UsageError
 from lowcomm.robust import Attackers, Round, parse_attack, parse_ranks
-from lowcomm.robust.attacks import alie_z
+from lowcomm.robust.attacks import alie_z, wrong_data
 
 
 def ctx(others=None, history=(), rank=3, attackers=(3,), seed=0):
@@ -107,3 +110,115 @@ def test_ranks_parse_and_a_bad_rank_is_named():
     for raw, says in (("a", "'a' is not a worker rank"), ("1,-2", "rank -2 is negative"), ("2,2", "names a rank twice")):
         with pytest.raises(UsageError, match=says):
             parse_ranks(raw)
+
+
+def test_wrong_data_reads_each_window_backwards():
+    windows = torch.arange(2 * 6).view(2, 6)              # two windows of T + 1 = 6 tokens
+    x, y = windows[:, :-1], windows[:, 1:]
+    wx, wy = wrong_data((x, y))
+    backwards = windows.flip(-1)
+    assert torch.equal(wx, backwards[:, :-1]) and torch.equal(wy, backwards[:, 1:])
+    assert parse_attack("wrong-data").on_data and not parse_attack("sign-flip").on_data
+    assert torch.equal(parse_attack("wrong-data")(DELTA, ctx()), DELTA)  # its Δ is sent as is
+
+
+def test_a_loop_of_your_own_is_refused_wrong_data():
+    model = lowcomm.GPT(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=8)
+    with pytest.raises(UsageError, match="attack='wrong-data' changes the data a worker trains on"):
+        lowcomm.wrap(model, lambda p: torch.optim.AdamW(p), "diloco", attack="wrong-data", attackers="0")
+
+
+# -- wrong-data in the CLI's trainer: W = 2 gloo workers, rank 1 attacking -------------------------
+
+WRONG = ["--strategy", "diloco", "--workers", "2", "--n-layer", "1", "--n-head", "2", "--d-model", "32",
+         "--seq-len", "16", "--micro-batch", "4", "--lr", "3e-3", "--warmup", "0", "--eval-every", "0",
+         "--eval-batches", "4", "--quiet"]
+LOSS_STEPS, SEEDS = 40, (0, 1)
+# Text whose direction the tiny model learns in a few steps (each letter followed by the next):
+# read backwards, each is followed by the one before, and the mean of the two moves is neither.
+ALPHABET = "abcdefghijklmnopqrstuvwxyz" * 400
+
+
+def _config(data: str, out: str, *flags: str):
+    from lowcomm import config as C
+    from lowcomm.cli.main import build_parser, config_from_args
+    cfg = config_from_args(build_parser().parse_args(["train", *WRONG, "--data", data, "--out", out, *flags]))
+    C.validate(cfg)
+    return cfg
+
+
+def _watched_run(rank: int, cfg) -> dict:
+    """A scored run: what the loader gave this rank (its shard's batches), what its model trained
+    on (the training forwards' inputs) and the sequences its scoring held at each sync."""
+    from lowcomm.train.worker import build, run_plain
+    t = build(cfg, rank, 2, local_rank=0)
+    assigned, trained_on, held = [], [], []
+    read, take = t.loader.next, t.run.strategy.sync.scoring.held.take
+    t.loader.next = lambda: assigned.append(read()) or assigned[-1]
+    t.model.register_forward_pre_hook(  # a training forward (not an evaluation, not the scoring's probes)
+        lambda m, args: trained_on.append(args[0].clone()) if m.training and torch.is_grad_enabled() else None)
+    t.run.strategy.sync.scoring.held.take = lambda: held.append(take()) or held[-1]
+    try:
+        run_plain(t, None, quiet=True)
+    finally:
+        t.run.close()
+    said = {k: v for k, v in t.run.strategy.report().items() if k in ("attack", "attackers")}  # summary.json's
+    return {"assigned": assigned, "trained_on": trained_on, "held": held, "said": said}
+
+
+def _final_loss(rank: int, cfg) -> float:
+    from lowcomm.train.worker import build, run_plain
+    t = build(cfg, rank, 2, local_rank=0)
+    try:
+        return run_plain(t, None, quiet=True).val_loss
+    finally:
+        t.run.close()
+
+
+def _wrong_data(rank: int, world: int, data: str, out: str) -> dict:
+    attack = ["--attack", "wrong-data", "--attackers", "1"]
+    watched = _watched_run(rank, _config(data, f"{out}/watched", "--steps", "4", "--sync-every", "2", "--score",
+                                         "--score-batches", "3", *attack))
+    losses = {(kind, seed): _final_loss(rank, _config(data, f"{out}/{kind}{seed}", "--steps", str(LOSS_STEPS),
+                                                      "--sync-every", "5", "--seed", str(seed),
+                                                      *(attack if kind == "wrong" else [])))
+              for seed in SEEDS for kind in ("clean", "wrong")}
+    return {"watched": watched, "losses": losses}
+
+
+@pytest.fixture(scope="module")
+def wrong_data_ranks(tmp_path_factory):
+    from dist_utils import run_dist
+    root = tmp_path_factory.mktemp("wrong-data")
+    (root / "text.txt").write_text(ALPHABET)
+    return run_dist(_wrong_data, 2, str(root / "text.txt"), str(root), timeout=600)
+
+
+@pytest.mark.procs
+def test_the_wrong_data_attacker_trains_on_its_windows_backwards_and_the_honest_on_theirs(wrong_data_ranks):
+    for rank in (0, 1):
+        seen = wrong_data_ranks[rank]["watched"]
+        assert len(seen["assigned"]) == len(seen["trained_on"]) == 4, rank
+        for (x, y), inputs in zip(seen["assigned"], seen["trained_on"]):
+            assert torch.equal(inputs, y.flip(-1) if rank == 1 else x), rank
+        assert seen["said"] == {"attack": "wrong-data", "attackers": [1]}, rank
+    shards = [torch.cat([x for x, _ in wrong_data_ranks[r]["watched"]["assigned"]]) for r in (0, 1)]
+    assert not torch.equal(shards[0], shards[1])  # each its own shard
+
+
+@pytest.mark.procs
+def test_the_attackers_scored_sequences_are_its_assigned_ones(wrong_data_ranks):
+    """--score holds the first --score-batches sequences of each period's assigned data (a
+    validator's knowledge of the worker), not the reversed windows the attacker trained on."""
+    for rank in (0, 1):
+        seen = wrong_data_ranks[rank]["watched"]
+        want = [seen["assigned"][step][0][:3] for step in (0, 2)]  # each period's first micro-batch
+        assert len(seen["held"]) == 2 and all(torch.equal(h, w) for h, w in zip(seen["held"], want)), rank
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("seed", SEEDS)
+def test_wrong_data_raises_the_loss_under_the_mean(wrong_data_ranks, seed):
+    losses = wrong_data_ranks[0]["losses"]
+    assert wrong_data_ranks[1]["losses"] == losses  # every worker evaluates θ_global alike
+    assert losses[("wrong", seed)] > losses[("clean", seed)] + 0.3, losses  # measured: 0.61 -> 1.37, 0.65 -> 1.35

@@ -49,6 +49,9 @@ SCENARIOS = {  # name: (strategy, options), every one run with each seed
     "sparse-clean": ("sparseloco", {}),
     "sparse-scale-mean": ("sparseloco", dict(attack="scale:100")),
     "sparse-scale-mnc": ("sparseloco", dict(attack="scale:100", aggregate="median-norm-clip")),
+    # --score on the compressed wire: rows scored as the median-norm clip takes them; patience 1
+    "sparse-score-scale": ("sparseloco", dict(attack="scale:100", aggregate="median-norm-clip", score=True)),
+    "sparse-score-flip": ("sparseloco", dict(attack="sign-flip", aggregate="median-norm-clip", score=True)),
 }
 
 
@@ -215,3 +218,22 @@ def test_a_scored_attacked_run_resumes_as_it_would_have_gone_on(ranks):
         assert resumed["hashes"][1] == resumed["hashes"][0], f"rank {r}"
         assert resumed["rounds"][1] == resumed["rounds"][0] and len(resumed["rounds"][0]) == 4
         assert any("(stale)" in e for k in resumed["rounds"][0][2:] for e in k["events"])
+
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sparseloco_scores_rows_as_the_median_norm_clip_takes_them_and_leaves_out_at_once(ranks, seed):
+    """On SparseLoCo's compressed wire under median-norm-clip a row is scored clipped to the median
+    norm, as Covenant's validator applies a peer's payload: a scale:100 attacker is scored as the
+    honest-norm row it becomes (unclipped, its 100x probe scored over ten times an honest one) and kept, and the
+    run is median-norm-clip's own. A sign-flipper is left out at its first negative score
+    (sparseloco's --score-patience 1), from round 0: its run is then, bit for bit, the one whose
+    attacker sends nothing (left out of every round), the floor of any defence."""
+    scale = rounds(ranks, "sparse-score-scale", seed)
+    for k in scale:
+        assert not k["left_out"] and 0 < k["scores"][2] < 3 * max(k["scores"][:2]), k
+    assert ranks[0][("sparse-score-scale", seed)]["hashes"] == ranks[0][("sparse-scale-mnc", seed)]["hashes"]
+    flip = rounds(ranks, "sparse-score-flip", seed)
+    assert [k["left_out"] for k in flip] == [[2]] * 4 and all(k["scores"][2] < 0 for k in flip)
+    assert ranks[0][("sparse-score-flip", seed)]["hashes"] == ranks[0][("score-zero", seed)]["hashes"]

@@ -23,7 +23,7 @@ FAMILY = "it is an option of: demo, diloco, sparseloco, streaming_diloco"
     (["--attack", "scale:big", "--attackers", "1"], "--attack 'scale:big': scale's value must be a finite number, "
                                                     "got 'big'"),
     (["--attack", "flip", "--attackers", "1"],
-     "--attack 'flip' is not one of: sign-flip, scale:K, noise:σ, zero, copy, stale:N, alie[:z] (or none)"),
+     "--attack 'flip' is not one of: sign-flip, scale:K, noise:σ, zero, copy, stale:N, alie[:z], wrong-data (or none)"),
     (["--attack", "zero"], "--attack zero needs --attackers RANKS: which workers attack"),
     (["--attack", "zero", "--attackers", "0,1"], "--attackers 0,1 leaves no honest worker of 2"),
     (["--workers", "4", "--aggregate", "trimmed:0.6"],

@@ -44,8 +44,11 @@ class OuterScoring:
         self.seconds: dict[int, list[float]] = {}  # round -> each worker's seconds of scoring work
         self.steps: dict[int, int] = {}            # round -> the trainer step its merge is due at
 
-    def admit(self, key: str, rows: torch.Tensor) -> torch.Tensor:
-        """Every worker's Δ_r of the sync (rows [W, n], rank order) -> which the aggregate takes."""
+    def admit(self, key: str, rows: torch.Tensor, probe: torch.Tensor | None = None) -> torch.Tensor:
+        """Every worker's Δ_r of the sync (rows [W, n], rank order) -> which the aggregate takes;
+        each scored as `probe` has it (default: as sent; a compressed wire's median-norm clip:
+        as clipped, as Covenant's validator scores it), replays named by `rows`."""
+        probe = rows if probe is None else probe
         comm, world, round_ = self.sync.comm, rows.shape[0], self.board.rounds
         batches = self._share(comm, self.held.take(), rows.device)
         assigned = scorers(world, self.validators, round_)
@@ -53,7 +56,7 @@ class OuterScoring:
         t0 = time.perf_counter()
         table = torch.zeros(world, COLUMNS, dtype=torch.float64, device=rows.device)
         i = next(i for i, (f, _) in enumerate(self.sync.fragments) if key == f"fragment{f}")
-        for r, values in zip(mine, self._score(i, rows, mine, batches)):
+        for r, values in zip(mine, self._score(i, probe, mine, batches)):
             table[r, :3] = torch.tensor(values, dtype=torch.float64)
         prints = [fingerprint(rows[r]) for r in range(world)]
         table[comm.rank, 3] = time.perf_counter() - t0

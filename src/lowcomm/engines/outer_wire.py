@@ -42,6 +42,7 @@ from ..compress import Compressor, ErrorFeedback, IntQuantizer, parse_spec, per_
 from ..errors import UsageError
 from ..contract.plan import PlannedOp
 from ..robust import Aggregator, parse_aggregator
+from ..robust.aggregators import clipped_to_median_norm
 from .sync_by_time import INFO_BYTES, fednova_factor, fednova_scale, fednova_weights, step_info
 from .token_weights import TOKEN_BYTES, token_weights
 
@@ -247,16 +248,21 @@ class OuterWire:
         comp = ticket.compressor
         payloads = [comp.from_bytes(every[r, :nq], numel) for r in range(W)]
         if self.fmt.gathers:  # each payload decoded alone; where top-k sent a value: its senders
-            total = self._aggregate(ticket.sent.key, *decoded_rows(comp, payloads))
+            total = self._aggregate(ticket.sent.key, *decoded_rows(comp, payloads), clipped_probe=True)
         else:
             total = comp.combine(payloads, [float(w) for w in weights])
         self.compress_s += time.perf_counter() - t0
         return total, (infos if self.fednova else None)
 
-    def _aggregate(self, key: str, rows: torch.Tensor, sizes, support=None) -> torch.Tensor:
-        """The aggregate of the gathered rows (those --score admits)."""
+    def _aggregate(self, key: str, rows: torch.Tensor, sizes, support=None, clipped_probe=False) -> torch.Tensor:
+        """The aggregate of the gathered rows (those --score admits). `clipped_probe` (a compressed
+        wire: Covenant's setting): under median-norm-clip each row is scored as the merge takes it,
+        clipped to the median norm, as Covenant's validator applies a peer's decoded payload
+        (neurons/validator.py, update_model_with_gradient); a 100x row is then scored as the
+        honest-norm row it becomes, not as a 100x step (the fp32/bf16 wire scores Δ_r as sent)."""
         if self.admit is not None:
-            keep = self.admit(key, rows)
+            clip = clipped_probe and self.aggregator.rule == "median-norm-clip"
+            keep = self.admit(key, rows, clipped_to_median_norm(rows, sizes) if clip else None)
             rows, support = rows[keep], (support[keep] if support is not None else None)
         return self.aggregator(rows, sizes, support)
 

@@ -84,6 +84,11 @@ def median_norm_clip(x: torch.Tensor, sizes: list[int] | None = None,
                      support: torch.Tensor | None = None) -> torch.Tensor:
     """Covenant's merge: per tensor (`sizes`, else the whole row), each row clipped to the median
     of the rows' norms, then the mean (over the senders, given `support`)."""
+    return mean(clipped_to_median_norm(x, sizes), support)
+
+
+def clipped_to_median_norm(x: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+    """Every row as Covenant's merge takes it: per tensor, scaled to at most the median norm."""
     clipped = torch.empty_like(x)
     at = 0
     for size in sizes or [x.shape[1]]:
@@ -92,7 +97,7 @@ def median_norm_clip(x: torch.Tensor, sizes: list[int] | None = None,
         factor = (norms.median() / (norms + NORM_EPS)).clamp(max=1.0)
         clipped[:, at:at + size] = part * factor.unsqueeze(1)
         at += size
-    return mean(clipped, support)
+    return clipped
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,15 @@ sends, the same shape and dtype (the same protocol, the same bytes):
                   honest workers' Δ; z by default the paper's z_max = Φ⁻¹((W − s)/W),
                   s = ⌊W/2 + 1⌋ − f for f attackers (at W = 4, f = 1: z = 0, the mean itself:
                   give alie:1 for a shift of one standard deviation)
+    wrong-data    its honest Δ of the wrong data: every inner step trains on its assigned windows
+                  read backwards (`wrong_data`: the same tokens, their order reversed). A worker
+                  that trains on a corpus of its own choosing rather than the pages it was
+                  assigned (Covenant's validator checks exactly this: a peer's update must help
+                  its own assigned data more than random data): the same token counts as its
+                  shard (a data audit by counts or hashes of its pages passes), a normal-looking
+                  training loss, text no worker was given. An attack on the data, not on Δ: the
+                  CLI's trainer applies it (emulation.data_attack); a wrap() loop reads its own
+                  data and is refused it (`check_own_loop`)
 
 Only copy and alie read the other workers' contributions (`needs_others`); stale keeps
 history. Randomness (noise, copy's pick) comes from the round's generator, seeded by the
@@ -29,8 +38,8 @@ import torch
 
 from ..errors import UsageError
 
-KINDS = ("sign-flip", "scale:K", "noise:σ", "zero", "copy", "stale:N", "alie[:z]")
-_BARE = ("none", "sign-flip", "zero", "copy", "alie")
+KINDS = ("sign-flip", "scale:K", "noise:σ", "zero", "copy", "stale:N", "alie[:z]", "wrong-data")
+_BARE = ("none", "sign-flip", "zero", "copy", "alie", "wrong-data")
 _VALUED = {"scale": float, "noise": float, "stale": int, "alie": float}
 
 
@@ -68,6 +77,11 @@ class Attack:
     def replays(self) -> bool:
         """Does it resend a contribution as sent (any wire format), rather than change values?"""
         return self.kind in ("copy", "stale")
+
+    @property
+    def on_data(self) -> bool:
+        """Does it change the data the worker trains on (its Δ then sent as is), not its Δ?"""
+        return self.kind == "wrong-data"
 
     @property
     def keeps(self) -> int:
@@ -124,7 +138,22 @@ def none(attack: Attack, delta: torch.Tensor, ctx: Round) -> torch.Tensor:
 
 
 ATTACKS = {"none": none, "sign-flip": sign_flip, "scale": scale, "noise": noise, "zero": zero, "copy": copy,
-           "stale": stale, "alie": alie}
+           "stale": stale, "alie": alie, "wrong-data": none}
+
+
+def wrong_data(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch (inputs x, next-token targets y of windows w: x = w[:-1], y = w[1:]) -> the
+    same windows read backwards (w reversed: inputs y reversed, targets x reversed)."""
+    x, y = batch
+    return y.flip(-1), x.flip(-1)
+
+
+def check_own_loop(spec: str, name: str = "attack") -> None:
+    """wrap(): a loop of the user's own reads its own data, which no emulation reaches (a bad
+    spec is left to the options' own check, which names it as for every strategy)."""
+    if str(spec).strip() == "wrong-data":
+        raise UsageError(f"{name}='wrong-data' changes the data a worker trains on, which lowcomm train's trainer "
+                         f"reads and a loop of your own reads itself: feed that rank other data in your loop")
 
 
 def parse_attack(spec: str, name: str = "--attack") -> Attack:

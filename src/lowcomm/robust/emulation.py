@@ -12,13 +12,17 @@ all-gather -- the emulation's oracle, a real attacker's eavesdropping, counted w
 bookkeeping (`Comm.meta`), not with the strategy's bytes, as the protocol itself sends none
 of it. The rounds and stale's replays are the attacker's state (the engine's part "attack"):
 a resumed run attacks as the uninterrupted one.
+
+wrong-data attacks the data, not Δ (its Δ goes to the wire as is): `data_attack` is the loss
+the CLI's trainer gives such a rank (train/assemble.py), the only loop whose data lowcomm reads.
 """
 from __future__ import annotations
 
 import torch
 
 from ..comm import Comm
-from .attacks import Attack, Round
+from .attacks import Attack, Round, wrong_data
+from .scoring import HeldBatch
 
 
 def round_seed(seed: int, round_: int, rank: int) -> int:
@@ -75,3 +79,20 @@ class Attackers:
     def report(self) -> dict:
         """summary.json's record of the emulated attack."""
         return {"attack": self.attack.spec, "attackers": list(self.ranks)}
+
+
+def data_attack(options, rank: int, loss_fn):
+    """The loss a trainer's rank `rank` trains with: `loss_fn`, or on a rank that --attack
+    wrong-data names, `loss_fn` of its micro-batches read backwards (attacks.wrong_data). Its
+    --score sequences stay its assigned ones: each micro-batch is handed to the model's HeldBatch
+    before the wrong data's forward (a validator scores a worker on the data it was given)."""
+    attack = options.emulated_attack() if hasattr(options, "emulated_attack") else None
+    if attack is None or not attack.on_data or rank not in options.attacking_ranks():
+        return loss_fn
+
+    def on_wrong_data(model, batch):
+        held = HeldBatch.of(model)
+        if held is not None:
+            held.hold(batch[0])
+        return loss_fn(model, wrong_data(batch))
+    return on_wrong_data

@@ -27,6 +27,7 @@ nothing and is left out of its round. A perturbed copy is not caught.
 from __future__ import annotations
 
 import hashlib
+import weakref
 
 import torch
 import torch.nn as nn
@@ -67,17 +68,35 @@ def standing_changes(round_entry: dict) -> list[str]:
 class HeldBatch:
     """The first `sequences` sequences a model was trained on since `take()`: caught by a forward
     pre-hook, in training mode only (not an evaluation, not a probe). Where nothing was trained
-    since (the final sync of a streaming run's other fragments), the sequences held before."""
+    since (the final sync of a streaming run's other fragments), the sequences held before.
+    A worker's held sequences are its *assigned* data (what a validator knows of it): where it
+    trains on other data (--attack wrong-data), the trainer hands them in first (`hold`, reached
+    by `HeldBatch.of(model)`), and the forward of the wrong data is then not caught."""
+
+    _of: "weakref.WeakKeyDictionary[nn.Module, HeldBatch]" = weakref.WeakKeyDictionary()
 
     def __init__(self, model: nn.Module, sequences: int):
         self.sequences, self.ids, self.last, self.paused = sequences, None, None, False
+        self.model = weakref.ref(model)
         self.hook = model.register_forward_pre_hook(self._seen, with_kwargs=True)
+        HeldBatch._of[model] = self
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "HeldBatch | None":
+        """The HeldBatch on `model` (or on the module it wraps), if --score made one."""
+        inner = getattr(model, "module", None)  # a wrapper's (DDP's) own module
+        return cls._of.get(model, cls._of.get(inner) if isinstance(inner, nn.Module) else None)
+
+    def hold(self, ids) -> None:
+        """`ids` [n, T] (token ids a worker trains on, or was assigned) are this period's held
+        sequences, unless some are held already or the scoring itself is running (`paused`)."""
+        if self.ids is None and not self.paused and isinstance(ids, torch.Tensor) and ids.dim() == 2 \
+                and ids.shape[1] >= 2:
+            self.ids = ids[:self.sequences].detach().clone()
 
     def _seen(self, module, args, kwargs):
-        if self.ids is None and module.training and not self.paused:
-            ids = args[0] if args else kwargs.get("input_ids")
-            if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] >= 2:
-                self.ids = ids[:self.sequences].detach().clone()
+        if module.training:
+            self.hold(args[0] if args else kwargs.get("input_ids"))
 
     def take(self) -> torch.Tensor | None:
         """This period's held sequences (the last held where none was seen since; None: none ever),
@@ -94,6 +113,9 @@ class HeldBatch:
 
     def close(self) -> None:
         self.hook.remove()
+        model = self.model()
+        if model is not None and HeldBatch._of.get(model) is self:
+            del HeldBatch._of[model]
 
 
 def next_token_loss(model: nn.Module, ids: torch.Tensor) -> float:

@@ -46,6 +46,7 @@ from ..comm.control import control_group
 from ..comm.groups import ReplicaLayout
 from ..comm.link import LinkModel, split_link_spec
 from ..errors import UsageError
+from ..robust import check_own_loop
 from .build import build, link_seed, make_pacer, replica_groups, world_comm
 from .driver import RunDriver
 from .teardown import destroy_at_exit
@@ -77,6 +78,7 @@ def wrap(model: torch.nn.Module, make_optimizer: MakeOptimizer, strategy: str = 
     Precision: "fp32", "bf16" or "fp16" (CUDA): run your forward in `with run.autocast():`;
     backward() scales fp16's loss and every gradient arrives unscaled (run/precision.py).
     """
+    check_own_loop(options.get("attack", "none"))  # this loop's data is the user's: no data attack reaches it
     _join_group_if_torchrun(model)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1

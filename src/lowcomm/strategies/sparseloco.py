@@ -45,6 +45,16 @@ Where lowcomm differs (and why):
   preset's.
 Every flag of diloco still applies (`--outer-compress`, `--sync-every`, `--sync-by time`, ...).
 
+Under --score (Covenant's validator, engines/outer_scoring.py) a worker is left out at its first
+negative score, not its third as diloco's (--score-patience 1): the decode takes a coordinate only
+one worker sent at that worker's full value (DiLoCo's mean takes 1/W of it), so each round a bad
+contribution is admitted costs up to W times what it costs DiLoCo, while leaving an honest worker
+out for a round costs that round's share of its top-k. Measured (bench/byzantine.py, W=4, seed 0,
+median-norm-clip): a sign-flipper admitted for the two rounds patience 3 allows ended +6.1 %
+against the attack-free run, one left out from round 0 +3.1 %, bit for bit the run whose fourth
+worker sends nothing: the floor of any defence here (docs/untrusted.md: three senders' top-k move
+fewer coordinates a round than four).
+
 Early in a run the outer step raises the loss (30 steps, W=2: 3.43 -> 5.19 across the first):
 a sync carries 1.6 % of the values of a period's move and the workers restart from θ_global.
 The defaults stay the authors' (their top-k and inner lr do worse here; their runs are long
@@ -57,9 +67,11 @@ from ..contract.options import with_defaults
 from .registry import register
 
 SPARSELOCO_SPEC = "topk:64,chunk:4096,bits:2,quant:stat"
+SPARSE_SCORE_PATIENCE = 1  # --score: out at the first negative score, back at the first non-negative (above)
 
 SparseLoCoOptions = with_defaults(DiLoCoOptions, "SparseLoCoOptions", __name__, sync_every=15, outer_lr=1.0,
-                                  outer_momentum=0.0, outer_compress=SPARSELOCO_SPEC, outer_ef_decay=0.95)
+                                  outer_momentum=0.0, outer_compress=SPARSELOCO_SPEC, outer_ef_decay=0.95,
+                                  score_patience=SPARSE_SCORE_PATIENCE)
 
 
 @register("sparseloco")
