@@ -158,12 +158,19 @@ def _watched_run(rank: int, cfg) -> dict:
     t.model.register_forward_pre_hook(  # a training forward (not an evaluation, not the scoring's probes)
         lambda m, args: trained_on.append(args[0].clone()) if m.training and torch.is_grad_enabled() else None)
     t.run.strategy.sync.scoring.held.take = lambda: held.append(take()) or held[-1]
+    from lowcomm.errors import UsageError
+    own_backward = None
+    if rank == 1:  # the attacker fed a loss of its caller's own, which the data attack cannot reach: refused
+        try:
+            t.run.backward(sum(p.sum() for p in t.model.parameters()) * 0)
+        except UsageError as e:
+            own_backward = str(e)
     try:
         run_plain(t, None, quiet=True)
     finally:
         t.run.close()
     said = {k: v for k, v in t.run.strategy.report().items() if k in ("attack", "attackers")}  # summary.json's
-    return {"assigned": assigned, "trained_on": trained_on, "held": held, "said": said}
+    return {"assigned": assigned, "trained_on": trained_on, "held": held, "said": said, "own_backward": own_backward}
 
 
 def _final_loss(rank: int, cfg) -> float:
@@ -202,6 +209,7 @@ def test_the_wrong_data_attacker_trains_on_its_windows_backwards_and_the_honest_
         for (x, y), inputs in zip(seen["assigned"], seen["trained_on"]):
             assert torch.equal(inputs, y.flip(-1) if rank == 1 else x), rank
         assert seen["said"] == {"attack": "wrong-data", "attackers": [1]}, rank
+    assert "drive the run with step(next_batch, loss_fn)" in wrong_data_ranks[1]["watched"]["own_backward"]
     shards = [torch.cat([x for x, _ in wrong_data_ranks[r]["watched"]["assigned"]]) for r in (0, 1)]
     assert not torch.equal(shards[0], shards[1])  # each its own shard
 

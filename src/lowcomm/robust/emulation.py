@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Comm
+from ..errors import UsageError
 from .attacks import Attack, Round, wrong_data
 from .scoring import HeldBatch
 
@@ -96,3 +97,11 @@ def data_attack(options, rank: int, loss_fn):
             held.hold(batch[0])
         return loss_fn(model, wrong_data(batch))
     return on_wrong_data
+
+
+def refuse_own_loss(options, rank: int) -> None:
+    """A run driven by a loss of its caller's own (RunDriver.backward), on a rank that --attack
+    wrong-data names: the attack changes the batches, which only RunDriver.step reads."""
+    if data_attack(options, rank, None) is not None:
+        raise UsageError("attack='wrong-data' changes the data this rank trains on: drive the run with "
+                         "step(next_batch, loss_fn), which reads the batches, not backward(loss) of your own")

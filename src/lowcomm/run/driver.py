@@ -37,6 +37,7 @@ from ..contract.context import Schedule, StepContext, StepResult, batch_tokens
 from ..engines.inside import make_inside
 from ..contract.options import build_options
 from ..contract.parts import load_parts, replicated_only, save_parts
+from ..robust import data_attack, refuse_own_loss
 from ..strategies.registry import get, resolve
 from . import teardown
 from .precision import Precision, make_precision
@@ -94,8 +95,7 @@ class RunDriver:
         self._evaluating = self._closed = False
         self._own_groups: list = []              # groups this run made, destroyed by close()
         self._hook = strategy.train_model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
-        # lowcomm 0.1's strategy was its own driver: code that ends or evaluates through
-        # `run.strategy` still works, and is told what to call now.
+        # lowcomm 0.1's strategy was its own driver: `run.strategy.close()` works, and says what to call now
         strategy.evaluating = _deprecated(self.evaluating, "run.strategy.evaluating()", "run.evaluating()")
         strategy.close = _deprecated(self.close, "run.strategy.close()", "run.close()")
         if strategy.comm.world > 1:
@@ -164,6 +164,10 @@ class RunDriver:
     def backward(self, loss: torch.Tensor, tokens: int | None = None) -> StepResult | None:
         """Backpropagate one micro-batch's loss; the StepResult when this finished an optimizer
         step (also kept in `result`), else None: keep feeding micro-batches."""
+        refuse_own_loss(self.options, self.comm.rank)  # --attack wrong-data changes the batches: step() only
+        return self._backward(loss, tokens)
+
+    def _backward(self, loss: torch.Tensor, tokens: int | None) -> StepResult | None:
         self._check_open()
         self._check_loss(loss)
         ctx = self._begin()
@@ -186,12 +190,13 @@ class RunDriver:
         self._check_open()
         if self._begin(pull=True).idle:
             return self._finish()
+        loss_fn = data_attack(self.options, self.comm.rank, loss_fn)  # --attack wrong-data: other data
         while True:
             batch = next_batch()
             self._mark_compute_start()
             with self.autocast():
                 loss = loss_fn(self.model, batch)
-            result = self.backward(loss, tokens=batch_tokens(batch))
+            result = self._backward(loss, batch_tokens(batch))
             if result is not None:
                 return result
 
@@ -319,8 +324,7 @@ class RunDriver:
         self.precision.load_state_dict(sd.get("precision"))  # fp16's loss scale
 
     def use_comm(self, comm: Comm) -> None:
-        """Replace the run's communication group between steps (a new membership): the one
-        place where a run's group changes; the strategy re-targets its engines."""
+        """Replace the run's group between steps (a new membership); the strategy re-targets its engines."""
         self._check_safe_point("use_comm()")
         comm.tracer = comm.tracer or self.comm.tracer
         comm.flight = comm.flight or self.comm.flight
@@ -350,8 +354,7 @@ class RunDriver:
         self._own_groups = []
 
     def destroys(self, groups: list) -> None:
-        """close() destroys `groups`: process groups made for this run alone (the replica
-        groups wrap() formed)."""
+        """close() destroys `groups`: process groups made for this run alone (wrap()'s replica groups)."""
         self._own_groups = list(groups)
 
     def _agree(self, value: int) -> int:
@@ -359,9 +362,8 @@ class RunDriver:
         return agree_max(value, self.comm.group) if self.comm.world > 1 else value
 
     def release(self) -> None:
-        """Release threads and hooks without a collective (after a failure, or a run stopped
-        to be resumed), and every reference the run holds to a collective or a process group
-        (run/teardown.py: what destroy_process_group() needs to end gloo's threads). Idempotent."""
+        """Release threads, hooks and every reference to a collective or a process group, without a
+        collective (a failure, a run stopped to be resumed; run/teardown.py: so that gloo's threads end)."""
         if self._closed:
             return
         self._closed = True
@@ -377,8 +379,7 @@ class RunDriver:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        # After an error a peer may be gone: no collective then.
-        self.close() if exc_type is None else self.release()
+        self.close() if exc_type is None else self.release()  # after an error a peer may be gone: no collective
 
     def report(self) -> dict:
         """lowcomm 0.1's make_strategy(...).report(): the strategy's report, with a warning."""
@@ -388,9 +389,8 @@ class RunDriver:
     # -- what the trainer reads ---------------------------------------------------------------
     @property
     def state_replicated(self) -> bool:
-        """Whether every rank holds the whole state alike (ddp's): a checkpoint stores it once and
-        loads it on any number of workers. Not where a rank runs on its part of the model (FSDP's
-        shards inside a replica)."""
+        """Whether every rank holds the whole state alike (ddp's): a checkpoint stores it once and loads
+        it on any number of workers. Not where a rank runs on its part of the model (FSDP inside)."""
         return replicated_only(self.strategy.state_parts()) and not self.strategy.owns_part
 
     def optimizers(self) -> list[torch.optim.Optimizer]:

@@ -25,7 +25,6 @@ from ..comm.flight import FlightRecorder
 from ..comm.groups import ReplicaGroups, ReplicaLayout
 from ..diagnose.flight_cost import alternate
 from ..diagnose.trace import Tracer
-from ..robust import data_attack
 from ..run.build import build as build_run, make_pacer, replica_groups, world_comm
 from ..data.loader import StreamBatches
 from ..run.driver import RunDriver
@@ -70,7 +69,7 @@ class Trainer:
     wall_before: float = 0.0  # wall seconds of the run's earlier parts (a resumed run)
     # seconds next_batch spent reading each step's batches (step -> s), until steps.jsonl takes them
     loader_s: dict = field(default_factory=dict)
-    loss_fn: Callable = lm_loss  # what each micro-batch trains on (--attack wrong-data: other data)
+    loss_fn: Callable = lm_loss  # what each micro-batch trains on (--attack wrong-data: RunDriver.step)
 
     def next_batch(self):
         """The next micro-batch on the device; its reading time is the current step's loader_s."""
@@ -134,11 +133,8 @@ def build_trainer(cfg: C.RunConfig, seat: Seat, device: torch.device, backend: s
         check(net, comm)
     loader, val, source = data()
     run = strategy_run(cfg, net, comm, levels, seat, flight, tracer, device, options=options, fault_rank=fault_rank)
-    # --attack wrong-data: its attackers (ranks of the outer step's group: replicas) train on other data
-    loss = data_attack(options if options is not None else cfg.strategy_options(), seat.layout.replica(seat.rank),
-                       lm_loss)
     return Trainer(cfg, seat.rank, seat.world, device, backend, comm, net, run, loader, val, source, tracer, flight,
-                   mem_before=mem_before, loss_fn=loss)
+                   mem_before=mem_before)
 
 
 def connect(cfg: C.RunConfig, seat: Seat, flight: FlightRecorder | None,
