@@ -6,6 +6,6 @@ is assembled, one build_trainer for both (assemble.py); what the loop routes eac
 (run_end.py), test-only fault hooks (faults.py: the run's and an elastic member's).
 
 Imports: run, engines, contract, comm, models, data, storage, errors, config, checkpoint, metrics, diagnose,
-elastic, robust.
+elastic.
 Never launch, plan, bench or cli.
 """
