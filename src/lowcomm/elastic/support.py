@@ -123,9 +123,11 @@ def strategy_options(cfg):
     return strategy_class(cfg).elastic.options(cfg.strategy_options())
 
 
-def configure(run, cfg) -> None:
-    """--min-workers is the quorum of an update that merges what the members trained."""
+def configure(run, cfg, slots: tuple[int, ...]) -> None:
+    """--min-workers is the quorum of an update that merges what the members trained; `slots`:
+    the slot of each rank of the strategy's group (its replicas' numbers, across replica groups)."""
     run.strategy.elastic.require_contributors(run.strategy, min_workers(cfg))
+    run.strategy.elastic.name_members(run.strategy, slots)
 
 
 def outer_record(run) -> dict | None:

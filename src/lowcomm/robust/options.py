@@ -3,7 +3,8 @@ contribution per worker (the local-SGD family: `class DiLoCoOptions(RobustOption
 
     --attack KIND       an emulated attack (attacks.py), on the ranks of --attackers
     --attackers RANKS   which workers attack ('3', '5,6'): ranks of the group the outer step
-                        runs on (with --replicas: replica indices)
+                        runs on (with --replicas: replica indices; with --elastic: the launcher's
+                        worker slots, which a worker keeps across quorums)
     --aggregate NAME    how the outer step combines the contributions (aggregators.py)
     --score             score every contribution and leave out the bad (scoring.py), with
                         --score-patience and --score-batches
@@ -71,15 +72,31 @@ class RobustOptions(Options):
             raise UsageError(f"--aggregate {self.aggregate} does not run across replica groups (--replicas "
                              f"{cfg.replicas}) yet: each position holds only part of a replica's outer gradient")
         if getattr(cfg, "elastic", False) and (ranks or aggregator.robust or self.score):
-            raise UsageError("--attack, --aggregate and --score do not run with --elastic yet: ranks change as "
-                             "members come and go, and an elastic outer step weights each member by its tokens")
+            self.check_elastic(cfg, aggregator)
         if self.score and world < cfg.workers:
             raise UsageError(f"--score does not run across replica groups (--replicas {cfg.replicas}) yet")
+
+    def check_elastic(self, cfg, aggregator: Aggregator) -> None:
+        """--elastic with --attack, --aggregate or --score (the outer-sync engine: attackers and
+        scores by the launcher's slot, docs/untrusted.md): flat runs only, and an aggregate that
+        still means something on the fewest members the run goes on with (--min-workers)."""
+        if cfg.replicas and cfg.replicas != cfg.workers:
+            raise UsageError(f"--attack, --aggregate and --score do not run with --elastic across replica groups "
+                             f"(--replicas {cfg.replicas}) yet")
+        fewest = cfg.min_workers or cfg.workers
+        if fewest < cfg.workers:
+            aggregator.check_world(fewest, f"--aggregate (with --min-workers {fewest})")
 
 
 class UnscoredRobustOptions(RobustOptions):
     """RobustOptions of a strategy that gathers every worker's payload but has no outer step to
-    score (DeMo): --attack and --aggregate apply, --score is refused."""
+    score (DeMo): --attack and --aggregate apply, --score is refused, and so is --elastic with them
+    (its attackers are named by rank)."""
+
+    def check_elastic(self, cfg, aggregator: Aggregator) -> None:
+        raise UsageError(f"--attack and --aggregate do not run with --elastic on strategy '{cfg.strategy}' yet: "
+                         f"its attackers are named by rank, and ranks change as members come and go (the "
+                         f"outer-sync engine's strategies name them by slot: diloco, sparseloco, streaming_diloco)")
 
     def check(self) -> None:
         super().check()
