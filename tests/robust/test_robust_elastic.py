@@ -92,8 +92,14 @@ def test_a_member_that_trained_nothing_is_left_out_of_a_robust_aggregate():
      "a trimmed mean needs 3 workers or more"),
     (["--workers", "4", "--replicas", "2", "--elastic", "--attack", "zero", "--attackers", "1"],
      "--attack, --aggregate and --score do not run with --elastic across replica groups (--replicas 2) yet"),
+    (["--elastic", "--lighthouse", "127.0.0.1:1", "--score"],
+     "--attack, --aggregate and --score do not run with --elastic under torchrun yet (each job is a replica, as "
+     "with --replicas under --elastic)"),
 ])
-def test_what_elastic_cannot_take_is_refused_in_one_line(tmp_path, data_file, capfd, argv, said):
+def test_what_elastic_cannot_take_is_refused_in_one_line(tmp_path, data_file, capfd, monkeypatch, argv, said):
+    if "--lighthouse" in argv:  # as a process of a torchrun job sees its environment
+        for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
+            monkeypatch.setenv(name, value)
     out = tmp_path / "run"
     assert main(["train", "--strategy", "diloco", *argv, "--data", str(data_file), "--out", str(out)]) == 2
     assert capfd.readouterr().err.strip().splitlines() == [f"error: {said}"]

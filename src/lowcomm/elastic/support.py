@@ -61,6 +61,10 @@ def check_torchrun(cfg) -> None:
                          "(e.g. torchft_lighthouse --min_replicas 1 --join_timeout_ms 600000 --bind [::]:29510)")
     if cfg.replicas:
         raise UsageError("--elastic under torchrun makes each torchrun job one replica: drop --replicas")
+    o = cfg.strategy_options()
+    if getattr(o, "attackers", "") or getattr(o, "score", False) or getattr(o, "aggregate", "mean") != "mean":
+        raise UsageError("--attack, --aggregate and --score do not run with --elastic under torchrun yet (each job "
+                         "is a replica, as with --replicas under --elastic)")
     if cfg.max_restarts:
         raise UsageError("--max-restarts is torchrun's under torchrun (it restarts the whole replica): pass it to "
                          "torchrun, not to lowcomm train")

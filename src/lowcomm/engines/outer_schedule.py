@@ -49,11 +49,11 @@ class OuterSchedule(OuterSync):
     """The outer-sync engine with its schedule, built from the family's options `o`:
     `make_outer(params)` is the strategy's outer optimizer (--eager steps its stand-ins with one)."""
 
-    def __init__(self, params, layout, comm, o: OuterSyncOptions, make_outer, model=None):
+    def __init__(self, params, layout, comm, o: OuterSyncOptions, make_outer, model=None, inside=None):
         fragments, delay, self.alpha = o.streaming()
         super().__init__(params, layout.fragments(fragments), comm, o.sync_every, o.wire(),
                          timed=o.sync_by == "time", delay=delay, eager_outer=make_outer if o.eager else None,
-                         attackers=attackers_of(o))
+                         attackers=attackers_of(o), inside=inside)
         self.options = o
         self.scoring = OuterScoring(self, model, o.outer_lr, o.score_batches, o.score_patience) if o.score else None
         if self.scoring is not None:

@@ -168,6 +168,7 @@ class OuterWire:
         self.last_tokens: torch.Tensor | None = None  # --outer-weights tokens: every rank's, at the last sync
         self.aggregator = fmt.aggregator
         self.admit = None  # --score: (key, rows [W, n]) -> the rows the aggregate takes (bool [W])
+        self.spread = None  # across replica groups: robust.Spread, how a row is spread over the replica
 
     def issue(self, comm: Comm, key: str, delta: torch.Tensor, tau: int, c: float, sizes: list[int],
               tokens: int = 0) -> Ticket:
@@ -279,7 +280,7 @@ class OuterWire:
             keep = trained
         if not keep.all():
             rows, support = rows[keep], (support[keep] if support is not None else None)
-        return self.aggregator(rows, sizes, support)
+        return self.aggregator(rows, sizes, support, self.spread)
 
     def state_dict(self) -> dict:
         return self.ef.state_dict() if self.ef else {}

@@ -69,12 +69,24 @@ class RobustOptions(Options):
         aggregator = self.aggregator()
         aggregator.check_world(world)
         if aggregator.robust and world < cfg.workers:
-            raise UsageError(f"--aggregate {self.aggregate} does not run across replica groups (--replicas "
-                             f"{cfg.replicas}) yet: each position holds only part of a replica's outer gradient")
+            self.check_replicas(cfg, aggregator)
         if getattr(cfg, "elastic", False) and (ranks or aggregator.robust or self.score):
             self.check_elastic(cfg, aggregator)
         if self.score and world < cfg.workers:
-            raise UsageError(f"--score does not run across replica groups (--replicas {cfg.replicas}) yet")
+            raise UsageError(f"--score does not run across replica groups (--replicas {cfg.replicas}) yet: each "
+                             f"rank holds only part of its replica's outer gradient (with --inside {cfg.inside} "
+                             f"{'the tensors its position owns' if cfg.inside == 'ddp' else 'its shard of each tensor'}"
+                             f"), and a score is the loss change the whole of it causes")
+
+    def check_replicas(self, cfg, aggregator: Aggregator) -> None:
+        """A robust aggregate across replica groups, each rank on its part of the rows: the
+        outer-sync engine sums a norm's partial squares inside the replica (aggregators.Spread),
+        which needs every position to sync each fragment: centered clipping's whole-row norm is
+        refused where --inside ddp cuts Streaming DiLoCo's fragments position by position."""
+        if aggregator.rule == "centered-clip" and cfg.inside == "ddp" and getattr(self, "fragments", 1) > 1:
+            raise UsageError(f"--aggregate {self.aggregate} does not run across replica groups with --inside ddp "
+                             f"and --fragments {self.fragments}: a position may own no tensor of a fragment, and "
+                             f"a row's norm needs every position")
 
     def check_elastic(self, cfg, aggregator: Aggregator) -> None:
         """--elastic with --attack, --aggregate or --score (the outer-sync engine: attackers and
@@ -92,6 +104,14 @@ class UnscoredRobustOptions(RobustOptions):
     """RobustOptions of a strategy that gathers every worker's payload but has no outer step to
     score (DeMo): --attack and --aggregate apply, --score is refused, and so is --elastic with them
     (its attackers are named by rank)."""
+
+    def check_replicas(self, cfg, aggregator: Aggregator) -> None:
+        """Its payloads are aggregated per position with no sum inside the replica: the rules whose
+        norms span positions are refused (median-norm-clip's per-tensor norms are whole with ddp
+        inside, where a position owns whole tensors)."""
+        if aggregator.rule == "centered-clip" or aggregator.rule == "median-norm-clip" and cfg.inside != "ddp":
+            raise UsageError(f"--aggregate {self.aggregate} does not run on strategy '{cfg.strategy}' across replica "
+                             f"groups with --inside {cfg.inside}: each rank holds part of every norm it clips by")
 
     def check_elastic(self, cfg, aggregator: Aggregator) -> None:
         raise UsageError(f"--attack and --aggregate do not run with --elastic on strategy '{cfg.strategy}' yet: "
