@@ -90,13 +90,11 @@ class RobustOptions(Options):
 
     def check_elastic(self, cfg, aggregator: Aggregator) -> None:
         """--elastic with --attack, --aggregate or --score (the outer-sync engine: attackers and
-        scores by the launcher's slot, docs/untrusted.md): flat runs only, and an aggregate that
-        still means something on the fewest members the run goes on with (--min-workers)."""
-        if cfg.replicas and cfg.replicas != cfg.workers:
-            raise UsageError(f"--attack, --aggregate and --score do not run with --elastic across replica groups "
-                             f"(--replicas {cfg.replicas}) yet")
-        fewest = cfg.min_workers or cfg.workers
-        if fewest < cfg.workers:
+        scores by the launcher's slot, or replica, docs/untrusted.md): an aggregate that still means
+        something on the fewest members the run goes on with (--min-workers)."""
+        slots = cfg.replicas or cfg.workers
+        fewest = cfg.min_workers or slots
+        if fewest < slots:
             aggregator.check_world(fewest, f"--aggregate (with --min-workers {fewest})")
 
 
