@@ -7,6 +7,7 @@ under median-norm-clip and --score, worker 1 is killed, restarted, and killed ag
 from __future__ import annotations
 
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +18,7 @@ from lowcomm.engines.outer_wire import OuterWire, WireFormat
 from lowcomm.robust import Attackers, parse_attack
 from lowcomm.robust.scoring import Scoreboard
 
-from elastic_runs import TINY, check_finished, checkpoint_params_hashes, jsonl
+from elastic_runs import TINY, check_finished, checkpoint_params_hashes, jsonl, wait_for
 
 
 def rows(*values):
@@ -129,7 +130,16 @@ def test_an_attacker_left_out_by_its_scores_stays_out_as_members_come_and_go(tmp
     monkeypatch.setenv("LOWCOMM_TEST_KILL_IN", "1:6,1:20")  # killed in launch 1 and, restarted, in launch 2
     monkeypatch.setenv("LOWCOMM_TEST_KILL_LOG", str(tmp_path / "killed"))
     monkeypatch.setenv("LOWCOMM_TEST_COMMIT_HASHES", str(tmp_path / "commits.jsonl"))
-    out = tmp_path / "run"
+    out, back = tmp_path / "run", tmp_path / "back"
+    # The restarted worker is in by step 8 (held for there unless seen back), so that it is a member
+    # when its second kill comes, whatever the load makes of its restart.
+    monkeypatch.setenv("LOWCOMM_TEST_HOLD_FOR_JOINER", f"8:{back}")
+
+    def restarted_worker_in() -> None:
+        wait_for(lambda: (out / "membership.jsonl").exists()
+                 and any(1 in q["healed"] for q in jsonl(out / "membership.jsonl")), "the restarted worker's quorum")
+        back.touch()
+    threading.Thread(target=restarted_worker_in, daemon=True).start()
     code = main(["train", *TINY, *RECIPE, *ATTACK, "--max-restarts", "1", "--out", str(out)])
     err = capfd.readouterr().err
     assert code == 0, err
@@ -149,7 +159,7 @@ def test_an_attacker_left_out_by_its_scores_stays_out_as_members_come_and_go(tmp
     assert all(set(r["left_out"]) <= {2} for r in rounds) and rounds[-1]["left_out"] == [2], rounds
     assert any(r["workers"] == [0, 2] and r["left_out"] == [2] for r in rounds), rounds
     # ... and the run ends with an honest loss: within the seed spread of the attack-free run
-    for fault in ("KILL_IN", "KILL_LOG", "COMMIT_HASHES"):
+    for fault in ("KILL_IN", "KILL_LOG", "COMMIT_HASHES", "HOLD_FOR_JOINER"):
         monkeypatch.delenv(f"LOWCOMM_TEST_{fault}")
     clean = []
     for seed in (0, 1):
