@@ -97,14 +97,21 @@ def test_a_norm_spread_over_a_replica_is_the_whole_rows(rule, runs):
     assert rel_err(clipped, whole[:SIZES[0] // K]) > 1e-3
 
 
-@pytest.mark.parametrize("inside, said", [
-    ("ddp", "the tensors its position owns"), ("fsdp", "its shard of each tensor")])
-def test_score_across_replicas_is_refused_in_one_line(tmp_path, data_file, capfd, inside, said):
+@pytest.mark.parametrize("argv, said", [
+    (["--inside", "ddp", "--score"], "--score does not run across replica groups (--replicas 2) yet: each rank holds "
+     "only part of its replica's outer gradient (with --inside ddp the tensors its position owns), and a score is the "
+     "loss change the whole of it causes"),
+    (["--inside", "fsdp", "--score"], "--score does not run across replica groups (--replicas 2) yet: each rank holds "
+     "only part of its replica's outer gradient (with --inside fsdp its shard of each tensor), and a score is the "
+     "loss change the whole of it causes"),
+    (["--strategy", "streaming_diloco", "--fragments", "2", "--aggregate", "centered-clip:1"],
+     "--aggregate centered-clip:1 does not run across replica groups with --inside ddp and --fragments 2: a position "
+     "may own no tensor of a fragment, and a row's norm needs every position"),
+])
+def test_what_cannot_run_across_replicas_is_refused_in_one_line(tmp_path, data_file, capfd, argv, said):
     out = tmp_path / "run"
-    assert main(["train", "--strategy", "diloco", "--workers", "4", "--replicas", "2", "--inside", inside, "--score",
-                 "--data", str(data_file), "--out", str(out)]) == 2
-    assert capfd.readouterr().err.strip().splitlines() == [
-        f"error: --score does not run across replica groups (--replicas 2) yet: each rank holds only part of its "
-        f"replica's outer gradient (with --inside {inside} {said}), and a score is the loss change the whole of it "
-        f"causes"]
+    strategy = [] if "--strategy" in argv else ["--strategy", "diloco"]
+    assert main(["train", *strategy, "--workers", "4", "--replicas", "2", *argv, "--data", str(data_file),
+                 "--out", str(out)]) == 2
+    assert capfd.readouterr().err.strip().splitlines() == [f"error: {said}"]
     assert not out.exists()

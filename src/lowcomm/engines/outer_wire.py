@@ -209,7 +209,7 @@ class OuterWire:
             handle = comm.all_gather(every, payload, async_op=True)
             return Ticket([handle], every, W, sizes=(out.data.numel(), sum(out.sizes)),
                           compressor=self._compressor(out.key, out.sizes), sent=out)
-        if self.fmt.gathers:  # every rank's Δ_r (no step info: a robust aggregate takes no weights)
+        if self.fmt.gathers:  # every rank's Δ_r, no weights (--outer-weights tokens: who trained, beside)
             mine = out.data.to(PRECISIONS[self.fmt.precision])
             every = torch.empty(W * mine.numel(), dtype=mine.dtype, device=mine.device)
             handles = [comm.all_gather(every, mine, async_op=True)]
