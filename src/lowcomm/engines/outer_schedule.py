@@ -82,6 +82,11 @@ class OuterSchedule(OuterSync):
     def report(self, steps: int) -> dict:
         return {**super().report(steps), **(self.scoring.report() if self.scoring is not None else {})}
 
+    def release(self) -> None:
+        super().release()
+        if self.scoring is not None:  # its hook off the model, which an elastic member keeps for its next run
+            self.scoring.held.close()
+
     def means_at(self, t: int, t0: float, final: bool) -> Means:
         """The end of trainer step t (from 1, begun at perf_counter() t0; `final`: the run's last)."""
         self.end_slot(t, t0)
