@@ -33,12 +33,13 @@ FAMILY = "it is an option of: demo, diloco, sparseloco, streaming_diloco"
     (["--aggregate", "median", "--sync-by", "time"],
      "--aggregate median does not run with --sync-by time: a robust aggregate trusts every worker alike, it takes "
      "no weights"),
-    (["--elastic", "--aggregate", "median"], "--attack, --aggregate and --score do not run with --elastic yet: ranks "
-                                             "change as members come and go, and an elastic outer step weights each "
-                                             "member by its tokens"),
-    (["--workers", "4", "--replicas", "2", "--aggregate", "median"],
-     "--aggregate median does not run across replica groups (--replicas 2) yet: each position holds only part of "
-     "a replica's outer gradient"),
+    (["--strategy", "demo", "--elastic", "--aggregate", "median"],
+     "--attack and --aggregate do not run with --elastic on strategy 'demo' yet: its attackers are named by rank, "
+     "and ranks change as members come and go (the outer-sync engine's strategies name them by slot: diloco, "
+     "sparseloco, streaming_diloco)"),
+    (["--strategy", "demo", "--workers", "4", "--replicas", "2", "--aggregate", "centered-clip:1"],
+     "--aggregate centered-clip:1 does not run on strategy 'demo' across replica groups with --inside ddp: each rank "
+     "holds part of every norm it clips by"),
 ])
 def test_a_flag_that_makes_no_sense_is_refused_in_one_line(tmp_path, data_file, capfd, argv, said):
     out = tmp_path / "run"

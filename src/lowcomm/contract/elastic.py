@@ -15,6 +15,7 @@ of torchft's Manager.should_commit:
     refusal(options, across_replicas)         why these options cannot run elastically (None: they can)
     options(options)                          the options an elastic run runs (local SGD: token-weighted merges)
     require_contributors(strategy, n)         --min-workers as an outer step's quorum
+    name_members(strategy, slots)             each rank's slot, stable across quorums (--attackers, --score)
     contribution(strategy)                    who contributed to the last merge (steps.jsonl's `outer`)
 
 The local-SGD family's are engines/outer_contract.py's OuterSyncRules.
@@ -44,6 +45,11 @@ class ElasticRules:
     @classmethod
     def require_contributors(cls, strategy, n: int) -> None:
         """An update that merges what each member trained needs `n` members that trained."""
+
+    @classmethod
+    def name_members(cls, strategy, slots: tuple[int, ...]) -> None:
+        """The slot of each rank of the strategy's group in this membership (the launcher's worker
+        numbers: stable as members come and go, where ranks are not)."""
 
     @classmethod
     def contribution(cls, strategy) -> dict | None:

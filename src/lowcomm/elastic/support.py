@@ -61,6 +61,10 @@ def check_torchrun(cfg) -> None:
                          "(e.g. torchft_lighthouse --min_replicas 1 --join_timeout_ms 600000 --bind [::]:29510)")
     if cfg.replicas:
         raise UsageError("--elastic under torchrun makes each torchrun job one replica: drop --replicas")
+    o = cfg.strategy_options()
+    if getattr(o, "attackers", "") or getattr(o, "score", False) or getattr(o, "aggregate", "mean") != "mean":
+        raise UsageError("--attack, --aggregate and --score do not run with --elastic under torchrun yet (each job "
+                         "is a replica, as with --replicas under --elastic)")
     if cfg.max_restarts:
         raise UsageError("--max-restarts is torchrun's under torchrun (it restarts the whole replica): pass it to "
                          "torchrun, not to lowcomm train")
@@ -123,9 +127,11 @@ def strategy_options(cfg):
     return strategy_class(cfg).elastic.options(cfg.strategy_options())
 
 
-def configure(run, cfg) -> None:
-    """--min-workers is the quorum of an update that merges what the members trained."""
+def configure(run, cfg, slots: tuple[int, ...]) -> None:
+    """--min-workers is the quorum of an update that merges what the members trained; `slots`:
+    the slot of each rank of the strategy's group (its replicas' numbers, across replica groups)."""
     run.strategy.elastic.require_contributors(run.strategy, min_workers(cfg))
+    run.strategy.elastic.name_members(run.strategy, slots)
 
 
 def outer_record(run) -> dict | None:

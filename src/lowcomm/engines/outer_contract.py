@@ -97,6 +97,10 @@ class OuterSyncRules(ElasticRules):
         strategy.min_contributors = n
 
     @classmethod
+    def name_members(cls, strategy, slots):
+        strategy.sync.name_members(slots)  # --attackers and --score's scoreboard name workers by slot
+
+    @classmethod
     def contribution(cls, strategy) -> dict | None:
         """The last outer sync's workers that contributed and their tokens (--outer-weights tokens)."""
         return contribution(strategy.sync.wire.last_tokens)

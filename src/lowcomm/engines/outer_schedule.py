@@ -30,6 +30,8 @@ What the schedule means for a plan and for --elastic: outer_contract.py.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Iterator
 
 import torch
@@ -47,11 +49,11 @@ class OuterSchedule(OuterSync):
     """The outer-sync engine with its schedule, built from the family's options `o`:
     `make_outer(params)` is the strategy's outer optimizer (--eager steps its stand-ins with one)."""
 
-    def __init__(self, params, layout, comm, o: OuterSyncOptions, make_outer, model=None):
+    def __init__(self, params, layout, comm, o: OuterSyncOptions, make_outer, model=None, inside=None):
         fragments, delay, self.alpha = o.streaming()
         super().__init__(params, layout.fragments(fragments), comm, o.sync_every, o.wire(),
                          timed=o.sync_by == "time", delay=delay, eager_outer=make_outer if o.eager else None,
-                         attackers=attackers_of(o))
+                         attackers=attackers_of(o), inside=inside)
         self.options = o
         self.scoring = OuterScoring(self, model, o) if o.score else None
         if self.scoring is not None:
@@ -62,14 +64,28 @@ class OuterSchedule(OuterSync):
         (each worker's own), and --attack's rounds and replays (the attacker's own), where they run."""
         parts = super().state_parts()
         if self.scoring is not None:
-            parts["scores"] = Part(self.scoring.board.state_dict, self.scoring.board.load_state_dict)
-            parts["held_sequences"] = Part(self.scoring.held.state_dict, self.scoring.held.load_state_dict, LOCAL)
-        if self.attackers is not None:
-            parts["attack"] = Part(self.attackers.state_dict, self.attackers.load_state_dict, LOCAL)
+            board = self.scoring.board
+            parts["scores"] = Part(lambda: hashed(board.state_dict()), board.load_state_dict)
+            # a joiner holds no sequence yet: it catches its own as it trains (not zeros of its donor's)
+            parts["held_sequences"] = Part(self.scoring.held.state_dict, self.scoring.held.load_state_dict, LOCAL,
+                                           joiner=lambda sd: {"ids": None, "last": None})
+        if self.attackers is not None:  # a joiner: the rounds counted alike everywhere, no replay of its own
+            parts["attack"] = Part(self.attackers.state_dict, self.attackers.load_state_dict, LOCAL,
+                                   joiner=lambda sd: {"rounds": dict(sd["rounds"]), "history": {}})
         return parts
+
+    def name_members(self, slots) -> None:
+        super().name_members(slots)
+        if self.scoring is not None:
+            self.scoring.board.slots = list(slots)
 
     def report(self, steps: int) -> dict:
         return {**super().report(steps), **(self.scoring.report() if self.scoring is not None else {})}
+
+    def release(self) -> None:
+        super().release()
+        if self.scoring is not None:  # its hook off the model, which an elastic member keeps for its next run
+            self.scoring.held.close()
 
     def means_at(self, t: int, t0: float, final: bool) -> Means:
         """The end of trainer step t (from 1, begun at perf_counter() t0; `final`: the run's last)."""
@@ -126,3 +142,11 @@ class OuterSchedule(OuterSync):
             self.drain()
             return
         yield from self.wait()
+
+
+def hashed(state: dict) -> dict:
+    """A replicated part's state of plain values (the scoreboard's counters and history), with a
+    digest of them as a tensor: an elastic run hashes a commit's replicated tensors
+    (contract/parts.py), so members that disagree on who is left out differ in state_sha256."""
+    text = json.dumps(state, sort_keys=True, default=str).encode()
+    return {**state, "digest": torch.tensor(list(hashlib.sha256(text).digest()), dtype=torch.uint8)}

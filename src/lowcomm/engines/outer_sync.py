@@ -38,6 +38,7 @@ import torch.nn as nn
 from ..comm import Comm
 from ..contract.context import flat_of, write_flat
 from ..contract.parts import LOCAL, Part, attributes, optimizer_part
+from ..robust.aggregators import spread_over
 from .eager import StandIn
 from .outer_wire import Outgoing, OuterWire, Ticket, WireFormat
 from .sync_by_time import SlotClock
@@ -63,13 +64,15 @@ class OuterSync:
     empty ones never sync): Δ on the wire every `every` trainer steps, merged `delay` later."""
 
     def __init__(self, params: list[nn.Parameter], groups: list[list[int]], comm: Comm, every: int,
-                 fmt: WireFormat, timed: bool = False, delay: int = 0, eager_outer=None, attackers=None):
+                 fmt: WireFormat, timed: bool = False, delay: int = 0, eager_outer=None, attackers=None,
+                 inside=None):
         self.comm, self.every, self.delay = comm, every, delay
         self.attackers = attackers  # --attack: robust.Attackers, else None
         self.clock = SlotClock() if timed else None  # --sync-by time: the step info it needs rides along
         self.count = len(groups)  # F, empty fragments included: they keep their place in the schedule
         self.fragments = [(f, [params[j] for j in g]) for f, g in enumerate(groups) if g]
         self.wire = OuterWire(fmt, fednova=timed)
+        self.wire.spread = spread_over(inside) if inside is not None else None  # across replicas: norms summed there
         self.globals = [nn.Parameter(flat_of(ps).float().clone(), requires_grad=False) for _, ps in self.fragments]
         n = len(self.fragments)
         self.since = [0] * n                          # inner steps since fragment i's last sync (τ_r)
@@ -214,6 +217,12 @@ class OuterSync:
         """Every fragment's local θ <- θ_global (and its eager offset): where a worker starts (a joiner too)."""
         for i, (_, ps) in enumerate(self.fragments):
             write_flat(self.start(i), ps)
+
+    def name_members(self, slots) -> None:
+        """Under --elastic: the slot (the launcher's worker number, stable across quorums) of each
+        rank of this membership's group, by which --attackers and --score name a worker."""
+        if self.attackers is not None:
+            self.attackers.slots = tuple(slots)
 
     def use_comm(self, comm: Comm) -> None:
         """The next syncs run on `comm` (nothing may be in flight: `wait` first; a part still

@@ -23,7 +23,11 @@ exactly what one worker holding them all would.
 --aggregate other than mean (robust/aggregators.py) needs every rank's Δ_r, not their sum: an
 fp32/bf16 wire then all_gathers Δ_r in that precision ((W−1)·n·itemsize bytes per rank), a
 compressed one decodes each rank's payload alone, and every rank aggregates the rows in rank
-order (the same bits everywhere). A robust aggregate takes no weights (outer_options.py).
+order (the same bits everywhere). A robust aggregate takes no weights (outer_options.py); under
+--elastic (--outer-weights tokens) each rank's tokens still travel beside its Δ_r, and a rank
+that trained none since the last sync (a joiner's empty part of a re-issued reduction, a rank
+whose inner steps were all skipped) is left out of the aggregate: its Δ_r is no evidence, and a
+zero row would pull a median to 0. (--score still sees it, and names it a zero contribution.)
 
 w_r is 1/W, FedNova's weight under --sync-by time (sync_by_time.py), or with --outer-weights
 tokens each rank's share of the tokens trained since the last sync (token_weights.py). Collectives are
@@ -102,19 +106,22 @@ class WireFormat:
             return [PlannedOp("all_gather", world * (comp.nbytes(numel) + INFO_BYTES), every, offset,
                               what=f"fragment {f}: {comp.name} outer gradient + step info, every rank's")]
         itemsize = torch.empty((), dtype=PRECISIONS[self.precision]).element_size()
-        if self.gathers:  # every rank's Δ_r, aggregated where it lands
+        if self.gathers:  # every rank's Δ_r, aggregated where it lands (and who trained, under --elastic)
             return [PlannedOp("all_gather", world * numel * itemsize, every, offset,
                               what=f"fragment {f}: {self.precision} outer gradient, every rank's "
-                                   f"({self.aggregator.spec})")]
+                                   f"({self.aggregator.spec})")] + self._token_plan(world, every, offset, f)
         ops = [PlannedOp("all_reduce", numel * itemsize, every, offset,
                          what=f"fragment {f}: {self.precision} outer gradient")]
         if fednova:  # the τ_r travel beside the all-reduce
             ops.append(PlannedOp("all_gather", world * INFO_BYTES, every, offset,
                                  what=f"fragment {f}: inner steps and step time"))
-        elif self.weights == "tokens":  # each rank's weight is known before it scales its Δ_r
-            ops.append(PlannedOp("all_gather", world * TOKEN_BYTES, every, offset,
-                                 what=f"fragment {f}: tokens trained since the last sync"))
+        else:  # with --outer-weights tokens each rank's weight is known before it scales its Δ_r
+            ops += self._token_plan(world, every, offset, f)
         return ops
+
+    def _token_plan(self, world: int, every: int, offset: int, f: int) -> list[PlannedOp]:
+        return [PlannedOp("all_gather", world * TOKEN_BYTES, every, offset,
+                          what=f"fragment {f}: tokens trained since the last sync")] if self.weights == "tokens" else []
 
 
 @dataclass
@@ -143,6 +150,7 @@ class Ticket:
     compressor: Compressor | None = None   # all-gather: the fragment's compressor
     sent: Outgoing | None = None           # this rank's contribution (to send it again)
     rows: tuple[int, ...] | None = None    # robust all-gather of Δ_r: the fragment's tensor sizes
+    tokens: torch.Tensor | None = None     # robust all-gather of Δ_r, --outer-weights tokens: every rank's
 
 
 class OuterWire:
@@ -161,6 +169,7 @@ class OuterWire:
         self.last_tokens: torch.Tensor | None = None  # --outer-weights tokens: every rank's, at the last sync
         self.aggregator = fmt.aggregator
         self.admit = None  # --score: (key, rows [W, n]) -> the rows the aggregate takes (bool [W])
+        self.spread = None  # across replica groups: robust.Spread, how a row is spread over the replica
 
     def issue(self, comm: Comm, key: str, delta: torch.Tensor, tau: int, c: float, sizes: list[int],
               tokens: int = 0) -> Ticket:
@@ -201,11 +210,14 @@ class OuterWire:
             handle = comm.all_gather(every, payload, async_op=True)
             return Ticket([handle], every, W, sizes=(out.data.numel(), sum(out.sizes)),
                           compressor=self._compressor(out.key, out.sizes), sent=out)
-        if self.fmt.gathers:  # every rank's Δ_r (no step info: a robust aggregate takes no weights)
+        if self.fmt.gathers:  # every rank's Δ_r, no weights (--outer-weights tokens: who trained, beside)
             mine = out.data.to(PRECISIONS[self.fmt.precision])
             every = torch.empty(W * mine.numel(), dtype=mine.dtype, device=mine.device)
-            handle = comm.all_gather(every, mine, async_op=True)
-            return Ticket([handle], every, W, sent=out, rows=out.sizes)
+            handles = [comm.all_gather(every, mine, async_op=True)]
+            tokens = torch.empty(W, dtype=torch.float64) if self.by_tokens else None  # who trained (module docstring)
+            if tokens is not None:
+                handles.append(comm.all_gather(tokens, out.info[:1].clone(), async_op=True))
+            return Ticket(handles, every, W, sent=out, rows=out.sizes, tokens=tokens)
         handles, infos = [], None
         if self.fednova:  # every rank sends Δ_r/τ_r, the τ_r travel beside it
             infos = torch.empty(W * 2, dtype=torch.float64)
@@ -228,7 +240,10 @@ class OuterWire:
         if ticket.sizes is not None:
             return self._decode(ticket)
         if ticket.rows is not None:  # gathered Δ_r, rank by rank
-            return self._aggregate(ticket.sent.key, ticket.buf.view(ticket.world, -1).float(), list(ticket.rows)), None
+            if ticket.tokens is not None:
+                self.last_tokens = ticket.tokens
+            rows = ticket.buf.view(ticket.world, -1).float()
+            return self._aggregate(ticket.sent.key, rows, list(ticket.rows), tokens=ticket.tokens), None
         total = ticket.buf.float()
         if ticket.infos is None:
             return total, None
@@ -248,23 +263,33 @@ class OuterWire:
         comp = ticket.compressor
         payloads = [comp.from_bytes(every[r, :nq], numel) for r in range(W)]
         if self.fmt.gathers:  # each payload decoded alone; where top-k sent a value: its senders
-            total = self._aggregate(ticket.sent.key, *decoded_rows(comp, payloads), clipped_probe=True)
+            total = self._aggregate(ticket.sent.key, *decoded_rows(comp, payloads),
+                                    tokens=infos[:, 0] if self.by_tokens else None, clipped_probe=True)
         else:
             total = comp.combine(payloads, [float(w) for w in weights])
         self.compress_s += time.perf_counter() - t0
         return total, (infos if self.fednova else None)
 
-    def _aggregate(self, key: str, rows: torch.Tensor, sizes, support=None, clipped_probe=False) -> torch.Tensor:
-        """The aggregate of the gathered rows (those --score admits). `clipped_probe` (a compressed
-        wire: Covenant's setting): under median-norm-clip each row is scored as the merge takes it,
+    def _aggregate(self, key: str, rows: torch.Tensor, sizes, support=None, tokens=None,
+                   clipped_probe=False) -> torch.Tensor:
+        """The aggregate of the gathered rows: those --score admits, of the ranks that trained
+        (`tokens`, under --elastic: the module docstring). `clipped_probe` (a compressed wire:
+        Covenant's setting): under median-norm-clip each row is scored as the merge takes it,
         clipped to the median norm, as Covenant's validator applies a peer's decoded payload
         (neurons/validator.py, update_model_with_gradient); a 100x row is then scored as the
         honest-norm row it becomes, not as a 100x step (the fp32/bf16 wire scores Δ_r as sent)."""
+        trained = tokens.cpu() > 0 if tokens is not None else torch.ones(rows.shape[0], dtype=torch.bool)
+        if not trained.any():  # nobody trained: every row (each zero), as the token weights count them
+            trained[:] = True
+        keep = trained
         if self.admit is not None:
             clip = clipped_probe and self.aggregator.rule == "median-norm-clip"
-            keep = self.admit(key, rows, clipped_to_median_norm(rows, sizes) if clip else None)
+            keep = trained & self.admit(key, rows, clipped_to_median_norm(rows, sizes) if clip else None).cpu()
+        if not keep.any():  # scores left out every rank that trained: those that trained
+            keep = trained
+        if not keep.all():
             rows, support = rows[keep], (support[keep] if support is not None else None)
-        return self.aggregator(rows, sizes, support)
+        return self.aggregator(rows, sizes, support, self.spread)
 
     def state_dict(self) -> dict:
         return self.ef.state_dict() if self.ef else {}

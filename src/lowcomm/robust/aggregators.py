@@ -14,6 +14,12 @@
                       norms of that tensor (torch.median: the lower middle of an even count),
                       then the mean
 
+Across replica groups (--replicas) each rank holds only part of every row: the coordinate-wise
+rules run on that part as they would on the whole (per coordinate), and a norm needs the whole:
+`Spread` sums the rank's partial squares over its replica (one small all-reduce: W values for
+centered clipping's row norms, W per tensor for median-norm-clip where tensors are sharded, none
+where each rank holds whole tensors).
+
 A compressed wire (top-k) gathers payloads a worker sent only some values of: `support`
 [W, n] (1 where worker r sent coordinate j) makes every mean above the mean over the
 workers that sent the coordinate (SparseLoCo's and DeMo's decode), and the coordinate-wise
@@ -23,6 +29,7 @@ X and computes the same aggregate bit for bit: nothing here depends on the rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -69,35 +76,60 @@ def _sorted_mean(x, support, keep) -> torch.Tensor:
     return torch.where(count > 0, total / (hi - lo).clamp(min=1), torch.zeros_like(total))
 
 
+@dataclass(frozen=True)
+class Spread:
+    """How the rows are spread over a replica's ranks (None where a rank holds them whole):
+    `total(partial)` sums each rank's partial sums of squares (collective: every rank of the
+    replica calls it alike); `whole_tensors`: each rank holds whole tensors (ddp inside), so a
+    tensor's norm is its own."""
+    total: Callable[[torch.Tensor], torch.Tensor]
+    whole_tensors: bool
+
+
+def spread_over(inside) -> Spread:
+    """How this rank's part of each row lies in its replica (`inside`: engines/inside.py's engine
+    inside it): with ddp inside a position owns whole tensors, with fsdp a shard of each; a norm
+    sums the positions' partial squares in one bookkeeping all-reduce inside the replica (W or
+    W x tensors values a sync: Comm.meta, as --score's table)."""
+    return Spread(lambda partial: inside.comm.meta_all_reduce(partial, op="sum"), whole_tensors=inside.name == "ddp")
+
+
+def norms(x: torch.Tensor, total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Each row's norm [W]: of the row here, or (`total`) of the whole row spread over a replica."""
+    if total is None:
+        return x.norm(dim=1)
+    return total(x.double().pow(2).sum(dim=1)).sqrt().to(x.dtype)
+
+
 def centered_clip(x: torch.Tensor, tau: float, iters: int = CENTERED_CLIP_ITERS,
-                  start: torch.Tensor | None = None) -> torch.Tensor:
-    """Centered clipping from `start` (default: the coordinate-wise median), `iters` iterations."""
+                  start: torch.Tensor | None = None, total=None) -> torch.Tensor:
+    """Centered clipping from `start` (default: the coordinate-wise median), `iters` iterations
+    (`total`: the rows spread over a replica, Spread.total)."""
     v = median(x) if start is None else start.clone()
     for _ in range(iters):
         diff = x - v
-        scale = (tau / diff.norm(dim=1).clamp(min=NORM_EPS)).clamp(max=1.0)
+        scale = (tau / norms(diff, total).clamp(min=NORM_EPS)).clamp(max=1.0)
         v = v + (diff * scale.unsqueeze(1)).mean(dim=0)
     return v
 
 
 def median_norm_clip(x: torch.Tensor, sizes: list[int] | None = None,
-                     support: torch.Tensor | None = None) -> torch.Tensor:
+                     support: torch.Tensor | None = None, total=None) -> torch.Tensor:
     """Covenant's merge: per tensor (`sizes`, else the whole row), each row clipped to the median
-    of the rows' norms, then the mean (over the senders, given `support`)."""
-    return mean(clipped_to_median_norm(x, sizes), support)
+    of the rows' norms, then the mean (over the senders, given `support`). `total`: each tensor
+    sharded over a replica (Spread.total), its norms summed there in one all-reduce [W, tensors]."""
+    return mean(clipped_to_median_norm(x, sizes, total), support)
 
 
-def clipped_to_median_norm(x: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+def clipped_to_median_norm(x: torch.Tensor, sizes: list[int] | None = None, total=None) -> torch.Tensor:
     """Every row as Covenant's merge takes it: per tensor, scaled to at most the median norm."""
-    clipped = torch.empty_like(x)
-    at = 0
-    for size in sizes or [x.shape[1]]:
-        part = x[:, at:at + size]
-        norms = part.norm(dim=1)
-        factor = (norms.median() / (norms + NORM_EPS)).clamp(max=1.0)
-        clipped[:, at:at + size] = part * factor.unsqueeze(1)
-        at += size
-    return clipped
+    parts = x.split(sizes or [x.shape[1]], dim=1)
+    if total is None:
+        each = torch.stack([part.norm(dim=1) for part in parts], dim=1)
+    else:
+        each = total(torch.stack([part.double().pow(2).sum(dim=1) for part in parts], dim=1)).sqrt().to(x.dtype)
+    factor = (each.median(dim=0).values / (each + NORM_EPS)).clamp(max=1.0)  # [W, tensors]
+    return torch.cat([part * factor[:, t:t + 1] for t, part in enumerate(parts)], dim=1)
 
 
 @dataclass(frozen=True)
@@ -116,16 +148,19 @@ class Aggregator:
         return self.rule != "mean"
 
     def __call__(self, x: torch.Tensor, sizes: list[int] | None = None,
-                 support: torch.Tensor | None = None) -> torch.Tensor:
-        """X [W, n] (rows in rank order) -> the aggregate [n]."""
+                 support: torch.Tensor | None = None, spread: Spread | None = None) -> torch.Tensor:
+        """X [W, n] (rows in rank order) -> the aggregate [n]; `spread`: each row spread over a
+        replica's ranks, this rank holding its part (the norm-based rules sum their squares there)."""
         if self.rule == "median":
             return median(x, support)
         if self.rule == "trimmed":
             return trimmed(x, self.param, support)
         if self.rule == "centered-clip":
-            return centered_clip(x if support is None else x * support, self.param)
+            return centered_clip(x if support is None else x * support, self.param,
+                                 total=spread.total if spread else None)
         if self.rule == "median-norm-clip":
-            return median_norm_clip(x, sizes, support)
+            sharded = spread is not None and not spread.whole_tensors
+            return median_norm_clip(x, sizes, support, total=spread.total if sharded else None)
         return mean(x, support)
 
     def check_world(self, world: int, name: str = "--aggregate") -> None:

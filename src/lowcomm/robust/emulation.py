@@ -39,10 +39,13 @@ def attackers_of(options) -> "Attackers | None":
 
 
 class Attackers:
-    """The attack `attack` of the ranks `ranks`, on one worker (its rank: comm.rank at each call)."""
+    """The attack `attack` of the workers `ranks`, on one worker. A worker is named by its slot
+    (`slots[comm.rank]`: under --elastic the launcher's worker number, stable across quorums, as
+    `name_members` sets them; else its rank), so an attacker stays one as members come and go."""
 
     def __init__(self, attack: Attack, ranks: tuple[int, ...], seed: int):
         self.attack, self.ranks, self.seed = attack, tuple(ranks), seed
+        self.slots: tuple[int, ...] | None = None           # each rank's slot (None: the rank itself)
         self.rounds: dict[str, int] = {}                     # key -> syncs of it so far
         self.history: dict[str, list[torch.Tensor]] = {}     # key -> what this rank sent, oldest first
 
@@ -60,11 +63,13 @@ class Attackers:
         others = comm.meta_all_gather(delta) if self.attack.needs_others else None
         round_ = self.rounds.get(key, 0)
         self.rounds[key] = round_ + 1
-        if comm.rank not in self.ranks:
+        me = self.slots[comm.rank] if self.slots else comm.rank
+        if me not in self.ranks:
             return delta
         history = self.history.setdefault(key, [])
-        generator = torch.Generator().manual_seed(round_seed(self.seed, round_, comm.rank))
-        sent = self.attack(delta, Round(comm.rank, round_, self.ranks, generator, others, history))
+        generator = torch.Generator().manual_seed(round_seed(self.seed, round_, me))
+        present = tuple(r for r, s in enumerate(self.slots) if s in self.ranks) if self.slots else self.ranks
+        sent = self.attack(delta, Round(comm.rank, round_, present, generator, others, history))  # rows by rank
         if self.attack.keeps:
             history.append(sent.detach().clone())
             del history[:-self.attack.keeps]

@@ -3,7 +3,8 @@ contribution per worker (the local-SGD family: `class DiLoCoOptions(RobustOption
 
     --attack KIND       an emulated attack (attacks.py), on the ranks of --attackers
     --attackers RANKS   which workers attack ('3', '5,6'): ranks of the group the outer step
-                        runs on (with --replicas: replica indices)
+                        runs on (with --replicas: replica indices; with --elastic: the launcher's
+                        worker slots, which a worker keeps across quorums)
     --aggregate NAME    how the outer step combines the contributions (aggregators.py)
     --score             score every contribution and leave out the bad (scoring.py), with
                         --score-patience and --score-batches
@@ -77,13 +78,14 @@ class RobustOptions(Options):
         aggregator = self.aggregator()
         aggregator.check_world(world)
         if aggregator.robust and world < cfg.workers:
-            raise UsageError(f"--aggregate {self.aggregate} does not run across replica groups (--replicas "
-                             f"{cfg.replicas}) yet: each position holds only part of a replica's outer gradient")
+            self.check_replicas(cfg, aggregator)
         if getattr(cfg, "elastic", False) and (ranks or aggregator.robust or self.score):
-            raise UsageError("--attack, --aggregate and --score do not run with --elastic yet: ranks change as "
-                             "members come and go, and an elastic outer step weights each member by its tokens")
+            self.check_elastic(cfg, aggregator)
         if self.score and world < cfg.workers:
-            raise UsageError(f"--score does not run across replica groups (--replicas {cfg.replicas}) yet")
+            raise UsageError(f"--score does not run across replica groups (--replicas {cfg.replicas}) yet: each "
+                             f"rank holds only part of its replica's outer gradient (with --inside {cfg.inside} "
+                             f"{'the tensors its position owns' if cfg.inside == 'ddp' else 'its shard of each tensor'}"
+                             f"), and a score is the loss change the whole of it causes")
         self._check_validators(world, group)
 
     def _check_validators(self, world: int, group: str) -> None:
@@ -95,10 +97,46 @@ class RobustOptions(Options):
             raise UsageError(f"--validators {self.validators}: the only worker would score only its own "
                              f"contribution, and no validator scores its own")
 
+    def check_replicas(self, cfg, aggregator: Aggregator) -> None:
+        """A robust aggregate across replica groups, each rank on its part of the rows: the
+        outer-sync engine sums a norm's partial squares inside the replica (aggregators.Spread),
+        which needs every position to sync each fragment: centered clipping's whole-row norm is
+        refused where --inside ddp cuts Streaming DiLoCo's fragments position by position."""
+        if aggregator.rule == "centered-clip" and cfg.inside == "ddp" and getattr(self, "fragments", 1) > 1:
+            raise UsageError(f"--aggregate {self.aggregate} does not run across replica groups with --inside ddp "
+                             f"and --fragments {self.fragments}: a position may own no tensor of a fragment, and "
+                             f"a row's norm needs every position")
+
+    def check_elastic(self, cfg, aggregator: Aggregator) -> None:
+        """--elastic with --attack, --aggregate or --score (the outer-sync engine: attackers and
+        scores by the launcher's slot, or replica, docs/untrusted.md): an aggregate that still means
+        something on the fewest members the run goes on with (--min-workers)."""
+        if self.validators:
+            raise UsageError(f"--validators {self.validators} does not run with --elastic yet: it names ranks, and "
+                             f"ranks change as members come and go (every member scores instead)")
+        slots = cfg.replicas or cfg.workers
+        fewest = cfg.min_workers or slots
+        if fewest < slots:
+            aggregator.check_world(fewest, f"--aggregate (with --min-workers {fewest})")
+
 
 class UnscoredRobustOptions(RobustOptions):
     """RobustOptions of a strategy that gathers every worker's payload but has no outer step to
-    score (DeMo): --attack and --aggregate apply, --score is refused."""
+    score (DeMo): --attack and --aggregate apply, --score is refused, and so is --elastic with them
+    (its attackers are named by rank)."""
+
+    def check_replicas(self, cfg, aggregator: Aggregator) -> None:
+        """Its payloads are aggregated per position with no sum inside the replica: the rules whose
+        norms span positions are refused (median-norm-clip's per-tensor norms are whole with ddp
+        inside, where a position owns whole tensors)."""
+        if aggregator.rule == "centered-clip" or aggregator.rule == "median-norm-clip" and cfg.inside != "ddp":
+            raise UsageError(f"--aggregate {self.aggregate} does not run on strategy '{cfg.strategy}' across replica "
+                             f"groups with --inside {cfg.inside}: each rank holds part of every norm it clips by")
+
+    def check_elastic(self, cfg, aggregator: Aggregator) -> None:
+        raise UsageError(f"--attack and --aggregate do not run with --elastic on strategy '{cfg.strategy}' yet: "
+                         f"its attackers are named by rank, and ranks change as members come and go (the "
+                         f"outer-sync engine's strategies name them by slot: diloco, sparseloco, streaming_diloco)")
 
     def check(self) -> None:
         super().check()

@@ -128,55 +128,61 @@ def fingerprint(row: torch.Tensor) -> str:
 
 
 class Scoreboard:
-    """The scores over the rounds and who is left out (identical on every worker)."""
+    """The scores over the rounds and who is left out (identical on every worker). A worker is
+    named by its slot (`slots[rank]`: under --elastic the launcher's worker number, stable across
+    quorums; else its rank), so its standing outlives a change of membership: one left out and
+    gone comes back left out, and rows come in the rank order of the round's members."""
 
-    def __init__(self, world: int, patience: int):
+    def __init__(self, world: int, patience: int, slots: list[int] | None = None):
         self.patience = patience
-        self.negative = [0] * world        # rounds in a row with a negative score
-        self.positive = [0] * world        # rounds in a row with a non-negative score
-        self.left_out: set[int] = set()
+        self.slots = list(slots) if slots is not None else list(range(world))  # each rank's slot
+        self.negative: dict[int, int] = {}  # slot -> rounds in a row with a negative score
+        self.positive: dict[int, int] = {}  # slot -> rounds in a row with a non-negative score
+        self.left_out: set[int] = set()     # slots
         self.rounds = 0
-        self.history: list[dict] = []      # per round: scores, fits, left out, named replays
-        self.seen: list[dict[str, int]] = []  # per earlier round: fingerprint -> rank
+        self.history: list[dict] = []      # per round: scores (rank order; `workers`: their slots), left out, events
+        self.seen: list[dict[str, int]] = []  # per earlier round: fingerprint -> slot
 
     def judge(self, rows: torch.Tensor, scores: list[float | None] | None, fits: list[float | None] | None,
               prints: list[str] | None = None) -> torch.Tensor:
         """This round's scores (None: no sequence to score on, no worker's standing changes; a None
         entry: that contribution was not scored) -> which rows the aggregate takes (bool [W]).
         `prints`: the rows' fingerprints, where the caller took them already."""
-        world, events = rows.shape[0], []
+        world, events, slot = rows.shape[0], [], self.slots
         prints = prints or [fingerprint(rows[r]) for r in range(world)]
         replay = [False] * world
         for r, fp in enumerate(prints):
             if not rows[r].any():
                 replay[r] = True
-                events.append(f"worker {r} sent nothing (a zero contribution)")
+                events.append(f"worker {slot[r]} sent nothing (a zero contribution)")
                 continue
             first = prints.index(fp)
             if first < r:
                 replay[r] = True
-                events.append(f"worker {r} sent worker {first}'s contribution (a copy)")
+                events.append(f"worker {slot[r]} sent worker {slot[first]}'s contribution (a copy)")
             old = next((k for k, seen in enumerate(self.seen) if fp in seen), None)
             if old is not None:
                 replay[r] = True
-                events.append(f"worker {r} sent a contribution of round {self.rounds - len(self.seen) + old} (stale)")
+                events.append(f"worker {slot[r]} sent a contribution of round {self.rounds - len(self.seen) + old} "
+                              f"(stale)")
         for r, s in enumerate(scores or ()):
             if s is None:
                 continue
-            self.negative[r] = self.negative[r] + 1 if s < 0 else 0
-            self.positive[r] = self.positive[r] + 1 if s >= 0 else 0
-            if r not in self.left_out and self.negative[r] >= self.patience:
-                self.left_out.add(r)
-                events.append(LEFT_OUT.format(r, rounds_text(self.negative[r])))
-            elif r in self.left_out and self.positive[r] >= self.patience:
-                self.left_out.discard(r)
-                events.append(TAKEN_BACK.format(r, rounds_text(self.positive[r])))
-        self.seen = (self.seen + [dict((fp, r) for r, fp in enumerate(prints))])[-STALE_ROUNDS:]
-        admitted = torch.tensor([r not in self.left_out and not replay[r] for r in range(world)])
+            w = slot[r]
+            self.negative[w] = self.negative.get(w, 0) + 1 if s < 0 else 0
+            self.positive[w] = self.positive.get(w, 0) + 1 if s >= 0 else 0
+            if w not in self.left_out and self.negative[w] >= self.patience:
+                self.left_out.add(w)
+                events.append(LEFT_OUT.format(w, rounds_text(self.negative[w])))
+            elif w in self.left_out and self.positive[w] >= self.patience:
+                self.left_out.discard(w)
+                events.append(TAKEN_BACK.format(w, rounds_text(self.positive[w])))
+        self.seen = (self.seen + [dict((fp, slot[r]) for r, fp in enumerate(prints))])[-STALE_ROUNDS:]
+        admitted = torch.tensor([slot[r] not in self.left_out and not replay[r] for r in range(world)])
         if not admitted.any():  # nobody left: the round keeps every worker rather than none
             admitted[:] = True
-        self.history.append({"round": self.rounds, "scores": scores, "fits": fits,
-                             "left_out": sorted(r for r in range(world) if not admitted[r]), "events": events})
+        self.history.append({"round": self.rounds, "scores": scores, "fits": fits, "workers": slot[:world],
+                             "left_out": sorted(slot[r] for r in range(world) if not admitted[r]), "events": events})
         self.rounds += 1
         return admitted
 
@@ -184,11 +190,11 @@ class Scoreboard:
         return {"score_rounds": self.history}
 
     def state_dict(self) -> dict:
-        return {"negative": list(self.negative), "positive": list(self.positive), "left_out": sorted(self.left_out),
+        return {"negative": dict(self.negative), "positive": dict(self.positive), "left_out": sorted(self.left_out),
                 "rounds": self.rounds, "history": [dict(h) for h in self.history],
                 "seen": [dict(s) for s in self.seen]}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.negative, self.positive = list(sd["negative"]), list(sd["positive"])
+        self.negative, self.positive = dict(sd["negative"]), dict(sd["positive"])
         self.left_out, self.rounds = set(sd["left_out"]), sd["rounds"]
         self.history, self.seen = [dict(h) for h in sd["history"]], [dict(s) for s in sd["seen"]]

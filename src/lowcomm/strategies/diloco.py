@@ -73,7 +73,8 @@ class DiLoCo(OuterSyncContract, Strategy):  # its plan, its price and --elastic'
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.inner = self.make_optimizer(self.params)
-        self.sync = OuterSchedule(self.params, self.layout, self.comm, self.options, self._outer_sgd, self.model)
+        self.sync = OuterSchedule(self.params, self.layout, self.comm, self.options, self._outer_sgd, self.model,
+                                  self.inside)
         self.outer = self._outer_sgd(self.sync.globals)
         self.inner_steps, self.last_loss = 0, float("nan")
 

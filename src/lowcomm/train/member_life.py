@@ -81,7 +81,8 @@ class MemberLife:
                                         self.source),
                                self.flight, self.tracer, member_timeout=support.member_timeout(cfg),
                                options=support.strategy_options(cfg), fault_rank=self.slot)
-        support.configure(self.t.run, cfg)
+        K = view.size()  # a replica of K processes is slots s·K .. s·K + K - 1 (replicas.py): replica s
+        support.configure(self.t.run, cfg, tuple(s // K for s in view.slots[::K]))
         self.model_reusable = model_reusable(self.t.run.strategy)
         self.view = view
 
