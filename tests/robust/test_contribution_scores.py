@@ -71,4 +71,4 @@ def test_an_unscored_contribution_keeps_its_standing():
     assert board.judge(rows(4, 5, 6), [None, -0.1, 0.2], [None, -1, 1]).tolist() == [True, False, True]
     assert board.history[1]["events"] == ["worker 1 left out: its score was negative for 1 round",
                                           "worker 2 taken back: its score was non-negative for 1 round"]
-    assert board.negative[0] == board.positive[0] == 0
+    assert board.negative.get(0, 0) == board.positive.get(0, 0) == 0  # never counted

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..contract.context import write_flat
+from ..robust.aggregators import clipped_to_median_norm
 from ..robust.scoring import (PROBE_SCALE, HeldBatch, Scoreboard, fingerprint, next_token_loss, scorers,
                               standing_changes)
 
@@ -41,14 +42,18 @@ class OuterScoring:
         self.held = HeldBatch(model, o.score_batches)
         self.board = Scoreboard(sync.comm.world, o.score_patience)
         self.validators = o.validator_ranks(sync.comm.world)
+        self.clips = o.aggregator().rule == "median-norm-clip"
         self.seconds: dict[int, list[float]] = {}  # round -> each worker's seconds of scoring work
         self.steps: dict[int, int] = {}            # round -> the trainer step its merge is due at
 
-    def admit(self, key: str, rows: torch.Tensor, probe: torch.Tensor | None = None) -> torch.Tensor:
-        """Every worker's Δ_r of the sync (rows [W, n], rank order) -> which the aggregate takes;
-        each scored as `probe` has it (default: as sent; a compressed wire's median-norm clip:
-        as clipped, as Covenant's validator scores it), replays named by `rows`."""
-        probe = rows if probe is None else probe
+    def admit(self, key: str, rows: torch.Tensor, sizes=None, clipped: bool = False) -> torch.Tensor:
+        """Every worker's Δ_r of the sync (rows [W, n], rank order) -> which the aggregate takes.
+        `clipped` (a compressed wire: Covenant's setting): under median-norm-clip each row is scored
+        as the merge takes it, clipped to the median norm per tensor (`sizes`), as Covenant's
+        validator applies a peer's decoded payload (neurons/validator.py, update_model_with_gradient):
+        a 100x row is scored as the honest-norm row it becomes, not as a 100x step (the fp32/bf16
+        wire scores Δ_r as sent). Replays are named by the rows as sent."""
+        probe = clipped_to_median_norm(rows, sizes) if clipped and self.clips else rows
         comm, world, round_ = self.sync.comm, rows.shape[0], self.board.rounds
         batches = self._share(comm, self.held.take(), rows.device)
         assigned = scorers(world, self.validators, round_)

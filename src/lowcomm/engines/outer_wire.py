@@ -46,9 +46,8 @@ from ..compress import Compressor, ErrorFeedback, IntQuantizer, parse_spec, per_
 from ..errors import UsageError
 from ..contract.plan import PlannedOp
 from ..robust import Aggregator, parse_aggregator
-from ..robust.aggregators import clipped_to_median_norm
 from .sync_by_time import INFO_BYTES, fednova_factor, fednova_scale, fednova_weights, step_info
-from .token_weights import TOKEN_BYTES, token_weights
+from .token_weights import TOKEN_BYTES, token_weights, trained_rows
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": 8, "int4": 4}
 OUTER_BLOCK = 64  # values per quantization scale of an outer gradient
@@ -272,21 +271,12 @@ class OuterWire:
 
     def _aggregate(self, key: str, rows: torch.Tensor, sizes, support=None, tokens=None,
                    clipped_probe=False) -> torch.Tensor:
-        """The aggregate of the gathered rows: those --score admits, of the ranks that trained
-        (`tokens`, under --elastic: the module docstring). `clipped_probe` (a compressed wire:
-        Covenant's setting): under median-norm-clip each row is scored as the merge takes it,
-        clipped to the median norm, as Covenant's validator applies a peer's decoded payload
-        (neurons/validator.py, update_model_with_gradient); a 100x row is then scored as the
-        honest-norm row it becomes, not as a 100x step (the fp32/bf16 wire scores Δ_r as sent)."""
-        trained = tokens.cpu() > 0 if tokens is not None else torch.ones(rows.shape[0], dtype=torch.bool)
-        if not trained.any():  # nobody trained: every row (each zero), as the token weights count them
-            trained[:] = True
-        keep = trained
-        if self.admit is not None:
-            clip = clipped_probe and self.aggregator.rule == "median-norm-clip"
-            keep = trained & self.admit(key, rows, clipped_to_median_norm(rows, sizes) if clip else None).cpu()
-        if not keep.any():  # scores left out every rank that trained: those that trained
-            keep = trained
+        """The aggregate of the gathered rows: those --score admits (outer_scoring.py; `clipped_probe`:
+        a compressed wire's rows scored as median-norm-clip takes them), of the ranks that trained
+        (`tokens`, under --elastic: the module docstring)."""
+        trained = trained_rows(tokens, rows.shape[0])
+        keep = trained if self.admit is None else trained & self.admit(key, rows, sizes, clipped_probe).cpu()
+        keep = keep if keep.any() else trained  # scores left out every rank that trained: those that trained
         if not keep.all():
             rows, support = rows[keep], (support[keep] if support is not None else None)
         return self.aggregator(rows, sizes, support, self.spread)

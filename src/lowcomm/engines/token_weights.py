@@ -35,3 +35,10 @@ def contribution(tokens: torch.Tensor | None) -> dict | None:
         return None
     per = [int(t) for t in tokens.tolist()]
     return {"contributors": sum(1 for t in per if t > 0), "tokens": sum(per), "tokens_per_member": per}
+
+
+def trained_rows(tokens: torch.Tensor | None, n: int) -> torch.Tensor:
+    """Which of `n` gathered rows come from a rank that trained since the last sync (tokens > 0;
+    None: every one), or every row where none did (each zero, as the token weights count them)."""
+    trained = tokens.cpu() > 0 if tokens is not None else torch.ones(n, dtype=torch.bool)
+    return trained if trained.any() else torch.ones(n, dtype=torch.bool)

@@ -28,7 +28,8 @@ from .attacks import Attack, parse_attack, parse_ranks
 class RobustOptions(Options):
     """A mixin of dataclass options (name it first among the bases: its checks call on)."""
     attack: str = option("none", "emulate bad workers: sign-flip, scale:K, noise:SIGMA, zero, copy, stale:N, "
-                         "alie[:Z] (what the --attackers send in place of their outer gradient)")
+                         "alie[:Z] (what the --attackers send in place of their outer gradient), or wrong-data "
+                         "(they train on their windows read backwards)")
     attackers: str = option("", "the workers that run --attack: ranks, comma-separated (e.g. 3 or 5,6)")
     aggregate: str = option("mean", "how the outer step combines the workers' outer gradients: mean, median, "
                             "trimmed:BETA, centered-clip:TAU, median-norm-clip (all but mean all-gather "
