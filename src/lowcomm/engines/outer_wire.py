@@ -167,7 +167,7 @@ class OuterWire:
         self.by_tokens = fmt.weights == "tokens"
         self.last_tokens: torch.Tensor | None = None  # --outer-weights tokens: every rank's, at the last sync
         self.aggregator = fmt.aggregator
-        self.admit = None  # --score: (key, rows [W, n]) -> the rows the aggregate takes (bool [W])
+        self.admit = None  # --score: (key, rows [W, n], sizes, clipped) -> the rows the aggregate takes (bool [W])
         self.spread = None  # across replica groups: robust.Spread, how a row is spread over the replica
 
     def issue(self, comm: Comm, key: str, delta: torch.Tensor, tau: int, c: float, sizes: list[int],

@@ -21,8 +21,8 @@ sends, the same shape and dtype (the same protocol, the same bytes):
                   assigned (Covenant's validator checks exactly this: a peer's update must help
                   its own assigned data more than random data): the same token counts as its
                   shard (a data audit by counts or hashes of its pages passes), a normal-looking
-                  training loss, text no worker was given. An attack on the data, not on Δ: the
-                  CLI's trainer applies it (emulation.data_attack); a wrap() loop reads its own
+                  training loss, text no worker was given. An attack on the data, not on Δ:
+                  RunDriver.step applies it (emulation.data_attack); a wrap() loop reads its own
                   data and is refused it (`check_own_loop`)
 
 Only copy and alie read the other workers' contributions (`needs_others`); stale keeps

@@ -14,7 +14,8 @@ of it. The rounds and stale's replays are the attacker's state (the engine's par
 a resumed run attacks as the uninterrupted one.
 
 wrong-data attacks the data, not Δ (its Δ goes to the wire as is): `data_attack` is the loss
-the CLI's trainer gives such a rank (train/assemble.py), the only loop whose data lowcomm reads.
+RunDriver.step trains such a rank with (the CLI's trainer drives every run by it); a loss of the
+caller's own (RunDriver.backward, wrap()) never reaches the data, and is refused there.
 """
 from __future__ import annotations
 
@@ -92,8 +93,7 @@ def data_attack(options, rank: int, loss_fn):
     wrong-data names, `loss_fn` of its micro-batches read backwards (attacks.wrong_data). Its
     --score sequences stay its assigned ones: each micro-batch is handed to the model's HeldBatch
     before the wrong data's forward (a validator scores a worker on the data it was given)."""
-    attack = options.emulated_attack() if hasattr(options, "emulated_attack") else None
-    if attack is None or not attack.on_data or rank not in options.attacking_ranks():
+    if not attacks_data(options, rank):
         return loss_fn
 
     def on_wrong_data(model, batch):
@@ -104,9 +104,15 @@ def data_attack(options, rank: int, loss_fn):
     return on_wrong_data
 
 
+def attacks_data(options, rank: int) -> bool:
+    """Does --attack wrong-data name this rank? (Asked at every step and micro-batch: the spec's
+    string is compared before anything is parsed.)"""
+    return str(getattr(options, "attack", "none")).strip() == "wrong-data" and rank in options.attacking_ranks()
+
+
 def refuse_own_loss(options, rank: int) -> None:
     """A run driven by a loss of its caller's own (RunDriver.backward), on a rank that --attack
     wrong-data names: the attack changes the batches, which only RunDriver.step reads."""
-    if data_attack(options, rank, None) is not None:
+    if attacks_data(options, rank):
         raise UsageError("attack='wrong-data' changes the data this rank trains on: drive the run with "
                          "step(next_batch, loss_fn), which reads the batches, not backward(loss) of your own")

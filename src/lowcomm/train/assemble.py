@@ -28,7 +28,6 @@ from ..diagnose.trace import Tracer
 from ..run.build import build as build_run, make_pacer, replica_groups, world_comm
 from ..data.loader import StreamBatches
 from ..run.driver import RunDriver
-from ..models import lm_loss
 from ..models.load import MODEL_DIR
 from ..models.save import full_state
 from . import faults
@@ -69,7 +68,6 @@ class Trainer:
     wall_before: float = 0.0  # wall seconds of the run's earlier parts (a resumed run)
     # seconds next_batch spent reading each step's batches (step -> s), until steps.jsonl takes them
     loader_s: dict = field(default_factory=dict)
-    loss_fn: Callable = lm_loss  # what each micro-batch trains on (--attack wrong-data: RunDriver.step)
 
     def next_batch(self):
         """The next micro-batch on the device; its reading time is the current step's loader_s."""

@@ -116,7 +116,7 @@ def loop(t, outputs, members, progress: Progress) -> LoopResult | None:
     try:
         while t.step < end:
             members.before_step(t, progress)
-            progress.pending.append(result_vector(run.step(t.next_batch, t.loss_fn)))
+            progress.pending.append(result_vector(run.step(t.next_batch, lm_loss)))
             t.step += 1
             step = t.step
             evaluate_now = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
