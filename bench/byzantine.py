@@ -4,11 +4,15 @@ what the defences cost an honest run (docs/untrusted.md).
     python bench/byzantine.py                         # W=4, rank 3 attacks: diloco, sparseloco, demo, 2 seeds
     python bench/byzantine.py --quick                 # diloco, one seed, four attacks: a smoke run
     python bench/byzantine.py --workers 8 --attackers 6,7
+    python bench/byzantine.py --strategies demo --defences mean,mnc+score --attacks none,copy --seeds 0
 
 Every run trains the bundled Shakespeare corpus with the same small recipe (a 2-block width-64
 GPT, 120 steps, an outer sync every 10: 12 rounds) and the same seed, data order and W; only
---attack, --aggregate and --score change (demo takes no --score: its column stays empty). Runs
-already in --out are read, not rerun.
+--attack, --aggregate and --score change (a strategy that takes no --score leaves that column
+empty). The defences are the issue's five: mean, median-norm-clip ("mnc"), trimmed:0.25,
+centered-clip:1 (τ = 1 in Δ's units: the tiny recipe's Δ norms are of that order), and
+median-norm-clip with --score; `--defences` adds `median`. Runs already in --out are read, not rerun
+(a run dir is named by strategy, attack, defence, seed and, beyond W=4, the worker count).
 
 Printed, per strategy: the final validation loss of each attack (rows) under each aggregator
 (columns), as the mean over the seeds and its change against the attack-free run under `mean`;
@@ -20,8 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
+import sys
+from dataclasses import fields
 from pathlib import Path
 
 from _runs import BenchRun, train
@@ -32,24 +39,50 @@ OUTER = ["--sync-every", "10"]  # the local-SGD family's period (demo has none: 
 ATTACKS = ["none", "sign-flip", "scale:100", "scale:-100", "noise:1", "zero", "copy", "stale:2", "alie:1", "wrong-data"]
 DEFENCES = {  # column -> flags
     "mean": ["--aggregate", "mean"],
-    "median": ["--aggregate", "median"],
-    "trimmed:0.25": ["--aggregate", "trimmed:0.25"],
     "mnc": ["--aggregate", "median-norm-clip"],
+    "trimmed:0.25": ["--aggregate", "trimmed:0.25"],
+    "cclip:1": ["--aggregate", "centered-clip:1"],
     "mnc+score": ["--aggregate", "median-norm-clip", "--score"],
+    "median": ["--aggregate", "median"],  # not in the default matrix (--defences adds it)
 }
+MATRIX = ["mean", "mnc", "trimmed:0.25", "cclip:1", "mnc+score"]
 QUICK = dict(strategies=["diloco"], seeds=[0], attacks=["none", "sign-flip", "scale:100", "scale:-100", "copy"],
              defences=["mean", "mnc", "mnc+score"])
 
 
+def scores(strategy: str) -> bool:
+    """Whether `strategy` takes --score (its options have it and do not refuse it)."""
+    from lowcomm.errors import UsageError
+    from lowcomm.strategies.registry import get
+    options = get(strategy).Options
+    if "score" not in {f.name for f in fields(options)}:
+        return False
+    try:
+        options(score=True).check()
+    except UsageError:
+        return False
+    return True
+
+
 def run(out: Path, strategy: str, attack: str, defence: str, seed: int, workers: int, attackers: str):
+    """One run of the matrix (read from --out where it finished before). A run that fails (an
+    attack that makes the loss diverge and the trainer stop) is recorded as failed, not fatal."""
     flags = ["--strategy", strategy, "--workers", str(workers), "--seed", str(seed), *RECIPE,
              *(OUTER if strategy != "demo" else []), *DEFENCES[defence]]
     if attack != "none":
         flags += ["--attack", attack, "--attackers", attackers]
-    name = f"{strategy}-{attack.replace(':', '')}-{defence.replace(':', '').replace('+', '_')}-s{seed}"
+    name = f"{strategy}-{attack.replace(':', '')}-{defence.replace(':', '').replace('+', '_')}-s{seed}" \
+        + (f"-w{workers}" if workers != 4 else "")
     if (out / name / "summary.json").exists():  # finished before: read, not rerun
         return BenchRun(json.loads((out / name / "summary.json").read_text()), [], 0.0)
-    return train(out / name, *flags, echo=True)
+    if (out / name / "failed.txt").exists():
+        return BenchRun({"failed": (out / name / "failed.txt").read_text().strip()}, [], 0.0)
+    result = train(out / name, *flags, echo=True, check=False)
+    if "failed" in result.summary:
+        (out / name).mkdir(parents=True, exist_ok=True)
+        (out / name / "failed.txt").write_text(result.summary["failed"] + "\n")
+        print(f"    failed: {result.summary['failed']}", flush=True)
+    return result
 
 
 def left_out_at(summary: dict, ranks: list[int]) -> str:
@@ -60,27 +93,61 @@ def left_out_at(summary: dict, ranks: list[int]) -> str:
     return next((str(r["round"]) for r in rounds if set(ranks) <= set(r["left_out"])), "-")
 
 
+def final_loss(run) -> float:
+    """The run's final validation loss (inf: it diverged, or the trainer stopped on bad steps)."""
+    loss = run.summary.get("final_val_loss")
+    return float("inf") if loss is None or not math.isfinite(loss) else loss
+
+
+def cell(runs: list, clean: float, ranks, scored_attack: bool) -> str:
+    losses = [final_loss(r) for r in runs]
+    if any(math.isinf(x) for x in losses):
+        return f"diverged ({sum(math.isinf(x) for x in losses)}/{len(losses)})"
+    loss = statistics.mean(losses)
+    out = "/".join(left_out_at(r.summary, ranks) for r in runs) if scored_attack else ""
+    return f"{loss:7.3f} ({100 * (loss / clean - 1):+6.1f}%)" + (f" [{out}]" if out else "")
+
+
 def table(results: dict, strategy: str, attacks: list[str], defences: list[str], seeds: list[int], ranks) -> str:
-    clean = statistics.mean(results[(strategy, "none", "mean", s)].summary["final_val_loss"] for s in seeds)
-    head = f"{'attack':<12}" + "".join(f"{d:>24}" for d in defences)
+    clean = statistics.mean(final_loss(results[(strategy, "none", "mean", s)]) for s in seeds)
+    head = f"{'attack':<12}" + "".join(f"{d:>26}" for d in defences)
     lines = [f"{strategy}: final validation loss, mean of seeds {seeds} (change vs no attack under mean, "
-             f"{clean:.3f}); [round first left out]", head]
+             f"{clean:.3f}); [round each seed first left out every attacker, '-': never]", head]
     for attack in attacks:
         cells = []
         for d in defences:
             runs = [results[(strategy, attack, d, s)] for s in seeds if (strategy, attack, d, s) in results]
-            if not runs:
-                cells.append("–")
-                continue
-            loss = statistics.mean(r.summary["final_val_loss"] for r in runs)
-            out = left_out_at(runs[0].summary, ranks) if attack != "none" else ""
-            cells.append(f"{loss:8.3f} ({100 * (loss / clean - 1):+6.1f}%)" + (f" [{out}]" if out else "    "))
-        lines.append(f"{attack:<12}" + "".join(f"{c:>24}" for c in cells))
-    speed = {d: statistics.mean(results[(strategy, "none", d, s)].summary["tokens_per_s"] for s in seeds)
-             for d in defences if (strategy, "none", d, seeds[0]) in results}
-    lines.append("tokens/s with no attacker, against mean: " +
-                 ", ".join(f"{d} {speed[d] / speed['mean']:.2f}" for d in speed))
+            cells.append(cell(runs, clean, ranks, attack != "none" and "--score" in DEFENCES[d]) if runs else "-")
+        lines.append(f"{attack:<12}" + "".join(f"{c:>26}" for c in cells))
+    speed = {d: statistics.mean(results[(strategy, "none", d, s)].summary.get("tokens_per_s", 0) for s in seeds)
+             for d in defences if all((strategy, "none", d, s) in results for s in seeds)}
+    if "mean" in speed:
+        lines.append("tokens/s with no attacker, against mean (a shared machine: noisy): " +
+                     ", ".join(f"{d} {speed[d] / speed['mean']:.2f}" for d in speed))
+    lines.append(targets(results, strategy, attacks, seeds, ranks, clean))
     return "\n".join(lines)
+
+
+def targets(results: dict, strategy: str, attacks: list[str], seeds: list[int], ranks, clean: float) -> str:
+    """The issue's targets under median-norm-clip --score: every attack within 2 % of the attack-free
+    loss (each seed against its own attack-free run), every attacker left out within 3 rounds
+    (by round 2: every attack starts at round 0)."""
+    far, late = [], []
+    for attack in attacks[1:] if attacks and attacks[0] == "none" else attacks:
+        for s in seeds:
+            run, base = results.get((strategy, attack, "mnc+score", s)), results.get((strategy, "none", "mean", s))
+            if run is None or base is None:
+                continue
+            change = final_loss(run) / final_loss(base) - 1
+            if not change <= 0.02:
+                far.append(f"{attack} s{s} {100 * change:+.1f}%")
+            at = left_out_at(run.summary, ranks)
+            if not at.isdigit() or int(at) > 2:
+                late.append(f"{attack} s{s} [{at}]")
+    if not any((strategy, a, "mnc+score", s) in results for a in attacks for s in seeds):
+        return "targets: no mnc+score run"
+    return (f"targets (mnc+score): beyond 2 %: {', '.join(far) or 'none'}; not left out by round 2: "
+            f"{', '.join(late) or 'none'}")
 
 
 def main() -> None:
@@ -90,18 +157,28 @@ def main() -> None:
     p.add_argument("--attackers", default="3")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--strategies", help="comma-separated (default: diloco,sparseloco,demo; --quick: diloco)")
+    p.add_argument("--attacks", help=f"comma-separated, 'none' first (default: {','.join(ATTACKS)})")
+    p.add_argument("--defences", help=f"comma-separated, 'mean' first (default: {','.join(MATRIX)}; also: median)")
+    p.add_argument("--seeds", help="comma-separated (default: 0,1)")
     args = p.parse_args()
     plan = dict(QUICK) if args.quick else dict(strategies=["diloco", "sparseloco", "demo"], seeds=[0, 1],
-                                               attacks=ATTACKS, defences=list(DEFENCES))
-    if args.strategies:
-        plan["strategies"] = args.strategies.split(",")
+                                               attacks=ATTACKS, defences=MATRIX)
+    for key in ("strategies", "attacks", "defences"):
+        if getattr(args, key):
+            plan[key] = getattr(args, key).split(",")
+    if args.seeds:
+        plan["seeds"] = [int(s) for s in args.seeds.split(",")]
+    unknown = [d for d in plan["defences"] if d not in DEFENCES] + [a for a in plan["attacks"] if a not in ATTACKS]
+    if unknown or plan["attacks"][0] != "none" or plan["defences"][0] != "mean":
+        sys.exit(f"error: {', '.join(unknown) or 'the matrix'}: attacks are {', '.join(ATTACKS)} ('none' first), "
+                 f"defences {', '.join(DEFENCES)} ('mean' first: every change is against the attack-free mean run)")
     ranks = [int(r) for r in args.attackers.split(",")]
     results = {}
     for strategy in plan["strategies"]:
         for seed in plan["seeds"]:
             for attack in plan["attacks"]:
                 for defence in plan["defences"]:
-                    if strategy == "demo" and "--score" in DEFENCES[defence]:
+                    if "--score" in DEFENCES[defence] and not scores(strategy):
                         continue
                     results[(strategy, attack, defence, seed)] = run(args.out, strategy, attack, defence, seed,
                                                                      args.workers, args.attackers)
