@@ -23,7 +23,7 @@ import torch
 
 import lowcomm
 from lowcomm.cli.main import build_parser, config_from_args, main
-from lowcomm.robust.scoring import scorers
+from lowcomm.robust.scoring import scorers, standing_changes
 from lowcomm.run.driver import make_run
 from lowcomm.train.outputs import ScoreRounds
 
@@ -209,11 +209,11 @@ class FakeScoring:
     def rounds_from(self, first):
         return self.rounds[first:]
 
-    standing_changes = staticmethod(lambda entry: [e for e in entry["events"] if "left out" in e])
+    standing_changes = staticmethod(lambda entry: standing_changes(entry, 2))
 
 
 def test_rounds_land_on_their_steps_records_in_later_gathers_and_at_the_end():
-    rounds = [(3, {"round": 0, "events": []}), (6, {"round": 1, "events": ["worker 2 left out: x"]}),
+    rounds = [(3, {"round": 0, "events": []}), (6, {"round": 1, "events": ["named in words"], "newly_left_out": [2]}),
               (None, {"round": 2, "events": []})]
     placing = ScoreRounds(FakeScoring(rounds[:2]), kept=[], end_step=8)
     first = [{"step": s} for s in (1, 2, 3, 4, 5)]
@@ -221,7 +221,7 @@ def test_rounds_land_on_their_steps_records_in_later_gathers_and_at_the_end():
     assert all("score_rounds" not in r for i, r in enumerate(first) if i != 2)  # round 1 waits for step 6
     placing.scoring.rounds = rounds
     last = [{"step": s} for s in (6, 7, 8)]
-    assert placing.place(last) == ["round 1: worker 2 left out: x"]
+    assert placing.place(last) == ["round 1: worker 2 left out: its score was negative for 2 rounds"]
     assert last[0]["score_rounds"] == [rounds[1][1]] and last[2]["score_rounds"] == [rounds[2][1]]
     resumed = ScoreRounds(FakeScoring(rounds), kept=first + last[:1], end_step=8)
     assert resumed.next == 2

@@ -129,9 +129,11 @@ def strategy_options(cfg):
 
 def configure(run, cfg, slots: tuple[int, ...]) -> None:
     """--min-workers is the quorum of an update that merges what the members trained; `slots`:
-    the slot of each rank of the strategy's group (its replicas' numbers, across replica groups)."""
+    the slot of each rank of the strategy's group (its replicas' numbers, across replica groups),
+    by which --attackers names a worker: the strategy's engine (its Δ) and the driver (wrong-data)."""
     run.strategy.elastic.require_contributors(run.strategy, min_workers(cfg))
     run.strategy.elastic.name_members(run.strategy, slots)
+    run.slots = tuple(slots)
 
 
 def outer_record(run) -> dict | None:

@@ -123,7 +123,9 @@ class OuterScoring:
             out.append((self.steps.get(k), {**entry, **timed}))
         return out
 
-    standing_changes = staticmethod(standing_changes)  # a round's events that left out or took back a worker
+    def standing_changes(self, entry: dict) -> list[str]:
+        """What the progress line says of a round: the workers it left out or took back."""
+        return standing_changes(entry, self.board.patience)
 
     def report(self) -> dict:
         return self.board.report()

@@ -28,8 +28,10 @@ every rank's StepResult gathered each step). Field meanings:
                   list: a streaming run scores one fragment's sync a round, and the final sync
                   every fragment in the last step), each round as summary.json's score_rounds
                   has it: round, scores and fits (per worker; None where no validator could
-                  score it), left_out, events (copies, stale and zero contributions named,
-                  workers left out or taken back), and the seconds of scoring work that round
+                  score it), left_out, newly_left_out and taken_back (the workers the round's
+                  scores left out and took back: what the progress line says), events (copies,
+                  stale and zero contributions named, workers left out or taken back, in words),
+                  and the seconds of scoring work that round
                   (its forwards and the contributions' fingerprints, not the sharing of the held
                   sequences): score_s the slowest worker's, score_s_per_rank each worker's
                   (shared by the scores' own all-reduce; absent on a round a resumed run loaded)

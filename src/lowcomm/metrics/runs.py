@@ -1,7 +1,8 @@
 """Reading what `lowcomm train` and `lowcomm bench` wrote: runs, benches, validation curves.
 
 A run dir holds summary.json and steps.jsonl (metrics/runlog.py); a bench dir holds
-bench.json, which lists its runs (by sub-directory) and the ones that failed.
+bench.json, which lists its runs (by sub-directory) and the ones that failed. A run that did not
+finish (no summary.json) is read from its steps.jsonl and config.toml (metrics/unfinished.py).
 Time along a run is the summed wall time of its steps (each step's slowest rank):
 evaluation and log gathering are left out, so strategies are compared on training time.
 """
@@ -19,6 +20,7 @@ else:  # pragma: no cover
 
 from ..errors import UsageError
 from ..engines.outer_options import outer_step_suffix
+from .unfinished import summary_from_log
 
 BENCH_FILE = "bench.json"
 
@@ -35,7 +37,8 @@ class Point:
 
 @dataclass
 class RecordedRun:
-    """A finished run as read back from its directory (summary.json, steps.jsonl, config.toml)."""
+    """A run as read back from its directory (summary.json, steps.jsonl, config.toml); one that did
+    not finish has a summary made from the other two, with `finished` False (metrics/unfinished.py)."""
     label: str
     path: Path
     summary: dict
@@ -82,19 +85,55 @@ def is_run(path: Path) -> bool:
     return (path / "summary.json").is_file() and (path / "steps.jsonl").is_file()
 
 
+def is_unfinished_run(path: Path) -> bool:
+    """A run stopped, killed or crashed before it wrote summary.json: its config.toml and steps.jsonl."""
+    return not (path / "summary.json").exists() and (path / "steps.jsonl").is_file() and \
+        (path / "config.toml").is_file()
+
+
 def load_run(path: str | Path, label: str | None = None) -> RecordedRun:
     p = Path(path)
     if not is_run(p):
         raise UsageError(f"'{path}' is not a lowcomm run (no summary.json and steps.jsonl in it)")
     try:
         summary = json.loads((p / "summary.json").read_text())
-        steps = [json.loads(line) for line in (p / "steps.jsonl").read_text().splitlines() if line.strip()]
-        config = tomllib.loads((p / "config.toml").read_text()) if (p / "config.toml").is_file() else {}
+        steps, config = _read_log(p)
     except (ValueError, OSError) as e:
         raise UsageError(f"'{path}' is not a readable lowcomm run: {e}") from None
     if not isinstance(summary, dict) or "strategy" not in summary or "final_val_loss" not in summary:
         raise UsageError(f"'{path}' is not a lowcomm run (its summary.json has no strategy or final_val_loss)")
     return RecordedRun(label or summary["strategy"] + outer_step_variant(summary), p, summary, steps, config)
+
+
+def load_unfinished(path: str | Path) -> RecordedRun:
+    """A run that did not finish (is_unfinished_run), read as far as its steps.jsonl goes: a line
+    cut short where the run was killed mid-write is left out."""
+    p = Path(path)
+    try:
+        steps, config = _read_log(p, cut_short_ok=True)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"'{path}' is not a readable lowcomm run: {e}") from None
+    if not isinstance(config.get("strategy"), str):
+        raise UsageError(f"'{path}' is not a lowcomm run (its config.toml names no strategy)")
+    if not steps:
+        raise UsageError(f"'{path}' did not finish and logged no step (no summary.json, steps.jsonl empty): "
+                         f"nothing to report")
+    summary = summary_from_log(steps, config)
+    return RecordedRun(summary["strategy"] + outer_step_variant(summary), p, summary, steps, config)
+
+
+def _read_log(p: Path, cut_short_ok: bool = False) -> tuple[list[dict], dict]:
+    """steps.jsonl's records and config.toml ({} where absent); `cut_short_ok`: skip a last line
+    that is not whole JSON (the run died writing it)."""
+    lines = [line for line in (p / "steps.jsonl").read_text().splitlines() if line.strip()]
+    if cut_short_ok and lines:
+        try:
+            json.loads(lines[-1])
+        except ValueError:
+            lines.pop()
+    steps = [json.loads(line) for line in lines]
+    config = tomllib.loads((p / "config.toml").read_text()) if (p / "config.toml").is_file() else {}
+    return steps, config
 
 
 def outer_step_variant(summary: dict) -> str:
@@ -141,7 +180,8 @@ def load_calibration(path: str | Path) -> Bench:
 
 
 def load_entries(paths: list[str]) -> list:
-    """Runs and failures from run dirs and bench dirs, in the order given."""
+    """Runs and failures from run dirs and bench dirs, in the order given; a run dir may be of a run
+    that did not finish."""
     entries = []
     for path in paths:
         p = Path(path)
@@ -149,6 +189,8 @@ def load_entries(paths: list[str]) -> list:
             entries.extend(load_bench(p).entries)
         elif is_run(p):
             entries.append(load_run(p))
+        elif is_unfinished_run(p):
+            entries.append(load_unfinished(p))
         else:
             raise UsageError(f"'{path}' is not a lowcomm run or bench (no summary.json, steps.jsonl or {BENCH_FILE})")
     labels = [e.label for e in entries]

@@ -14,8 +14,9 @@ of it. The rounds and stale's replays are the attacker's state (the engine's par
 a resumed run attacks as the uninterrupted one.
 
 wrong-data attacks the data, not Δ (its Δ goes to the wire as is): `data_attack` is the loss
-RunDriver.step trains such a rank with (the CLI's trainer drives every run by it); a loss of the
-caller's own (RunDriver.backward, wrap()) never reaches the data, and is refused there.
+RunDriver.step trains such a worker with (the CLI's trainer drives every run by it), the worker
+named as the engine names it (`worker_of`: by slot under --elastic, as RunDriver.slots holds them);
+a loss of the caller's own (RunDriver.backward, wrap()) never reaches the data, and is refused there.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ class Attackers:
         others = comm.meta_all_gather(delta) if self.attack.needs_others else None
         round_ = self.rounds.get(key, 0)
         self.rounds[key] = round_ + 1
-        me = self.slots[comm.rank] if self.slots else comm.rank
+        me = worker_of(comm.rank, self.slots)
         if me not in self.ranks:
             return delta
         history = self.history.setdefault(key, [])
@@ -88,12 +89,18 @@ class Attackers:
         return {"attack": self.attack.spec, "attackers": list(self.ranks)}
 
 
-def data_attack(options, rank: int, loss_fn):
-    """The loss a trainer's rank `rank` trains with: `loss_fn`, or on a rank that --attack
+def worker_of(rank: int, slots: tuple[int, ...] | None) -> int:
+    """The worker --attackers names rank `rank` by: its slot in this membership (`slots`, each rank's:
+    under --elastic the launcher's worker number, stable across quorums), else the rank itself."""
+    return slots[rank] if slots else rank
+
+
+def data_attack(options, worker: int, loss_fn):
+    """The loss worker `worker` (worker_of its rank) trains with: `loss_fn`, or on a worker that --attack
     wrong-data names, `loss_fn` of its micro-batches read backwards (attacks.wrong_data). Its
     --score sequences stay its assigned ones: each micro-batch is handed to the model's HeldBatch
     before the wrong data's forward (a validator scores a worker on the data it was given)."""
-    if not attacks_data(options, rank):
+    if not attacks_data(options, worker):
         return loss_fn
 
     def on_wrong_data(model, batch):
@@ -104,15 +111,15 @@ def data_attack(options, rank: int, loss_fn):
     return on_wrong_data
 
 
-def attacks_data(options, rank: int) -> bool:
-    """Does --attack wrong-data name this rank? (Asked at every step and micro-batch: the spec's
+def attacks_data(options, worker: int) -> bool:
+    """Does --attack wrong-data name this worker? (Asked at every step and micro-batch: the spec's
     string is compared before anything is parsed.)"""
-    return str(getattr(options, "attack", "none")).strip() == "wrong-data" and rank in options.attacking_ranks()
+    return str(getattr(options, "attack", "none")).strip() == "wrong-data" and worker in options.attacking_ranks()
 
 
-def refuse_own_loss(options, rank: int) -> None:
-    """A run driven by a loss of its caller's own (RunDriver.backward), on a rank that --attack
+def refuse_own_loss(options, worker: int) -> None:
+    """A run driven by a loss of its caller's own (RunDriver.backward), on a worker that --attack
     wrong-data names: the attack changes the batches, which only RunDriver.step reads."""
-    if attacks_data(options, rank):
+    if attacks_data(options, worker):
         raise UsageError("attack='wrong-data' changes the data this rank trains on: drive the run with "
                          "step(next_batch, loss_fn), which reads the batches, not backward(loss) of your own")

@@ -58,11 +58,13 @@ def scorers(world: int, validators: tuple[int, ...], round_: int) -> list[int | 
     return out
 
 
-def standing_changes(round_entry: dict) -> list[str]:
-    """The events of a scored round (a Scoreboard history entry) that left a worker out or took
-    one back: what the progress line says (replays are named in steps.jsonl and the report)."""
-    heads = (LEFT_OUT.split("{}")[1], TAKEN_BACK.split("{}")[1])  # ' left out: ...', ' taken back: ...'
-    return [e for e in round_entry.get("events", ()) if any(h in e for h in heads)]
+def standing_changes(round_entry: dict, patience: int) -> list[str]:
+    """What the progress line says of a scored round (a Scoreboard history entry): the workers its
+    fields `newly_left_out` and `taken_back` name (absent in an entry of an older checkpoint: none),
+    in the words of its events. A worker's run of rounds is exactly `patience` long when it
+    changes standing: a run only grows past it on the side the worker already stands on."""
+    return [LEFT_OUT.format(w, rounds_text(patience)) for w in round_entry.get("newly_left_out", ())] + \
+        [TAKEN_BACK.format(w, rounds_text(patience)) for w in round_entry.get("taken_back", ())]
 
 
 class HeldBatch:
@@ -140,7 +142,9 @@ class Scoreboard:
         self.positive: dict[int, int] = {}  # slot -> rounds in a row with a non-negative score
         self.left_out: set[int] = set()     # slots
         self.rounds = 0
-        self.history: list[dict] = []      # per round: scores (rank order; `workers`: their slots), left out, events
+        # per round: scores (rank order; `workers`: their slots), left out, the slots its scores left out
+        # (`newly_left_out`) and took back (`taken_back`), and events (the same and the replays, in words)
+        self.history: list[dict] = []
         self.seen: list[dict[str, int]] = []  # per earlier round: fingerprint -> slot
 
     def judge(self, rows: torch.Tensor, scores: list[float | None] | None, fits: list[float | None] | None,
@@ -165,6 +169,7 @@ class Scoreboard:
                 replay[r] = True
                 events.append(f"worker {slot[r]} sent a contribution of round {self.rounds - len(self.seen) + old} "
                               f"(stale)")
+        newly, back = [], []  # slots whose standing this round's scores changed
         for r, s in enumerate(scores or ()):
             if s is None:
                 continue
@@ -173,16 +178,19 @@ class Scoreboard:
             self.positive[w] = self.positive.get(w, 0) + 1 if s >= 0 else 0
             if w not in self.left_out and self.negative[w] >= self.patience:
                 self.left_out.add(w)
+                newly.append(w)
                 events.append(LEFT_OUT.format(w, rounds_text(self.negative[w])))
             elif w in self.left_out and self.positive[w] >= self.patience:
                 self.left_out.discard(w)
+                back.append(w)
                 events.append(TAKEN_BACK.format(w, rounds_text(self.positive[w])))
         self.seen = (self.seen + [dict((fp, slot[r]) for r, fp in enumerate(prints))])[-STALE_ROUNDS:]
         admitted = torch.tensor([slot[r] not in self.left_out and not replay[r] for r in range(world)])
         if not admitted.any():  # nobody left: the round keeps every worker rather than none
             admitted[:] = True
         self.history.append({"round": self.rounds, "scores": scores, "fits": fits, "workers": slot[:world],
-                             "left_out": sorted(slot[r] for r in range(world) if not admitted[r]), "events": events})
+                             "left_out": sorted(slot[r] for r in range(world) if not admitted[r]),
+                             "newly_left_out": sorted(newly), "taken_back": sorted(back), "events": events})
         self.rounds += 1
         return admitted
 

@@ -37,7 +37,7 @@ from ..contract.context import Schedule, StepContext, StepResult, batch_tokens
 from ..engines.inside import make_inside
 from ..contract.options import build_options
 from ..contract.parts import load_parts, replicated_only, save_parts
-from ..robust import data_attack, refuse_own_loss
+from ..robust.emulation import data_attack, refuse_own_loss, worker_of
 from ..strategies.registry import get, resolve
 from . import teardown
 from .precision import Precision, make_precision
@@ -94,6 +94,7 @@ class RunDriver:
         self._last_loss = None                   # weakref to the latest loss backpropagated
         self._evaluating = self._closed = False
         self._own_groups: list = []              # groups this run made, destroyed by close()
+        self.slots: tuple[int, ...] | None = None  # --elastic: each rank's slot (elastic/support.configure)
         self._hook = strategy.train_model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
         # lowcomm 0.1's strategy was its own driver: `run.strategy.close()` works, and says what to call now
         strategy.evaluating = _deprecated(self.evaluating, "run.strategy.evaluating()", "run.evaluating()")
@@ -164,7 +165,7 @@ class RunDriver:
     def backward(self, loss: torch.Tensor, tokens: int | None = None) -> StepResult | None:
         """Backpropagate one micro-batch's loss; the StepResult when this finished an optimizer
         step (also kept in `result`), else None: keep feeding micro-batches."""
-        refuse_own_loss(self.options, self.comm.rank)  # --attack wrong-data changes the batches: step() only
+        refuse_own_loss(self.options, worker_of(self.comm.rank, self.slots))  # wrong-data: step() only
         return self._backward(loss, tokens)
 
     def _backward(self, loss: torch.Tensor, tokens: int | None) -> StepResult | None:
@@ -190,7 +191,7 @@ class RunDriver:
         self._check_open()
         if self._begin(pull=True).idle:
             return self._finish()
-        loss_fn = data_attack(self.options, self.comm.rank, loss_fn)  # --attack wrong-data: other data
+        loss_fn = data_attack(self.options, worker_of(self.comm.rank, self.slots), loss_fn)  # by slot, as Δ's
         while True:
             batch = next_batch()
             self._mark_compute_start()
@@ -260,7 +261,6 @@ class RunDriver:
         self._begin()
         self._mark_compute_start()
         self._forward_tokens = batch_tokens(args if args else kwargs)
-        return None
 
     def _pace(self) -> None:
         if self.pacer is not None:

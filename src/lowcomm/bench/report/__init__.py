@@ -28,7 +28,8 @@ def write_report(entries: list, out: Path, target_loss: float | None = None, tit
     target = target_loss if target_loss is not None else default_target(comparable)
     levels = any(leveled(r) for r in runs)  # a flat report keeps its columns
     rows = [row(e, target, apart.get(e.label), levels) for e in entries]
-    setting = describe(comparable[0]) if comparable else ""
+    finished = [r for r in comparable if r.summary.get("finished", True)]  # they counted their parameters
+    setting = describe((finished or comparable)[0]) if comparable else ""
     plots = plot_section(lambda: write_plots(runs, out, target, setting if not apart else "runs of different setups")
                          if runs else [])
     text = (f"# {title}\n\n" + answer(rows, target, setting) + "\n\n" + (preamble + "\n\n" if preamble else "")

@@ -17,7 +17,7 @@ FINAL_LOSS_GAP = 0.02
 def answer(rows: list[dict], target: float | None, setting: str) -> str:
     """`rows`: table.row() dicts, with 'comparable' set; `setting`: the measured setup in words."""
     ok = [r for r in rows if r["status"] == "ok" and r.get("comparable", True) and not r.get("diverged")
-          and not r.get("regressed")]
+          and not r.get("regressed") and r.get("finished", True)]
     notes = _caveats(rows)
     if not ok:
         return " ".join(["**Answer.** No run finished, so there is nothing to recommend.", *notes])
@@ -96,6 +96,11 @@ def _caveats(rows: list[dict]) -> list[str]:
     failed = [r["label"] for r in rows if r["status"] != "ok"]
     if failed:
         out.append(f"Failed, so left out: {', '.join(failed)} (see the table).")
+    cut = [r for r in rows if r["status"] == "ok" and not r.get("finished", True)]
+    if cut:
+        out.append("Did not finish (no summary.json: stopped, killed or crashed), so left out of the target and this "
+                   "answer, and read from its steps.jsonl and config.toml (no final loss, tokens/s, optimizer state "
+                   "or peak memory): " + ", ".join(f"{r['label']} ({_how_far(r)})" for r in cut) + ".")
     apart = [r["label"] for r in rows if r["status"] == "ok" and not r.get("comparable", True)]
     if apart:
         out.append(f"Not comparable with the others, so left out of this answer: {', '.join(apart)} "
@@ -111,7 +116,7 @@ def _caveats(rows: list[dict]) -> list[str]:
                    "of the target and this answer: " + ", ".join(
                        f"{r['label']} ({r['final_val_loss']:.4f} at its end, {r['best_val_loss']:.4f} at step "
                        f"{r['best_val_step']})" for r in late) + ".")
-    unknown = unrecorded([r for r in rows if r["status"] == "ok" and "contention" in r])
+    unknown = unrecorded([r for r in rows if r["status"] == "ok" and "contention" in r and r.get("finished", True)])
     if unknown:
         out.append(f"No load recorded for {', '.join(unknown)} (older runs): times compared as measured.")
     more = [r for r in rows if r["status"] == "ok" and r.get("tokens_planned") and r["tokens"] > r["tokens_planned"]]
@@ -121,6 +126,13 @@ def _caveats(rows: list[dict]) -> list[str]:
                        f"{r['label']} {r['tokens']:,} (+{100 * (r['tokens'] / r['tokens_planned'] - 1):.0f}%)"
                        for r in more) + ".")
     return out
+
+
+def _how_far(row: dict) -> str:
+    """How far a run that did not finish got: its last step and its best validation loss."""
+    best = row.get("best_val_loss")
+    return f"to step {row['steps']} of {row['steps_planned']}" + (
+        f", best validation loss {best:.4f} at step {row['best_val_step']}" if best is not None else "")
 
 
 def _s(row: dict) -> str:

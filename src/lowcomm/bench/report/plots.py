@@ -51,7 +51,8 @@ def write_plots(runs: list[RecordedRun], out: Path, target: float | None, settin
     draw_rank_breakdown(ax, runs)
     save(fig, "rank_breakdown.png", "Where each rank's time went")
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
-    ax.bar([r.label for r in runs], [r.summary["tokens_per_s"] for r in runs], color="tab:green")
+    timed = [r for r in runs if r.summary["tokens_per_s"] is not None]  # not a run that did not finish
+    ax.bar([r.label for r in timed], [r.summary["tokens_per_s"] for r in timed], color="tab:green")
     ax.set_ylabel("throughput (tokens/s, all workers)")
     ax.tick_params(axis="x", labelrotation=30)
     save(fig, "tokens_per_s.png", "Training throughput")

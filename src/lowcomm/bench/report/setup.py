@@ -26,13 +26,14 @@ def setup_of(run: RecordedRun) -> Setup:
     per_step = s["workers"] * c.get("accum", 1) * c.get("micro_batch", 16) * seq_len
     budget = c["steps"] * per_step if "steps" in c else s["tokens"]
     data = c.get("data", {}).get("source") or str(s.get("data", "?")).split(" (")[0]
-    return Setup(s.get("params", 0), seq_len, data, budget, per_step, s["workers"])
+    return Setup(s.get("params") or 0, seq_len, data, budget, per_step, s["workers"])
 
 
 def differences(setup: Setup, reference: Setup) -> list[str]:
     """How `setup` differs from `reference`, one phrase per input; [] when comparable."""
     out = []
-    if (setup.params, setup.seq_len) != (reference.params, reference.seq_len):
+    known = setup.params and reference.params  # 0: not counted (a run that did not finish)
+    if (known and setup.params != reference.params) or setup.seq_len != reference.seq_len:
         out.append(f"model {_params(setup.params)}, seq {setup.seq_len} (others: {_params(reference.params)}, "
                    f"seq {reference.seq_len})")
     if setup.data != reference.data:
@@ -81,5 +82,7 @@ def _link(link: dict) -> str:
     return f"link {link['bandwidth']},{link.get('latency') or '0'}" if link.get("bandwidth") else "no link emulation"
 
 
-def _params(n: int) -> str:
+def _params(n: int | None) -> str:
+    if not n:  # a run that did not finish: its summary.json would have counted them
+        return "?"
     return f"{n / 1e6:.3g}M" if n >= 1e4 else f"{n:,}"

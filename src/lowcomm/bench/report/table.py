@@ -56,7 +56,7 @@ def diverged(entry) -> bool:
     """Did the run end above the loss it started at? Its final loss then says nothing about how
     fast the strategy reaches a target, and as the target it would make every run "reach" it."""
     start, final = starting_loss(entry), entry.summary["final_val_loss"]
-    return start is not None and not final < start
+    return start is not None and final is not None and not final < start
 
 
 def best_point(entry) -> Point | None:
@@ -68,14 +68,15 @@ def regressed(entry) -> bool:
     """Did the run get worse at its end: its final loss more than REGRESSED above its own best?
     As the target, that final loss would be reached by every other run at once."""
     best, final = best_point(entry), entry.summary["final_val_loss"]
-    return best is not None and not final <= best.val_loss * (1 + REGRESSED)
+    return best is not None and final is not None and not final <= best.val_loss * (1 + REGRESSED)
 
 
 def default_target(entries: list) -> float | None:
     """The worst (highest) final validation loss of the runs that finished, did not diverge and did
     not get worse at their end: every one of them reaches it."""
     finals = [e.summary["final_val_loss"] for e in entries if isinstance(e, RecordedRun)
-              and math.isfinite(e.summary["final_val_loss"]) and not diverged(e) and not regressed(e)]
+              and e.summary["final_val_loss"] is not None and math.isfinite(e.summary["final_val_loss"])
+              and not diverged(e) and not regressed(e)]
     return max(finals) if finals else None
 
 
@@ -102,10 +103,16 @@ def row(entry, target: float | None, apart: list[str] | None = None, levels: boo
         "tokens_per_s": s["tokens_per_s"],
         "wire_mb_per_rank_per_step": s["wire_bytes_per_rank_per_step"] / 1e6,
         "exposed_comm_pct": 100 * s["exposed_comm_fraction"],
-        "optimizer_state_mb_per_rank": s["optimizer_state_bytes_per_rank"] / 1e6,
-        "peak_mem_mib": s["peak_mem_bytes"] / 2**20,
+        "optimizer_state_mb_per_rank": _scaled(s["optimizer_state_bytes_per_rank"], 1e6),
+        "peak_mem_mib": _scaled(s["peak_mem_bytes"], 2**20),
         "exposed_s_per_outer_sync": exposed_per_outer_sync(entry),
+        "finished": s.get("finished", True), "steps_planned": s.get("steps_planned", s["steps"]),
     }
+
+
+def _scaled(value: float | None, unit: float) -> float | None:
+    """A figure in `unit`s; None where the run did not record it (it did not finish)."""
+    return None if value is None else value / unit
 
 
 def markdown(rows: list[dict], target: float | None) -> str:
