@@ -3,19 +3,26 @@ sign-flipper and a scale:-100 sender are left out after --score-patience rounds 
 between scored steps, a copier is named at once, every worker holds the same θ at every step,
 the probe's scores equal a single-process transcription of the rule (θ − 0.2·lr·sign(Q_r) on the
 next worker's held sequences), an honest scored run is the plain run bit for bit, and a run
-resumed from its state mid-period goes on as the uninterrupted one.
+resumed from its state mid-period goes on as the uninterrupted one; through the trainer, each round
+is on the record of the step that scored it in steps.jsonl, as in summary.json, and the progress
+line says who was left out.
 
 The batches follow a pattern a tiny GPT learns in a few steps (each token the one before plus 1,
 mod 64), so that a reversed step shows in the loss and in the scores."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import io
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import lowcomm
+from lowcomm.cli.main import build_parser, config_from_args
 from lowcomm.compress.dct import DCTTopK
 from lowcomm.run.driver import make_run
 
@@ -88,13 +95,38 @@ def _resumed(rank: int) -> dict:
     return out
 
 
-def _all(rank: int, world: int) -> dict:
-    return {**{name: _scenario(rank, options) for name, options in SCENARIOS.items()}, "resumed": _resumed(rank)}
+def _trained(rank: int, data: str, out: Path) -> dict:
+    """The trainer's scored run with a sign-flipper (patience 1): rank 0's progress lines and logs."""
+    from lowcomm import config as C
+    from lowcomm.train.worker import train
+    argv = ["train", "--strategy", "demo", "--workers", str(W), "--steps", str(STEPS), "--n-layer", "1",
+            "--n-head", "2", "--d-model", "16", "--seq-len", "16", "--micro-batch", "4", "--eval-every", "0",
+            "--eval-batches", "1", "--log-every", "5", "--score", "--score-every", str(EVERY), "--score-patience",
+            "1", "--attack", "sign-flip", "--attackers", "2", "--data", data, "--out", str(out)]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    C.validate(cfg)
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        train(cfg, rank, W, 0, out if rank == 0 else None, quiet=False)
+    if rank:
+        return {"shown": shown.getvalue()}
+    return {"shown": shown.getvalue(), "summary": json.loads((out / "summary.json").read_text()),
+            "steps": [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]}
+
+
+def _all(rank: int, world: int, data: str, out: str) -> dict:
+    return {**{name: _scenario(rank, options) for name, options in SCENARIOS.items()}, "resumed": _resumed(rank),
+            "trained": _trained(rank, data, Path(out))}
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return run_dist(_all, W, timeout=600)
+def ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo_scored")
+    (root / "run").mkdir()  # made by the test, as `lowcomm train` makes it before its workers start
+    data = root / "text.txt"
+    data.write_text("It is a truth universally acknowledged, that a single man in possession of a good "
+                    "fortune, must be in want of a wife.\n" * 60)
+    return run_dist(_all, W, str(data), str(root / "run"), timeout=600)
 
 
 @pytest.mark.procs
@@ -190,3 +222,17 @@ def test_the_probe_is_the_rule_transcribed(ranks):
     want = transcribed_scores()
     assert got == pytest.approx(want, rel=1e-3, abs=1e-7), (got, want)
     assert want[2] < 0 < min(want[:2])
+
+
+@pytest.mark.procs
+def test_the_trainer_logs_each_round_on_the_step_that_scored_it_and_says_who_was_left_out(ranks):
+    trained = ranks[0]["trained"]
+    rounds = trained["summary"]["score_rounds"]
+    on_steps = [(r["step"], k) for r in trained["steps"] for k in r.get("score_rounds", ())]
+    assert [step for step, _ in on_steps] == list(range(1, STEPS + 1, EVERY))  # optimizer steps 0, 2, ...
+    assert [{k: v for k, v in entry.items() if not k.startswith("score_s")} for _, entry in on_steps] == rounds
+    said = [f"round {k['round']}: {e}" for k in rounds for e in k["events"] if "left out: its score" in e]
+    assert said and rounds[-1]["left_out"] == [2], rounds
+    for text in said:
+        assert any(text in line for line in trained["shown"].splitlines()), (text, trained["shown"])
+    assert ranks[1]["trained"]["shown"] == ranks[2]["trained"]["shown"] == ""
