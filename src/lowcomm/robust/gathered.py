@@ -66,7 +66,7 @@ class GatheredUpdate:
             return aggregated(aggregator, *decoded_senders(decode, rows)) if aggregator.robust else decode(rows)
         scored = scoring.due(step)
         flat, like = decoded_senders(decode, rows) if scored or aggregator.robust else (None, None)
-        keep = scoring.admitted(flat if scored else None, step, rows.shape[0])
+        keep = scoring.admitted(flat if scored else None, step, rows.shape[0]).to(rows.device)
         if aggregator.robust:
             return aggregated(aggregator, flat if keep.all() else flat[keep], like)
         return decode(rows if keep.all() else rows[keep])

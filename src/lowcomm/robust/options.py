@@ -23,7 +23,7 @@ from ..errors import UsageError
 from .aggregators import Aggregator, parse_aggregator
 from .attacks import Attack, parse_attack, parse_ranks
 
-SCORE_EVERY = 10  # a per-step strategy's default --score-every: DeMo's scored rounds as often as diloco's outer steps
+SCORE_EVERY = 10  # a per-step strategy's (DeMo's) default --score-every: docs/untrusted.md says what it costs
 
 
 @dataclass
@@ -143,7 +143,8 @@ class GatheredRobustOptions(RobustOptions):
     def check_elastic(self, cfg, aggregator: Aggregator) -> None:
         raise UsageError(f"--attack, --aggregate and --score do not run with --elastic on strategy '{cfg.strategy}' "
                          f"yet: its attackers and scores are named by rank, and ranks change as members come and "
-                         f"go (the outer-sync engine's strategies name them by slot: diloco, sparseloco, streaming_diloco)")
+                         f"go (the outer-sync engine's strategies name them by slot: diloco, sparseloco, "
+                         f"streaming_diloco)")
 
     def check(self) -> None:
         super().check()

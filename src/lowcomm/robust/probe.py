@@ -1,9 +1,10 @@
 """Gauntlet's probe (robust/scoring.py has the rule): the loss change one contribution causes on
 held sequences, whatever the strategy's step is made of. The caller says how contribution r moves
 the model (`move(r)`: θ − 0.2·lr·Δ_r on the outer-sync engine, θ − 0.2·lr·sign(Q_r) for DeMo)
-and puts θ back afterwards; this module runs the forwards and turns them into gains.
+and the context the probes run in (`around()`: θ in the model, and the model as it was after);
+this module runs the forwards and turns them into gains.
 
-    gains = probe_gains(model, held, batches, mine, world, move)
+    gains = probe_gains(model, held, batches, mine, world, move, around)
     # per r in mine: [Gauntlet's score, own data's relative gain, random data's relative gain]
 """
 from __future__ import annotations
@@ -23,11 +24,10 @@ def probe_gains(model: nn.Module, held: HeldBatch, batches: torch.Tensor, mine: 
                 ) -> list[list[float]]:
     """(Gauntlet's score, own data's relative improvement, random data's) of each contribution in
     `mine`, contribution r on its own batch (batches[r]) and the next worker's ((r + 1) mod
-    `world`, data r was not given). The model holds θ when called; `move(r)` writes θ moved by
-    contribution r into it (from θ, not from the previous probe); `around()`: the context the forwards
-    run in (the outer-sync engine's θ_global put in the model), entered only where there is work.
-    The held batch is paused: the forwards here are not training. No sequence held (batches
-    [W, 0, 0]): every score is 0."""
+    `world`, data r was not given). Inside `around()` (entered only where there is work) the model
+    holds θ; `move(r)` writes θ moved by contribution r into it (from θ, not from the previous
+    probe), and leaving `around()` puts back what the model held before. The held batch is paused:
+    the forwards here are not training. No sequence held (batches [W, 0, 0]): every score is 0."""
     if not mine or batches.numel() == 0 or batches.shape[2] < 2:
         return [[0.0, 0.0, 0.0] for _ in mine]
     pairs = {r: (r, (r + 1) % world) for r in mine}  # (own, random)
