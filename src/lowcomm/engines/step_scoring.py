@@ -19,8 +19,8 @@ median-norm-clip's clip keeps every sign, so the probe is the row as that merge 
 
 The held sequences scored on are those of the scored step itself (the held batch is taken anew
 at the end of the step before), as Gauntlet scores a gradient on the data it was computed from.
-A stale replay is named only where it repeats a scored step's contribution (stale:N with N a
-multiple of --score-every); any other stale one is scored as what it is, an old update.
+A stale replay is named only where it repeats a scored step's contribution (fingerprints are
+taken at scored steps only); any other stale one is scored as what it is, an old update.
 """
 from __future__ import annotations
 
