@@ -56,6 +56,13 @@ def test_demo_aggregates_every_senders_decoded_payload_every_step():
     assert robust.label == "demo median" and plain.label == "demo"
 
 
+def test_demos_scoring_costs_its_four_forwards_once_every_score_every_steps():
+    robust = predicted("demo", aggregate="median-norm-clip")
+    scored = predicted("demo", aggregate="median-norm-clip", score=True, score_batches=4, score_every=5)
+    forwards = 4 * 4 * SEQ * 2 * N  # as the outer-sync engine's, at one scored step in 5
+    assert math.isclose(scored.defence_s - robust.defence_s, forwards / (TFLOPS * 1e12) / 5, rel_tol=1e-9)
+
+
 def test_the_plan_table_says_what_each_defence_costs(capsys):
     from lowcomm.cli.main import main
     code = main(["plan", "--strategies", "diloco,sparseloco", "--aggregate", "median-norm-clip", "--score",

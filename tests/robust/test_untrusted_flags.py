@@ -13,8 +13,12 @@ FAMILY = "it is an option of: demo, diloco, sparseloco, streaming_diloco"
     (["--strategy", "ddp", "--aggregate", "median"], f"--aggregate does not apply to strategy 'ddp' ({FAMILY})"),
     (["--strategy", "acco", "--attack", "zero", "--attackers", "1"],
      f"--attack does not apply to strategy 'acco' ({FAMILY})"),
-    (["--strategy", "demo", "--score"], "--score scores outer gradients on the outer-sync engine (diloco, "
-                                        "sparseloco, streaming_diloco): not a per-step update like this strategy's yet"),
+    (["--strategy", "demo", "--score-every", "5"], "--score-every 5 needs --score: it says how often to score"),
+    (["--score", "--score-every", "5"], "--score-every does not apply to strategy 'diloco' (it is an option of: demo)"),
+    (["--strategy", "demo", "--workers", "4", "--replicas", "2", "--score"],
+     "--score does not run across replica groups (--replicas 2) yet: each rank holds only part of its replica's "
+     "outer gradient (with --inside ddp the tensors its position owns), and a score is the loss change the whole "
+     "of it causes"),
     (["--strategy", "zero1", "--score"], f"--score does not apply to strategy 'zero1' ({FAMILY})"),
     (["--workers", "4", "--attack", "sign-flip", "--attackers", "4"],
      "--attackers 4: rank 4 is out of range for 4 workers (ranks 0 to 3)"),
@@ -33,10 +37,10 @@ FAMILY = "it is an option of: demo, diloco, sparseloco, streaming_diloco"
     (["--aggregate", "median", "--sync-by", "time"],
      "--aggregate median does not run with --sync-by time: a robust aggregate trusts every worker alike, it takes "
      "no weights"),
-    (["--strategy", "demo", "--elastic", "--aggregate", "median"],
-     "--attack and --aggregate do not run with --elastic on strategy 'demo' yet: its attackers are named by rank, "
-     "and ranks change as members come and go (the outer-sync engine's strategies name them by slot: diloco, "
-     "sparseloco, streaming_diloco)"),
+    *[(["--strategy", "demo", "--elastic", *flag],
+       "--attack, --aggregate and --score do not run with --elastic on strategy 'demo' yet: its attackers and scores "
+       "are named by rank, and ranks change as members come and go (the outer-sync engine's strategies name them by "
+       "slot: diloco, sparseloco, streaming_diloco)") for flag in (["--aggregate", "median"], ["--score"])],
     (["--strategy", "demo", "--workers", "4", "--replicas", "2", "--aggregate", "centered-clip:1"],
      "--aggregate centered-clip:1 does not run on strategy 'demo' across replica groups with --inside ddp: each rank "
      "holds part of every norm it clips by"),

@@ -152,8 +152,10 @@ class DeMoCost(Cost):
 
     @classmethod
     def defence_work(cls, options, world, numel, seq_len):
-        # a robust --aggregate decodes every sender's payload alone, each step (robust/gathered.py)
-        return defence_work(options.aggregator(), False, world, numel, 0, seq_len, 1.0)
+        # a robust --aggregate decodes every sender's payload alone, each step (robust/gathered.py);
+        # --score's forwards run every --score-every steps (engines/step_scoring.py): spread over them
+        scored = options.score_batches / options.score_every if options.score else 0
+        return defence_work(options.aggregator(), options.score, world, numel, scored, seq_len, 1.0)
 
     @classmethod
     def plan_label(cls, strategy, options):

@@ -26,8 +26,8 @@ import torch.nn as nn
 
 from ..contract.context import write_flat
 from ..robust.aggregators import clipped_to_median_norm
-from ..robust.scoring import (PROBE_SCALE, HeldBatch, Scoreboard, fingerprint, next_token_loss, scorers,
-                              standing_changes)
+from ..robust.probe import probe_gains
+from ..robust.scoring import PROBE_SCALE, HeldBatch, Scoreboard, fingerprint, scorers, standing_changes
 
 COLUMNS = 4  # per contribution: score, own data's gain, random data's gain; per worker: its seconds
 
@@ -86,29 +86,15 @@ class OuterScoring:
         n, t = (int(v) for v in shapes.min(dim=0).values)
         return comm.meta_all_gather(held[:n, :t].contiguous())
 
-    @torch.no_grad()
     def _score(self, i: int, rows: torch.Tensor, mine: list[int], batches: torch.Tensor) -> list[list[float]]:
         """(Gauntlet's score, own data's relative improvement, random data's) of each contribution
-        in `mine` to fragment i: contribution r on its own batch and the next worker's, r + 1."""
-        world = rows.shape[0]
-        if not mine or batches.numel() == 0 or batches.shape[2] < 2:
-            return [[0.0, 0.0, 0.0] for _ in mine]
+        in `mine` to fragment i (robust/probe.py): Δ_r applied at θ_global − 0.2·lr·Δ_r, the
+        fragment's other tensors held at their θ_global."""
         params, g = self.sync.fragments[i][1], self.sync.globals[i].detach()
-        pairs = {r: (r, (r + 1) % world) for r in mine}  # (own, random)
-        self.held.paused = True
-        try:
-            with self.sync.globals_in_model():
-                needed = sorted({b for pair in pairs.values() for b in pair})
-                base = {b: next_token_loss(self.model, batches[b]) for b in needed}  # the loss at θ_global
-                out = []
-                for r in mine:
-                    write_flat(g - PROBE_SCALE * self.lr * rows[r].to(g.dtype), params)
-                    after = [next_token_loss(self.model, batches[b]) for b in pairs[r]]
-                    gain = [(base[b] - a) / base[b] if base[b] > 0 else 0.0 for b, a in zip(pairs[r], after)]
-                    out.append([gain[1], gain[0], gain[1]])
-        finally:
-            self.held.paused = False
-        return out
+
+        def move(r: int) -> None:
+            write_flat(g - PROBE_SCALE * self.lr * rows[r].to(g.dtype), params)
+        return probe_gains(self.model, self.held, batches, mine, rows.shape[0], move, self.sync.globals_in_model)
 
     def rounds_from(self, first: int) -> list[tuple[int | None, dict]]:
         """The scored rounds from round `first` on: (the trainer step whose outer step took it, None

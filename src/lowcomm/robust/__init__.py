@@ -10,8 +10,8 @@ from .aggregators import Aggregator, parse_aggregator
 from .attacks import Attack, Round, check_own_loop, parse_attack, parse_ranks
 from .emulation import Attackers, attackers_of, data_attack, refuse_own_loss
 from .gathered import GatheredUpdate
-from .options import RobustOptions, UnscoredRobustOptions
+from .options import GatheredRobustOptions, RobustOptions
 
-__all__ = ["Aggregator", "Attack", "Attackers", "GatheredUpdate", "Round", "RobustOptions", "UnscoredRobustOptions",
+__all__ = ["Aggregator", "Attack", "Attackers", "GatheredRobustOptions", "GatheredUpdate", "Round", "RobustOptions",
            "attackers_of", "check_own_loop", "data_attack", "refuse_own_loss", "parse_aggregator", "parse_attack",
            "parse_ranks"]

@@ -171,13 +171,18 @@ class Aggregator:
                              f"side (the mean): {fix}")
 
 
-def aggregate_senders(decode, rows: torch.Tensor, aggregator: Aggregator) -> list[torch.Tensor]:
-    """Every sender's bytes (rows [W, b]) decoded alone (decode(rows[r:r+1]) -> its tensors) and
-    aggregated per coordinate, tensor by tensor (a strategy that gathers payloads itself: DeMo)."""
+def decoded_senders(decode, rows: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Every sender's bytes (rows [W, b]) decoded alone -> (their tensors flat, one row each, fp32
+    [W, n]; one sender's tensors, to shape an aggregate of the rows back like them)."""
     per = [decode(rows[r:r + 1]) for r in range(rows.shape[0])]
-    sizes = [q.numel() for q in per[0]]
-    agg = aggregator(torch.stack([torch.cat([q.reshape(-1).float() for q in qs]) for qs in per]), sizes)
-    return [a.view(q.shape).to(q.dtype) for a, q in zip(agg.split(sizes), per[0])]
+    return torch.stack([torch.cat([q.reshape(-1).float() for q in qs]) for qs in per]), per[0]
+
+
+def aggregated(aggregator: Aggregator, flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The aggregate of decoded rows (decoded_senders), tensor by tensor, shaped and typed `like`."""
+    sizes = [q.numel() for q in like]
+    agg = aggregator(flat, sizes)
+    return [a.view(q.shape).to(q.dtype) for a, q in zip(agg.split(sizes), like)]
 
 
 def parse_aggregator(spec: str, name: str = "--aggregate") -> Aggregator:

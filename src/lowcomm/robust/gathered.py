@@ -3,17 +3,21 @@ step (DeMo's DCT top-k): a mixin on the strategy, named before Strategy in its b
 
     val = self.attacked_values(f"stack{j}", val)   # an attack on values, before packing
     mine = self.attacked_payload(mine)              # a replay (copy, stale), after packing
-    qs = self.combined(self.dct.decode, rows)       # the mean decode, or each sender decoded alone
-                                                    # and aggregated (robust aggregators)
+    qs = self.combined(self.dct.decode, rows, step) # the mean decode, or each sender decoded alone
+                                                    # and aggregated (robust aggregators), of the
+                                                    # senders --score admits
 
-It reads the strategy's `options` (RobustOptions) and `comm`; with --aggregate mean and no
-attacker it changes nothing (the same calls, the same bits).
+It reads the strategy's `options` (GatheredRobustOptions) and `comm`; with --aggregate mean, no
+attacker and no --score it changes nothing (the same calls, the same bits). With --score the
+strategy sets `scoring` (engines/step_scoring.py: robust/ imports no engine), the mixin keeps its
+state and reports its rounds, and the run's outputs read its rounds from it (train/outputs.py:
+`rounds_from`, `standing_changes`, as from the outer-sync engine's OuterScoring).
 """
 from __future__ import annotations
 
 import torch
 
-from .aggregators import aggregate_senders
+from .aggregators import aggregated, decoded_senders
 from .emulation import attackers_of
 
 _UNSET = object()
@@ -21,6 +25,7 @@ _UNSET = object()
 
 class GatheredUpdate:
     _attackers = _UNSET
+    scoring = None  # --score: the strategy's StepScoring (engines/step_scoring.py)
 
     @property
     def attackers(self):
@@ -38,10 +43,30 @@ class GatheredUpdate:
 
     def untrusted_report(self) -> dict:
         """summary.json's record of the aggregate and the emulated attack."""
-        return {"aggregate": self.options.aggregator().spec, **(self.attackers.report() if self.attackers else {})}
+        return {"aggregate": self.options.aggregator().spec, **(self.attackers.report() if self.attackers else {}),
+                **(self.scoring.report() if self.scoring is not None else {})}
 
-    def combined(self, decode, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Every worker's payload (rows [W, b]) -> the per-tensor update: `decode` of them all
-        (the strategy's mean), or with a robust --aggregate each decoded alone and aggregated."""
-        aggregator = self.options.aggregator()
-        return aggregate_senders(decode, rows, aggregator) if aggregator.robust else decode(rows)
+    def state_parts(self):
+        """The strategy's parts, and --score's scoreboard and held sequences."""
+        parts = super().state_parts()
+        return parts if self.scoring is None else {**parts, **self.scoring.state_parts()}
+
+    def release(self) -> None:
+        super().release()
+        if self.scoring is not None:  # --score's held-sequence hook off the model
+            self.scoring.held.close()
+
+    def combined(self, decode, rows: torch.Tensor, step: int = 0) -> list[torch.Tensor]:
+        """Every worker's payload (rows [W, b]) at optimizer step `step` -> the per-tensor update:
+        `decode` of them all (the strategy's mean), or with a robust --aggregate each decoded alone
+        and aggregated; with --score of the senders admitted (the mean decode of their rows alone is
+        the mean over the admitted senders of each coefficient, exactly)."""
+        aggregator, scoring = self.options.aggregator(), self.scoring
+        if scoring is None:
+            return aggregated(aggregator, *decoded_senders(decode, rows)) if aggregator.robust else decode(rows)
+        scored = scoring.due(step)
+        flat, like = decoded_senders(decode, rows) if scored or aggregator.robust else (None, None)
+        keep = scoring.admitted(flat if scored else None, step, rows.shape[0]).to(rows.device)
+        if aggregator.robust:
+            return aggregated(aggregator, flat if keep.all() else flat[keep], like)
+        return decode(rows if keep.all() else rows[keep])

@@ -23,6 +23,8 @@ from ..errors import UsageError
 from .aggregators import Aggregator, parse_aggregator
 from .attacks import Attack, parse_attack, parse_ranks
 
+SCORE_EVERY = 10  # a per-step strategy's (DeMo's) default --score-every: docs/untrusted.md says what it costs
+
 
 @dataclass
 class RobustOptions(Options):
@@ -121,10 +123,14 @@ class RobustOptions(Options):
             aggregator.check_world(fewest, f"--aggregate (with --min-workers {fewest})")
 
 
-class UnscoredRobustOptions(RobustOptions):
-    """RobustOptions of a strategy that gathers every worker's payload but has no outer step to
-    score (DeMo): --attack and --aggregate apply, --score is refused, and so is --elastic with them
-    (its attackers are named by rank)."""
+@dataclass
+class GatheredRobustOptions(RobustOptions):
+    """RobustOptions of a strategy that gathers every worker's payload itself at every step (DeMo):
+    --attack and --aggregate apply, --score every --score-every steps (engines/step_scoring.py),
+    and --elastic is refused with them (its attackers are named by rank)."""
+    score_every: int = option(SCORE_EVERY, "with --score: optimizer steps from one scored step to the next (a "
+                              "scored step costs each validator four forwards; between them the last round's "
+                              "decision holds)", min=1)
 
     def check_replicas(self, cfg, aggregator: Aggregator) -> None:
         """Its payloads are aggregated per position with no sum inside the replica: the rules whose
@@ -135,12 +141,12 @@ class UnscoredRobustOptions(RobustOptions):
                              f"groups with --inside {cfg.inside}: each rank holds part of every norm it clips by")
 
     def check_elastic(self, cfg, aggregator: Aggregator) -> None:
-        raise UsageError(f"--attack and --aggregate do not run with --elastic on strategy '{cfg.strategy}' yet: "
-                         f"its attackers are named by rank, and ranks change as members come and go (the "
-                         f"outer-sync engine's strategies name them by slot: diloco, sparseloco, streaming_diloco)")
+        raise UsageError(f"--attack, --aggregate and --score do not run with --elastic on strategy '{cfg.strategy}' "
+                         f"yet: its attackers and scores are named by rank, and ranks change as members come and "
+                         f"go (the outer-sync engine's strategies name them by slot: diloco, sparseloco, "
+                         f"streaming_diloco)")
 
     def check(self) -> None:
         super().check()
-        if self.score:
-            raise UsageError("--score scores outer gradients on the outer-sync engine (diloco, sparseloco, "
-                             "streaming_diloco): not a per-step update like this strategy's yet")
+        if self.score_every != SCORE_EVERY and not self.score:
+            raise UsageError(f"--score-every {self.score_every} needs --score: it says how often to score")

@@ -44,12 +44,13 @@ from ..contract.parts import LOCAL, Part, optimizer_part
 from ..contract.plan import PlannedOp
 from ..contract.replica import part_is_engines
 from ..engines.costs import DeMoCost
-from ..robust import GatheredUpdate, UnscoredRobustOptions
+from ..engines.step_scoring import StepScoring
+from ..robust import GatheredUpdate, GatheredRobustOptions
 from .registry import register
 
 
 @dataclass
-class DeMoOptions(UnscoredRobustOptions, Options):  # --attack, --aggregate (robust/gathered.py)
+class DeMoOptions(GatheredRobustOptions, Options):  # --attack, --aggregate, --score (robust/gathered.py)
     beta: float = option(0.999, "DeMo momentum decay β (0 <= β < 1)", flag="--demo-beta", min=0.0)
     chunk: int = option(64, "DCT chunk length per dimension (largest divisor not above it)",
                         flag="--demo-chunk", min=1)
@@ -105,6 +106,8 @@ class DeMo(GatheredUpdate, Strategy):
         self._stacks = self.dct.zeros(device)  # δ̂, per stack (see the docstring)
         self.deltas = self.dct.split(self._stacks)
         self.compress_s = 0.0
+        self.scoring = StepScoring(self, lambda: [self._hyper(i)[0] for i in range(len(self.params))]) \
+            if o.score else None  # --score (robust/gathered.py): probed at each tensor's lr of the step
 
     @classmethod
     def comm_plan(cls, layout, world, options):
@@ -149,7 +152,7 @@ class DeMo(GatheredUpdate, Strategy):
         self.comm.all_gather(gathered, mine)
 
         t0 = time.perf_counter()
-        qs = self.combined(self.dct.decode, gathered.view(self.comm.world, -1))  # --aggregate
+        qs = self.combined(self.dct.decode, gathered.view(self.comm.world, -1), ctx.step)  # --aggregate, --score
         if ctx.received_finite(*qs):
             self._apply_signs(qs)
             self._stacks[:] = staged

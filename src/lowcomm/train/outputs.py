@@ -46,7 +46,8 @@ class StepOutputs:
             board = ScalarLogs.for_run(cfg) if t.rank == 0 else None
         self.board = board or None
         self.loader_s = t.loader_s  # the trainer's reading time per step (Trainer.next_batch)
-        scoring = getattr(getattr(t.run.strategy, "sync", None), "scoring", None)
+        strategy = t.run.strategy  # --score's rounds: the outer-sync engine's, or a per-step strategy's own (DeMo)
+        scoring = getattr(strategy, "scoring", None) or getattr(getattr(strategy, "sync", None), "scoring", None)
         self.scores = ScoreRounds(scoring, self.log.kept, cfg.end_step) if self.lead and scoring else None
         self._standing: list[str] = []  # --score: workers left out or taken back in a gather's steps
 
