@@ -86,11 +86,13 @@ def run(out: Path, strategy: str, attack: str, defence: str, seed: int, workers:
 
 
 def left_out_at(summary: dict, ranks: list[int]) -> str:
-    """The first round at which every attacker was left out ('-': never; '': not scored)."""
+    """The first round at which every attacker was left out, or named in a copy (its content
+    counted once: who copied whom the bits cannot tell) ('-': never; '': not scored)."""
     rounds = summary.get("score_rounds")
     if rounds is None:
         return ""
-    return next((str(r["round"]) for r in rounds if set(ranks) <= set(r["left_out"])), "-")
+    caught = (lambda r: set(r["left_out"]).union(*map(set, r.get("copies", []))))
+    return next((str(r["round"]) for r in rounds if set(ranks) <= caught(r)), "-")
 
 
 def final_loss(run) -> float:

@@ -28,7 +28,8 @@ def test_left_out_after_patience_and_taken_back_when_the_score_recovers():
 def test_a_copy_is_counted_once_and_a_replay_of_an_earlier_round_is_stale():
     board = Scoreboard(3, patience=3)
     assert board.judge(rows(1, 2, 1), [0.1] * 3, [1] * 3).tolist() == [True, True, False]
-    assert board.history[0]["events"] == ["worker 2 sent worker 0's contribution (a copy)"]
+    assert board.history[0]["events"] == ["workers 0 and 2 sent the same contribution (a copy by one of them: counted once)"]
+    assert board.history[0]["copies"] == [[0, 2]] and board.history[0]["left_out"] == []  # its content is in
     assert board.judge(rows(5, 2, 6), [0.1] * 3, [1] * 3).tolist() == [True, False, True]
     assert board.history[1]["events"] == ["worker 1 sent a contribution of round 0 (stale)"]
 

@@ -36,7 +36,7 @@ def test_the_scoreboard_names_workers_by_slot_across_memberships():
     assert second.judge(rows(7, 8), [0.1, 0.2], [1, 1]).tolist() == [True, False]  # one good round of two
     assert second.history[-1]["workers"] == [0, 2] and second.history[-1]["left_out"] == [2]
     assert second.judge(rows(9, 9), None, None).tolist() == [True, False]  # no scores: no standing changes
-    assert second.history[-1]["events"] == ["worker 2 sent worker 0's contribution (a copy)"]
+    assert second.history[-1]["events"] == ["workers 0 and 2 sent the same contribution (a copy by one of them: counted once)"]
     # worker 1 is back (a joiner takes the board from a peer): its standing is its own, worker 2's its own
     third = Scoreboard(3, patience=2, slots=[0, 1, 2])
     third.load_state_dict(second.state_dict())

@@ -35,7 +35,7 @@ def test_each_round_names_the_slots_it_left_out_and_took_back_and_the_words_foll
 def test_the_words_come_from_the_fields_not_the_events_text():
     board = Scoreboard(2, patience=1)
     board.judge(torch.ones(2, 2), [0.1, 0.1], [1.0, 1.0])  # worker 1 copies worker 0: named, not a standing
-    assert board.history[0]["events"] == ["worker 1 sent worker 0's contribution (a copy)"]
+    assert board.history[0]["events"] == ["workers 0 and 1 sent the same contribution (a copy by one of them: counted once)"]
     assert standing_changes(board.history[0], 1) == []
     # events that read like a standing change, without the fields (an older checkpoint's entry): none
     older = {"round": 3, "left_out": [1], "events": ["worker 1 left out: its score was negative for 1 round"]}

@@ -3,8 +3,9 @@ robust/gathered.py): the outer-sync engine's scored round (outer_scoring.py: the
 shared, one validator per contribution, one all-reduce of the table, Scoreboard.judge) on every
 --score-every'th step (optimizer steps 0, N, 2N, ...), on each sender's payload decoded alone.
 Between scored steps the last round's decision holds: the workers it left out, and those it
-named replaying (a copy, a zero), stay out of the aggregate until the next scored round says
-otherwise. Scoring every step would cost each validator four forwards a step.
+named replaying (a zero, a stale one), stay out of the aggregate until the next scored round says
+otherwise; equal payloads (a copy) are taken once at every step (robust/gathered.py). Scoring
+every step would cost each validator four forwards a step.
 
 The probe is the strategy's own step: DeMo applies θ − lr·sign(Q), so contribution r is probed at
 θ − 0.2·lr·sign(Q_r), Q_r its sender's payload decoded alone, each tensor at its param group's lr

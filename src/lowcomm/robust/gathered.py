@@ -19,6 +19,7 @@ import torch
 
 from .aggregators import aggregated, decoded_senders
 from .emulation import attackers_of
+from .scoring import first_of_equal_rows
 
 _UNSET = object()
 
@@ -66,7 +67,10 @@ class GatheredUpdate:
             return aggregated(aggregator, *decoded_senders(decode, rows)) if aggregator.robust else decode(rows)
         scored = scoring.due(step)
         flat, like = decoded_senders(decode, rows) if scored or aggregator.robust else (None, None)
-        keep = scoring.admitted(flat if scored else None, step, rows.shape[0]).to(rows.device)
+        keep = scoring.admitted(flat if scored else None, step, rows.shape[0])
+        if not scored:  # a copy between scored rounds: its content once (the copier is not known)
+            keep &= first_of_equal_rows(rows)
+        keep = keep.to(rows.device)
         if aggregator.robust:
             return aggregated(aggregator, flat if keep.all() else flat[keep], like)
         return decode(rows if keep.all() else rows[keep])

@@ -19,10 +19,11 @@ its own contributor could score (a lone validator's) is not scored (None), its s
 A worker whose score is negative for `patience` rounds in a row is left out of the aggregate, and
 taken back once it is non-negative for `patience` rounds in a row (it is still scored every round;
 near a plateau a flipped update's score flickers around 0, and one lucky round does not bring it
-back). Replays are named and counted once: a contribution equal bit for
-bit to another worker's of the same round (a copy: the later rank's copy is left out of that
-round), or to one of an earlier round (stale: left out of that round); an all-zero one sent
-nothing and is left out of its round. A perturbed copy is not caught.
+back). Replays are named: contributions equal bit for bit within a round are a copy, and the
+aggregate takes their content once (the group's first row); who copied whom cannot be told from
+the bits, so the history's `copies` names the group and `left_out` names none of it (its content
+is in the aggregate). A contribution equal to one of an earlier round is stale, and an all-zero
+one sent nothing: each is left out of its round. A perturbed copy is not caught.
 """
 from __future__ import annotations
 
@@ -56,6 +57,15 @@ def scorers(world: int, validators: tuple[int, ...], round_: int) -> list[int | 
         others = [v for v in validators if v != r]
         out.append(others[(r + round_) % len(others)] if others else None)
     return out
+
+
+def first_of_equal_rows(rows: torch.Tensor) -> torch.Tensor:
+    """bool [W]: False for a row equal bit for bit to an earlier one (a copy's content counted
+    once, as `Scoreboard.judge` counts it, where no fingerprint is taken)."""
+    keep = torch.ones(rows.shape[0], dtype=torch.bool)
+    for r in range(1, rows.shape[0]):
+        keep[r] = not any(torch.equal(rows[r], rows[k]) for k in range(r) if keep[k])
+    return keep
 
 
 def standing_changes(round_entry: dict, patience: int) -> list[str]:
@@ -154,16 +164,19 @@ class Scoreboard:
         `prints`: the rows' fingerprints, where the caller took them already."""
         world, events, slot = rows.shape[0], [], self.slots
         prints = prints or [fingerprint(rows[r]) for r in range(world)]
-        replay = [False] * world
+        replay, copied, copies = [False] * world, [False] * world, []
         for r, fp in enumerate(prints):
             if not rows[r].any():
                 replay[r] = True
                 events.append(f"worker {slot[r]} sent nothing (a zero contribution)")
                 continue
-            first = prints.index(fp)
-            if first < r:
-                replay[r] = True
-                events.append(f"worker {slot[r]} sent worker {slot[first]}'s contribution (a copy)")
+            group = [k for k, other in enumerate(prints) if other == fp]
+            if group[0] < r:  # counted once: the aggregate takes the first row of the group
+                copied[r] = True
+            elif len(group) > 1:
+                copies.append(sorted(slot[k] for k in group))
+                events.append(f"workers {' and '.join(str(w) for w in copies[-1])} sent the same contribution "
+                              f"(a copy by one of them: counted once)")
             old = next((k for k, seen in enumerate(self.seen) if fp in seen), None)
             if old is not None:
                 replay[r] = True
@@ -188,8 +201,10 @@ class Scoreboard:
         admitted = torch.tensor([slot[r] not in self.left_out and not replay[r] for r in range(world)])
         if not admitted.any():  # nobody left: the round keeps every worker rather than none
             admitted[:] = True
+        left_out = sorted(slot[r] for r in range(world) if not admitted[r])  # whose contribution is not taken
+        admitted &= ~torch.tensor(copied)  # a copy's content is taken, once (who copied whom is unknowable)
         self.history.append({"round": self.rounds, "scores": scores, "fits": fits, "workers": slot[:world],
-                             "left_out": sorted(slot[r] for r in range(world) if not admitted[r]),
+                             "left_out": left_out, "copies": copies,
                              "newly_left_out": sorted(newly), "taken_back": sorted(back), "events": events})
         self.rounds += 1
         return admitted
