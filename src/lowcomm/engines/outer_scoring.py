@@ -101,7 +101,7 @@ class OuterScoring:
         every = comm.meta_all_gather(block)
         n, t = (int(v) for v in every[:, :2].min(dim=0).values)
         if n <= n_room and t <= t_room:  # every worker's first n x t are in the block
-            return every[:, 2:].reshape(-1, n_room, t_room)[:, :n, :t].contiguous()
+            return every[:, 2:].reshape(len(every), n_room, t_room)[:, :n, :t].contiguous()
         return comm.meta_all_gather(held[:n, :t].to(device=device, dtype=torch.long).contiguous())
 
     @torch.no_grad()
