@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from lowcomm.engines.outer_scoring import OuterScoring
+from lowcomm.engines.outer_scoring import ROOM_TOKENS, OuterScoring, room_for
 from lowcomm.robust.scoring import Scoreboard
 
 
@@ -123,3 +123,12 @@ def test_the_held_sequences_are_shared_cut_to_the_fewest_and_shortest_in_one_gat
     for room in ((4, 16), (4, 0)):  # a worker that holds none: no evidence
         every, calls = shared(room, [held[0], None, held[2]])
         assert calls == [1] * 3 and all(e.shape == (3, 0, 0) for e in every), room
+
+
+def test_the_room_is_the_models_positions_up_to_a_bound():
+    from lowcomm import GPT
+    gpt = GPT(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=8)
+    long_context = torch.nn.Linear(2, 2)
+    long_context.config = SimpleNamespace(max_position_embeddings=131072)  # as a Hugging Face model says it
+    assert room_for(gpt, 4) == room_for(SimpleNamespace(module=gpt), 4) == (4, 8)  # a wrapper's own module
+    assert room_for(long_context, 2) == (2, ROOM_TOKENS) and room_for(torch.nn.Linear(2, 2), 4) == (4, 0)

@@ -30,14 +30,18 @@ from ..robust.scoring import (PROBE_SCALE, HeldBatch, Scoreboard, fingerprint, n
                               standing_changes)
 
 COLUMNS = 4  # per contribution: score, own data's gain, random data's gain; per worker: its seconds
+# The longest held sequence the one gather carries: a 128k-position model's room would pad 4 MB a
+# worker; longer sequences take a second gather instead.
+ROOM_TOKENS = 4096
 
 
-def positions(model: nn.Module) -> int:
-    """The longest sequence `model` (or the module it wraps) takes, alike on every worker:
-    lowcomm's GPT's seq_len, a Hugging Face model's max_position_embeddings; 0 where unknown."""
+def room_for(model: nn.Module, sequences: int) -> tuple[int, int]:
+    """(sequences, tokens) of each worker's held sequences that one gather shares, alike on every
+    worker: the longest sequence `model` (or the module it wraps) takes, lowcomm's GPT's seq_len,
+    a Hugging Face model's max_position_embeddings, up to ROOM_TOKENS; no tokens where unknown."""
     inner = getattr(model, "module", model)
     n = getattr(inner, "seq_len", None) or getattr(getattr(inner, "config", None), "max_position_embeddings", None)
-    return n if isinstance(n, int) and n > 0 else 0
+    return sequences, min(n, ROOM_TOKENS) if isinstance(n, int) and n > 0 else 0
 
 
 class OuterScoring:
@@ -48,7 +52,7 @@ class OuterScoring:
     def __init__(self, sync, model: nn.Module, o):
         self.sync, self.model, self.lr = sync, model, o.outer_lr
         self.held = HeldBatch(model, o.score_batches)
-        self.room = (o.score_batches, positions(model))  # what one gather shares of each worker's held sequences
+        self.room = room_for(model, o.score_batches)  # what one gather shares of each worker's held sequences
         self.board = Scoreboard(sync.comm.world, o.score_patience)
         self.validators = o.validator_ranks(sync.comm.world)
         self.clips = o.aggregator().rule == "median-norm-clip"
