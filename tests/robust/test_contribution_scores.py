@@ -1,9 +1,14 @@
 """The scoreboard's rule on hand-made rounds: left out after --score-patience negative scores,
-taken back after as many non-negative ones, copies and stale replays counted once and named."""
+taken back after as many non-negative ones, copies and stale replays counted once and named;
+and the held sequences every worker gets to score on (threads standing in for workers)."""
 from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
 
 import torch
 
+from lowcomm.engines.outer_scoring import ROOM_TOKENS, OuterScoring, room_for
 from lowcomm.robust.scoring import Scoreboard
 
 
@@ -73,3 +78,58 @@ def test_an_unscored_contribution_keeps_its_standing():
     assert board.history[1]["events"] == ["worker 1 left out: its score was negative for 1 round",
                                           "worker 2 taken back: its score was non-negative for 1 round"]
     assert board.negative.get(0, 0) == board.positive.get(0, 0) == 0  # never counted
+
+
+class ThreadedGather:
+    """`world` threads' bookkeeping all-gather: each rank's tensor in, every rank's stacked out
+    (rank order), the calls counted per rank."""
+
+    def __init__(self, world: int):
+        self.world, self.barrier = world, threading.Barrier(world, timeout=60)  # a failed rank breaks it
+        self.slots, self.calls = [None] * world, [0] * world
+
+    def comm(self, rank: int) -> SimpleNamespace:
+        return SimpleNamespace(rank=rank, world=self.world, meta_all_gather=lambda t: self.gather(rank, t))
+
+    def gather(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
+        self.calls[rank] += 1
+        self.slots[rank] = tensor.clone()
+        self.barrier.wait()
+        every = torch.stack(self.slots)
+        self.barrier.wait()  # nobody's next tensor overwrites a slot before every rank read it
+        return every
+
+
+def shared(room: tuple[int, int], held: list) -> tuple[list[torch.Tensor], list[int]]:
+    """What each of len(held) workers gets from OuterScoring._share, and how many gathers it took."""
+    group, out = ThreadedGather(len(held)), [None] * len(held)
+
+    def worker(rank):
+        out[rank] = OuterScoring._share(SimpleNamespace(room=room), group.comm(rank), held[rank], torch.device("cpu"))
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(len(held))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return out, group.calls
+
+
+def test_the_held_sequences_are_shared_cut_to_the_fewest_and_shortest_in_one_gather_where_they_fit():
+    held = [torch.randint(0, 50, (3, 8)), torch.randint(0, 50, (4, 6)), torch.randint(0, 50, (4, 9))]
+    want = torch.stack([h[:3, :6] for h in held])
+    for room, gathers in (((4, 16), 1), ((3, 6), 1), ((4, 5), 2), ((4, 0), 2)):  # (4, 0): the model's length unknown
+        every, calls = shared(room, held)
+        assert calls == [gathers] * 3, room
+        assert all(torch.equal(e, want) for e in every), room
+    for room in ((4, 16), (4, 0)):  # a worker that holds none: no evidence
+        every, calls = shared(room, [held[0], None, held[2]])
+        assert calls == [1] * 3 and all(e.shape == (3, 0, 0) for e in every), room
+
+
+def test_the_room_is_the_models_positions_up_to_a_bound():
+    from lowcomm import GPT
+    gpt = GPT(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=8)
+    long_context = torch.nn.Linear(2, 2)
+    long_context.config = SimpleNamespace(max_position_embeddings=131072)  # as a Hugging Face model says it
+    assert room_for(gpt, 4) == room_for(SimpleNamespace(module=gpt), 4) == (4, 8)  # a wrapper's own module
+    assert room_for(long_context, 2) == (2, ROOM_TOKENS) and room_for(torch.nn.Linear(2, 2), 4) == (4, 0)

@@ -23,6 +23,7 @@ import torch
 
 import lowcomm
 from lowcomm.cli.main import build_parser, config_from_args, main
+from lowcomm.comm.wire import wire_bytes
 from lowcomm.robust.scoring import scorers, standing_changes
 from lowcomm.run.driver import make_run
 from lowcomm.train.outputs import ScoreRounds
@@ -43,19 +44,32 @@ def counting_batch(step: int, rank: int):
 
 
 def _driver_run(rank: int, validators: str) -> dict:
-    """A scored diloco run with a sign-flipper on rank 2: its rounds and this rank's forwards
-    outside training (the scoring's: nothing else runs one without gradients here)."""
+    """A scored diloco run with a sign-flipper on rank 2: its rounds, this rank's forwards
+    outside training (the scoring's: nothing else runs one without gradients here) and the
+    bookkeeping collectives its scoring sent (counted around each sync's `admit`)."""
     torch.manual_seed(0)
     model = make_model()
     forwards = []
     model.register_forward_pre_hook(lambda *_: forwards.append(1) if not torch.is_grad_enabled() else None)
     run = make_run("diloco", model, lowcomm.Comm(), lambda p: torch.optim.AdamW(p, lr=1e-2), total_steps=STEPS,
                    sync_every=H, score=True, attack="sign-flip", attackers="2", validators=validators)
+    wire, sent = run.strategy.sync.wire, []
+    wire.admit = counted(wire.admit, run.comm, sent)
     for _ in range(STEPS):
         step = run.steps_done
         run.step(lambda: counting_batch(step, rank), lowcomm.lm_loss)
     run.close()
-    return {"rounds": run.strategy.report()["score_rounds"], "forwards": len(forwards)}
+    return {"rounds": run.strategy.report()["score_rounds"], "forwards": len(forwards), "meta": sent}
+
+
+def counted(admit, comm, sent: list):
+    """`admit`, noting the bookkeeping ops and bytes each call sends on `comm`."""
+    def admit_counting(*args):
+        before = comm.meta.copy()
+        keep = admit(*args)
+        sent.append((comm.meta.ops - before.ops, comm.meta.wire_bytes - before.wire_bytes))
+        return keep
+    return admit_counting
 
 
 STREAMING = ("--strategy", "streaming_diloco", "--fragments", "3", "--fragment-delay", "1", "--n-layer", "3")
@@ -132,6 +146,18 @@ def test_only_the_validators_score_and_they_leave_out_the_same_attacker(ranks):
     # 0 alone scores contributions 1 and 2: batches 1, 2, 0 at θ_global, 2 + 2 perturbed
     assert [ranks[r]["all"]["forwards"] for r in range(W)] == [4 * len(every)] * W
     assert [ranks[r]["0"]["forwards"] for r in range(W)] == [7 * len(alone), 0, 0]
+
+
+@pytest.mark.procs
+def test_a_scored_sync_shares_the_held_sequences_in_one_gather_and_the_scores_in_one_reduce(ranks):
+    """Per round, one all-gather of each worker's held shape and sequences (4 of SEQ tokens,
+    int64, padded to --score-batches x the model's positions) and one all-reduce of the W x 4
+    score table (float64), whoever validates."""
+    gather, reduce = wire_bytes("all_gather", W * (2 + 4 * SEQ) * 8, W), wire_bytes("all_reduce", W * 4 * 8, W)
+    for validators in ("all", "0"):
+        rounds = len(ranks[0][validators]["rounds"])
+        for r in range(W):
+            assert ranks[r][validators]["meta"] == [(2, gather + reduce)] * rounds, (validators, r)
 
 
 @pytest.mark.procs

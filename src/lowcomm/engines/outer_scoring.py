@@ -30,6 +30,18 @@ from ..robust.probe import probe_gains
 from ..robust.scoring import PROBE_SCALE, HeldBatch, Scoreboard, fingerprint, scorers, standing_changes
 
 COLUMNS = 4  # per contribution: score, own data's gain, random data's gain; per worker: its seconds
+# The longest held sequence the one gather carries: a 128k-position model's room would pad 4 MB a
+# worker; longer sequences take a second gather instead.
+ROOM_TOKENS = 4096
+
+
+def room_for(model: nn.Module, sequences: int) -> tuple[int, int]:
+    """(sequences, tokens) of each worker's held sequences that one gather shares, alike on every
+    worker: the longest sequence `model` (or the module it wraps) takes, lowcomm's GPT's seq_len,
+    a Hugging Face model's max_position_embeddings, up to ROOM_TOKENS; no tokens where unknown."""
+    inner = getattr(model, "module", model)
+    n = getattr(inner, "seq_len", None) or getattr(getattr(inner, "config", None), "max_position_embeddings", None)
+    return sequences, min(n, ROOM_TOKENS) if isinstance(n, int) and n > 0 else 0
 
 
 class OuterScoring:
@@ -40,6 +52,7 @@ class OuterScoring:
     def __init__(self, sync, model: nn.Module, o):
         self.sync, self.model, self.lr = sync, model, o.outer_lr
         self.held = HeldBatch(model, o.score_batches)
+        self.room = room_for(model, o.score_batches)  # what one gather shares of each worker's held sequences
         self.board = Scoreboard(sync.comm.world, o.score_patience)
         self.validators = o.validator_ranks(sync.comm.world)
         self.clips = o.aggregator().rule == "median-norm-clip"
@@ -77,14 +90,23 @@ class OuterScoring:
                 for r, (own, rand) in enumerate(table[:, 1:3].tolist())]
         return self.board.judge(rows, scores, fits, prints)
 
-    @staticmethod
-    def _share(comm, mine: torch.Tensor | None, device) -> torch.Tensor:
+    def _share(self, comm, mine: torch.Tensor | None, device) -> torch.Tensor:
         """Every worker's held sequences [W, n, T], cut to the fewest and shortest any holds (none
-        held anywhere: [W, 0, 0], and every score of the round is 0)."""
+        held anywhere: [W, 0, 0], and every score of the round is 0). One bookkeeping all-gather:
+        each worker sends its sequences' shape and them, padded to `room` (the same on every
+        worker); a second, of the cut sequences, only where every worker held longer ones than
+        the room takes (a model whose length is unknown: a room of none)."""
         held = mine if mine is not None else torch.zeros(0, 0, dtype=torch.long, device=device)
-        shapes = comm.meta_all_gather(torch.tensor(held.shape, dtype=torch.long, device=device))
-        n, t = (int(v) for v in shapes.min(dim=0).values)
-        return comm.meta_all_gather(held[:n, :t].contiguous())
+        n_room, t_room = self.room
+        block = torch.zeros(2 + n_room * t_room, dtype=torch.long, device=device)
+        block[:2] = torch.tensor(held.shape, dtype=torch.long)
+        fits = held[:n_room, :t_room]
+        block[2:].view(n_room, t_room)[:fits.shape[0], :fits.shape[1]] = fits
+        every = comm.meta_all_gather(block)
+        n, t = (int(v) for v in every[:, :2].min(dim=0).values)
+        if n <= n_room and t <= t_room:  # every worker's first n x t are in the block
+            return every[:, 2:].reshape(len(every), n_room, t_room)[:, :n, :t].contiguous()
+        return comm.meta_all_gather(held[:n, :t].to(device=device, dtype=torch.long).contiguous())
 
     def _score(self, i: int, rows: torch.Tensor, mine: list[int], batches: torch.Tensor) -> list[list[float]]:
         """(Gauntlet's score, own data's relative improvement, random data's) of each contribution
