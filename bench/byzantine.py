@@ -5,6 +5,7 @@ what the defences cost an honest run (docs/untrusted.md).
     python bench/byzantine.py --quick                 # diloco, one seed, four attacks: a smoke run
     python bench/byzantine.py --workers 8 --attackers 6,7
     python bench/byzantine.py --strategies demo --defences mean,mnc+score --attacks none,copy --seeds 0
+    python bench/byzantine.py --cost                  # what the defences cost an honest run, at the default H
 
 Every run trains the bundled Shakespeare corpus with the same small recipe (a 2-block width-64
 GPT, 120 steps, an outer sync every 10: 12 rounds) and the same seed, data order and W; only
@@ -85,6 +86,40 @@ def run(out: Path, strategy: str, attack: str, defence: str, seed: int, workers:
     return result
 
 
+def cost(out: Path, strategies: list[str], workers: int, rounds: int) -> None:
+    """No attacker, each strategy at its default sync period: `mean`, median-norm-clip and
+    median-norm-clip --score run in turn, `rounds` times (interleaved: a round's three runs meet
+    the same load), and each defence's tokens/s against the same round's `mean`, with the share
+    of a scored round's wall time its scoring took (summary.json, the slowest worker's)."""
+    flags = ["--workers", str(workers), "--seed", "0", *RECIPE]
+    for strategy in strategies:
+        ratios: dict[str, list[float]] = {"mnc": [], "mnc+score": []}
+        shares = []
+        for k in range(rounds):
+            speed = {}
+            for d in ("mean", "mnc", "mnc+score"):
+                name = f"cost-{strategy}-{d.replace('+', '_')}-r{k}" + (f"-w{workers}" if workers != 4 else "")
+                result = train(out / name, "--strategy", strategy, *flags, *DEFENCES[d], echo=True)
+                speed[d] = result.summary["tokens_per_s"]
+                if d == "mnc+score":
+                    shares.append(scoring_share(result.summary, result.steps))
+            for d in ratios:
+                ratios[d].append(speed[d] / speed["mean"])
+        print(f"\n{strategy} (its default H), W={workers}, no attacker, {rounds} interleaved rounds; load average "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: tokens/s against mean: " +
+              "; ".join(f"{d} {' '.join(f'{r:.2f}' for r in v)} (median {statistics.median(v):.2f})"
+                        for d, v in ratios.items()) +
+              f"; scoring's share of a scored round: {' '.join(f'{100 * s:.1f}%' for s in shares)}")
+
+
+def scoring_share(summary: dict, steps: list[dict]) -> float:
+    """The slowest worker's scoring seconds over the wall time of the steps of its rounds (as
+    `lowcomm report` reads them: each round's steps since the round before)."""
+    scored = sum(r.get("score_s", 0.0) for rec in steps for r in rec.get("score_rounds", ()))
+    wall = sum(rec.get("wall_s", 0.0) for rec in steps)
+    return scored / wall if wall else float("nan")
+
+
 def left_out_at(summary: dict, ranks: list[int]) -> str:
     """The first round at which every attacker was left out, or named in a copy (its content
     counted once: who copied whom the bits cannot tell) ('-': never; '': not scored)."""
@@ -162,7 +197,14 @@ def main() -> None:
     p.add_argument("--attacks", help=f"comma-separated, 'none' first (default: {','.join(ATTACKS)})")
     p.add_argument("--defences", help=f"comma-separated, 'mean' first (default: {','.join(MATRIX)}; also: median)")
     p.add_argument("--seeds", help="comma-separated (default: 0,1)")
+    p.add_argument("--cost", action="store_true", help="only what the defences cost an honest run (tokens/s "
+                   "against mean, interleaved rounds at each strategy's default H)")
+    p.add_argument("--rounds", type=int, default=3, help="with --cost: interleaved rounds (default 3)")
     args = p.parse_args()
+    if args.rounds < 1:
+        sys.exit(f"error: --rounds {args.rounds}: at least one round")
+    if args.cost:
+        return cost(args.out, (args.strategies or "diloco,sparseloco").split(","), args.workers, args.rounds)
     plan = dict(QUICK) if args.quick else dict(strategies=["diloco", "sparseloco", "demo"], seeds=[0, 1],
                                                attacks=ATTACKS, defences=MATRIX)
     for key in ("strategies", "attacks", "defences"):
