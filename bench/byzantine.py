@@ -34,6 +34,8 @@ from pathlib import Path
 
 from _runs import BenchRun, train
 
+from lowcomm.bench.report.untrusted import round_timing, scoring_seconds
+
 RECIPE = ["--n-layer", "2", "--n-head", "2", "--d-model", "64", "--seq-len", "64", "--micro-batch", "8",
           "--lr", "1e-3", "--warmup", "10", "--steps", "120", "--eval-every", "0", "--eval-batches", "8"]
 OUTER = ["--sync-every", "10"]  # the local-SGD family's period (demo has none: it syncs every step)
@@ -65,6 +67,12 @@ def scores(strategy: str) -> bool:
     return True
 
 
+def run_name(workers: int, *parts: str) -> str:
+    """A run's directory in --out: its parts joined by '-' without ':' ('+' as '_'), and the
+    worker count beyond W=4."""
+    return "-".join(p.replace(":", "").replace("+", "_") for p in parts) + (f"-w{workers}" if workers != 4 else "")
+
+
 def run(out: Path, strategy: str, attack: str, defence: str, seed: int, workers: int, attackers: str):
     """One run of the matrix (read from --out where it finished before). A run that fails (an
     attack that makes the loss diverge and the trainer stop) is recorded as failed, not fatal."""
@@ -72,8 +80,7 @@ def run(out: Path, strategy: str, attack: str, defence: str, seed: int, workers:
              *(OUTER if strategy != "demo" else []), *DEFENCES[defence]]
     if attack != "none":
         flags += ["--attack", attack, "--attackers", attackers]
-    name = f"{strategy}-{attack.replace(':', '')}-{defence.replace(':', '').replace('+', '_')}-s{seed}" \
-        + (f"-w{workers}" if workers != 4 else "")
+    name = run_name(workers, strategy, attack, defence, f"s{seed}")
     if (out / name / "summary.json").exists():  # finished before: read, not rerun
         return BenchRun(json.loads((out / name / "summary.json").read_text()), [], 0.0)
     if (out / name / "failed.txt").exists():
@@ -98,11 +105,11 @@ def cost(out: Path, strategies: list[str], workers: int, rounds: int) -> None:
         for k in range(rounds):
             speed = {}
             for d in ("mean", "mnc", "mnc+score"):
-                name = f"cost-{strategy}-{d.replace('+', '_')}-r{k}" + (f"-w{workers}" if workers != 4 else "")
+                name = run_name(workers, "cost", strategy, d, f"r{k}")
                 result = train(out / name, "--strategy", strategy, *flags, *DEFENCES[d], echo=True)
                 speed[d] = result.summary["tokens_per_s"]
                 if d == "mnc+score":
-                    shares.append(scoring_share(result.summary, result.steps))
+                    shares.append(scoring_share(result.steps))
             for d in ratios:
                 ratios[d].append(speed[d] / speed["mean"])
         print(f"\n{strategy} (its default H), W={workers}, no attacker, {rounds} interleaved rounds; load average "
@@ -112,12 +119,10 @@ def cost(out: Path, strategies: list[str], workers: int, rounds: int) -> None:
               f"; scoring's share of a scored round: {' '.join(f'{100 * s:.1f}%' for s in shares)}")
 
 
-def scoring_share(summary: dict, steps: list[dict]) -> float:
-    """The slowest worker's scoring seconds over the wall time of the steps of its rounds (as
-    `lowcomm report` reads them: each round's steps since the round before)."""
-    scored = sum(r.get("score_s", 0.0) for rec in steps for r in rec.get("score_rounds", ()))
-    wall = sum(rec.get("wall_s", 0.0) for rec in steps)
-    return scored / wall if wall else float("nan")
+def scoring_share(steps: list[dict]) -> float:
+    """Scoring's share of its rounds' wall time, as `lowcomm report` says it (the slowest worker's)."""
+    seconds = scoring_seconds(round_timing(steps))
+    return seconds[0] / seconds[1] if seconds and seconds[1] > 0 else float("nan")
 
 
 def left_out_at(summary: dict, ranks: list[int]) -> str:
@@ -126,7 +131,8 @@ def left_out_at(summary: dict, ranks: list[int]) -> str:
     rounds = summary.get("score_rounds")
     if rounds is None:
         return ""
-    caught = (lambda r: set(r["left_out"]).union(*map(set, r.get("copies", []))))
+    def caught(entry: dict) -> set[int]:
+        return set(entry["left_out"]).union(*map(set, entry.get("copies", [])))
     return next((str(r["round"]) for r in rounds if set(ranks) <= caught(r)), "-")
 
 

@@ -74,13 +74,22 @@ def round_timing(steps: list[dict]) -> dict[int, tuple[int, float | None, float]
     return out if any(s is not None for _, s, _ in out.values()) else {}
 
 
-def _share_said(timing: dict) -> str:
-    """The scoring's share of the scored rounds' wall time, against the target."""
+def scoring_seconds(timing: dict) -> tuple[float, float] | None:
+    """(seconds of scoring work, wall seconds of the scored rounds' steps) over the rounds of
+    `timing` (round_timing) whose scoring was logged; None where none was."""
     timed = [(step, s, wall) for step, s, wall in timing.values() if s is not None]
     if not timed:
+        return None
+    return sum(s for _, s, _ in timed), sum({step: wall for step, _, wall in timed}.values())
+
+
+def _share_said(timing: dict) -> str:
+    """The scoring's share of the scored rounds' wall time, against the target."""
+    seconds = scoring_seconds(timing)
+    if seconds is None:
         return ""
-    scoring, walls = sum(s for _, s, _ in timed), {step: wall for step, _, wall in timed}
-    share = scoring / max(sum(walls.values()), 1e-12)
-    return (f"\nScoring took {scoring:.3f} s of the {sum(walls.values()):.3f} s of wall time of the scored rounds' "
+    scoring, wall = seconds
+    share = scoring / max(wall, 1e-12)
+    return (f"\nScoring took {scoring:.3f} s of the {wall:.3f} s of wall time of the scored rounds' "
             f"steps ({100 * share:.1f} %, the slowest worker's each round; the target is at most "
             f"{100 * SHARE_TARGET:.0f} %: {'met' if share <= SHARE_TARGET else 'not met'}).\n")
