@@ -6,6 +6,7 @@ what the defences cost an honest run (docs/untrusted.md).
     python bench/byzantine.py --workers 8 --attackers 6,7
     python bench/byzantine.py --strategies demo --defences mean,mnc+score --attacks none,copy --seeds 0
     python bench/byzantine.py --cost                  # what the defences cost an honest run, at the default H
+    python bench/byzantine.py --cost --size small --cost-steps 320 --rounds 2   # the same on a 3.2M model
 
 Every run trains the bundled Shakespeare corpus with the same small recipe (a 2-block width-64
 GPT, 120 steps, an outer sync every 10: 12 rounds) and the same seed, data order and W; only
@@ -38,6 +39,8 @@ from lowcomm.bench.report.untrusted import round_timing, scoring_seconds
 
 RECIPE = ["--n-layer", "2", "--n-head", "2", "--d-model", "64", "--seq-len", "64", "--micro-batch", "8",
           "--lr", "1e-3", "--warmup", "10", "--steps", "120", "--eval-every", "0", "--eval-batches", "8"]
+# --cost --size small: the model of docs/results.md's 3.2M-parameter check (4 blocks, width 256, seq 128)
+SMALL = ["--n-layer", "4", "--n-head", "4", "--d-model", "256", "--seq-len", "128"]
 OUTER = ["--sync-every", "10"]  # the local-SGD family's period (demo has none: it syncs every step)
 ATTACKS = ["none", "sign-flip", "scale:100", "scale:-100", "noise:1", "zero", "copy", "stale:2", "alie:1", "wrong-data"]
 DEFENCES = {  # column -> flags
@@ -48,6 +51,7 @@ DEFENCES = {  # column -> flags
     "mnc+score": ["--aggregate", "median-norm-clip", "--score"],
     "median": ["--aggregate", "median"],  # not in the default matrix (--defences adds it)
 }
+COST_STEPS = 960  # --cost's runs: 30 syncs at diloco's H = 32, 64 at sparseloco's 15
 MATRIX = ["mean", "mnc", "trimmed:0.25", "cclip:1", "mnc+score"]
 QUICK = dict(strategies=["diloco"], seeds=[0], attacks=["none", "sign-flip", "scale:100", "scale:-100", "copy"],
              defences=["mean", "mnc", "mnc+score"])
@@ -93,30 +97,52 @@ def run(out: Path, strategy: str, attack: str, defence: str, seed: int, workers:
     return result
 
 
-def cost(out: Path, strategies: list[str], workers: int, rounds: int) -> None:
-    """No attacker, each strategy at its default sync period: `mean`, median-norm-clip and
-    median-norm-clip --score run in turn, `rounds` times (interleaved: a round's three runs meet
-    the same load), and each defence's tokens/s against the same round's `mean`, with the share
-    of a scored round's wall time its scoring took (summary.json, the slowest worker's)."""
-    flags = ["--workers", str(workers), "--seed", "0", *RECIPE]
+def cost(out: Path, strategies: list[str], workers: int, rounds: int, steps: int, size: str = "tiny") -> None:
+    """No attacker, each strategy at its default sync period, `steps` steps (the matrix's 120 are
+    3 s at H = 32: four syncs, and a run's noise is larger than the cost): `mean`, median-norm-clip
+    and median-norm-clip --score run in turn, `rounds` times (interleaved: a round's three runs meet
+    the same load). Printed: each defence's tokens/s against the same round's `mean`, and what a
+    sync step costs beyond `mean`'s as a share of `mean`'s round (medians within each run: a
+    measure the load's drift between runs moves less), with the share of a scored round its
+    scoring took (summary.json, the slowest worker's). `size` small: a 3.2M-parameter model in
+    place of the tiny recipe's (a sync's fixed costs against a longer step)."""
+    flags = ["--workers", str(workers), "--seed", "0", *RECIPE, *(SMALL if size == "small" else []),
+             "--steps", str(steps), "--overwrite"]  # a measurement, remade each time (the matrix reads its runs back)
     for strategy in strategies:
         ratios: dict[str, list[float]] = {"mnc": [], "mnc+score": []}
+        extra: dict[str, list[float]] = {"mnc": [], "mnc+score": []}
         shares = []
         for k in range(rounds):
-            speed = {}
+            runs = {}
             for d in ("mean", "mnc", "mnc+score"):
-                name = run_name(workers, "cost", strategy, d, f"r{k}")
-                result = train(out / name, "--strategy", strategy, *flags, *DEFENCES[d], echo=True)
-                speed[d] = result.summary["tokens_per_s"]
-                if d == "mnc+score":
-                    shares.append(scoring_share(result.steps))
+                name = run_name(workers, "cost", strategy, d, f"r{k}", f"n{steps}", *([size] if size != "tiny" else []))
+                runs[d] = train(out / name, "--strategy", strategy, *flags, *DEFENCES[d], echo=True)
+            shares.append(scoring_share(runs["mnc+score"].steps))
+            base_sync, base_step, local_per_sync = sync_walls(runs["mean"].steps)
             for d in ratios:
-                ratios[d].append(speed[d] / speed["mean"])
-        print(f"\n{strategy} (its default H), W={workers}, no attacker, {rounds} interleaved rounds; load average "
-              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: tokens/s against mean: " +
-              "; ".join(f"{d} {' '.join(f'{r:.2f}' for r in v)} (median {statistics.median(v):.2f})"
-                        for d, v in ratios.items()) +
-              f"; scoring's share of a scored round: {' '.join(f'{100 * s:.1f}%' for s in shares)}")
+                ratios[d].append(runs[d].summary["tokens_per_s"] / runs["mean"].summary["tokens_per_s"])
+                extra[d].append((sync_walls(runs[d].steps)[0] - base_sync) / (local_per_sync * base_step + base_sync))
+        percent = {d: [100 * v for v in vs] for d, vs in extra.items()}
+        print(f"\n{strategy} (its default H), W={workers}, {size} model, no attacker, {steps} steps, {rounds} "
+              f"interleaved rounds; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores:\n"
+              f"  tokens/s against mean: {listed(ratios, '{:.2f}')}\n"
+              f"  a sync step's extra time, share of mean's round: {listed(percent, '{:+.1f}%')}\n"
+              f"  scoring's share of a scored round: {' '.join(f'{100 * s:.1f}%' for s in shares)}")
+
+
+def listed(values: dict[str, list[float]], form: str) -> str:
+    """'mnc 0.96 0.97 0.82 (median 0.96); ...': each defence's values in `form`, and their median."""
+    return "; ".join(f"{d} {' '.join(form.format(v) for v in vs)} (median {form.format(statistics.median(vs))})"
+                     for d, vs in values.items())
+
+
+def sync_walls(steps: list[dict]) -> tuple[float, float, float]:
+    """(median wall time of a step that synced, of one that did not, local steps per sync) of a run: the
+    steps that sent bytes are the syncs (the final one, at the last step, left out: it ends the run)."""
+    synced = [s["wall_s"] for s in steps[:-1] if s["wire_bytes"] > 0]
+    local = [s["wall_s"] for s in steps[:-1] if s["wire_bytes"] == 0]
+    local_per_sync = len(steps) / max(len(synced), 1) - 1
+    return statistics.median(synced), statistics.median(local), local_per_sync
 
 
 def scoring_share(steps: list[dict]) -> float:
@@ -206,11 +232,18 @@ def main() -> None:
     p.add_argument("--cost", action="store_true", help="only what the defences cost an honest run (tokens/s "
                    "against mean, interleaved rounds at each strategy's default H)")
     p.add_argument("--rounds", type=int, default=3, help="with --cost: interleaved rounds (default 3)")
+    p.add_argument("--cost-steps", type=int, default=COST_STEPS,
+                   help=f"with --cost: steps of each run (default {COST_STEPS})")
+    p.add_argument("--size", choices=["tiny", "small"], default="tiny",
+                   help="with --cost: the matrix's tiny model, or a 3.2M-parameter one (4 blocks, width 256)")
     args = p.parse_args()
     if args.rounds < 1:
         sys.exit(f"error: --rounds {args.rounds}: at least one round")
+    if args.cost_steps < 100:
+        sys.exit(f"error: --cost-steps {args.cost_steps}: at least 100 (a few syncs at diloco's default H of 32)")
     if args.cost:
-        return cost(args.out, (args.strategies or "diloco,sparseloco").split(","), args.workers, args.rounds)
+        return cost(args.out, (args.strategies or "diloco,sparseloco").split(","), args.workers, args.rounds,
+                    args.cost_steps, args.size)
     plan = dict(QUICK) if args.quick else dict(strategies=["diloco", "sparseloco", "demo"], seeds=[0, 1],
                                                attacks=ATTACKS, defences=MATRIX)
     for key in ("strategies", "attacks", "defences"):
