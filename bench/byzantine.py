@@ -39,8 +39,8 @@ from lowcomm.bench.report.untrusted import round_timing, scoring_seconds
 
 RECIPE = ["--n-layer", "2", "--n-head", "2", "--d-model", "64", "--seq-len", "64", "--micro-batch", "8",
           "--lr", "1e-3", "--warmup", "10", "--steps", "120", "--eval-every", "0", "--eval-batches", "8"]
-# --cost --size small: the model of docs/results.md's 3.2M-parameter check (4 blocks, width 256, seq 128)
-SMALL = ["--n-layer", "4", "--n-head", "4", "--d-model", "256", "--seq-len", "128"]
+# --cost --size: the matrix's tiny model (RECIPE's), or docs/results.md's 3.2M-parameter one (4 blocks, width 256)
+SIZES = {"tiny": [], "small": ["--n-layer", "4", "--n-head", "4", "--d-model", "256", "--seq-len", "128"]}
 OUTER = ["--sync-every", "10"]  # the local-SGD family's period (demo has none: it syncs every step)
 ATTACKS = ["none", "sign-flip", "scale:100", "scale:-100", "noise:1", "zero", "copy", "stale:2", "alie:1", "wrong-data"]
 DEFENCES = {  # column -> flags
@@ -106,7 +106,7 @@ def cost(out: Path, strategies: list[str], workers: int, rounds: int, steps: int
     measure the load's drift between runs moves less), with the share of a scored round its
     scoring took (summary.json, the slowest worker's). `size` small: a 3.2M-parameter model in
     place of the tiny recipe's (a sync's fixed costs against a longer step)."""
-    flags = ["--workers", str(workers), "--seed", "0", *RECIPE, *(SMALL if size == "small" else []),
+    flags = ["--workers", str(workers), "--seed", "0", *RECIPE, *SIZES[size],
              "--steps", str(steps), "--overwrite"]  # a measurement, remade each time (the matrix reads its runs back)
     for strategy in strategies:
         ratios: dict[str, list[float]] = {"mnc": [], "mnc+score": []}
@@ -234,7 +234,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="with --cost: interleaved rounds (default 3)")
     p.add_argument("--cost-steps", type=int, default=COST_STEPS,
                    help=f"with --cost: steps of each run (default {COST_STEPS})")
-    p.add_argument("--size", choices=["tiny", "small"], default="tiny",
+    p.add_argument("--size", choices=list(SIZES), default="tiny",
                    help="with --cost: the matrix's tiny model, or a 3.2M-parameter one (4 blocks, width 256)")
     args = p.parse_args()
     if args.rounds < 1:
