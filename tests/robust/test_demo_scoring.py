@@ -75,10 +75,10 @@ def _scenario(rank: int, options: dict) -> dict:
     return {"hashes": hashes, "rounds": report.get("score_rounds"), "loss": loss}
 
 
-def _resumed(rank: int) -> dict:
-    """A scored run with a sign-flipper, its state taken after step 5 (mid-period) and loaded into a
-    fresh run: both go on to the end."""
-    runs = [build(SCENARIOS["flip"]) for _ in range(2)]
+def _resumed(rank: int, options: dict) -> dict:
+    """A run of `options`, its state taken after step 5 (mid-period) and loaded into a fresh run:
+    both go on to the end."""
+    runs = [build(options) for _ in range(2)]
     for _ in range(5):
         step = runs[0][1].steps_done
         runs[0][1].step(lambda: batch(step, rank), lowcomm.lm_loss)
@@ -89,7 +89,7 @@ def _resumed(rank: int) -> dict:
             step = run.steps_done
             run.step(lambda: batch(step, rank), lowcomm.lm_loss)
             hashes[k].append(digest(model))
-    out = {"hashes": hashes, "rounds": [run.strategy.report()["score_rounds"] for _, run in runs]}
+    out = {"hashes": hashes, "rounds": [run.strategy.report().get("score_rounds") for _, run in runs]}
     for _, run in runs:
         run.close()
     return out
@@ -115,7 +115,8 @@ def _trained(rank: int, data: str, out: Path) -> dict:
 
 
 def _all(rank: int, world: int, data: str, out: str) -> dict:
-    return {**{name: _scenario(rank, options) for name, options in SCENARIOS.items()}, "resumed": _resumed(rank),
+    return {**{name: _scenario(rank, options) for name, options in SCENARIOS.items()},
+            "resumed": _resumed(rank, SCENARIOS["flip"]), "resumed-noise": _resumed(rank, dict(attack="noise:1")),
             "trained": _trained(rank, data, Path(out))}
 
 
@@ -181,6 +182,14 @@ def test_a_resumed_scored_run_goes_on_as_the_uninterrupted_one(ranks):
         assert got["hashes"][1] == got["hashes"][0], f"rank {r}"
         assert got["rounds"][1] == got["rounds"][0], f"rank {r}"
     assert [k["left_out"] for k in ranks[0]["resumed"]["rounds"][0]] == [[], [], [2], [2], [2], [2]]
+
+
+@pytest.mark.procs
+def test_a_resumed_attacker_draws_as_the_uninterrupted_one(ranks):
+    """noise:1's draws are seeded by the round: the resumed attacker counts its rounds from the state."""
+    for r in range(W):
+        got = ranks[r]["resumed-noise"]
+        assert got["hashes"][1] == got["hashes"][0], f"rank {r}"
 
 
 def transcribed_scores() -> list[float]:

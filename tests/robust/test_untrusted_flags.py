@@ -14,6 +14,10 @@ FAMILY = "it is an option of: demo, diloco, sparseloco, streaming_diloco"
     (["--strategy", "acco", "--attack", "zero", "--attackers", "1"],
      f"--attack does not apply to strategy 'acco' ({FAMILY})"),
     (["--strategy", "demo", "--score-every", "5"], "--score-every 5 needs --score: it says how often to score"),
+    # a scoring flag given at its default value without --score would do nothing as well
+    (["--strategy", "demo", "--score-every", "10"], "--score-every 10 needs --score: it says how often to score"),
+    (["--score-patience", "3"], "--score-patience 3 needs --score: it counts rounds of scores"),
+    (["--score-batches", "2"], "--score-batches 2 needs --score: it sizes what is scored on"),
     (["--score", "--score-every", "5"], "--score-every does not apply to strategy 'diloco' (it is an option of: demo)"),
     (["--strategy", "demo", "--workers", "4", "--replicas", "2", "--score"],
      "--score does not run across replica groups (--replicas 2) yet: each rank holds only part of its replica's "
@@ -37,10 +41,9 @@ FAMILY = "it is an option of: demo, diloco, sparseloco, streaming_diloco"
     (["--aggregate", "median", "--sync-by", "time"],
      "--aggregate median does not run with --sync-by time: a robust aggregate trusts every worker alike, it takes "
      "no weights"),
-    *[(["--strategy", "demo", "--elastic", *flag],
-       "--attack, --aggregate and --score do not run with --elastic on strategy 'demo' yet: its attackers and scores "
-       "are named by rank, and ranks change as members come and go (the outer-sync engine's strategies name them by "
-       "slot: diloco, sparseloco, streaming_diloco)") for flag in (["--aggregate", "median"], ["--score"])],
+    (["--strategy", "demo", "--elastic", "--score", "--validators", "1"],
+     "--validators 1 does not run with --elastic yet: it names ranks, and ranks change as members come and go "
+     "(every member scores instead)"),
     (["--strategy", "demo", "--workers", "4", "--replicas", "2", "--aggregate", "centered-clip:1"],
      "--aggregate centered-clip:1 does not run on strategy 'demo' across replica groups with --inside ddp: each rank "
      "holds part of every norm it clips by"),

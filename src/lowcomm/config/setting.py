@@ -133,6 +133,7 @@ def _all_option_fields() -> dict[str, list[str]]:
 def resolve_options(cfg: RunConfig) -> Options:
     """Apply pending options to the chosen strategy and check all of its options."""
     options = cfg.strategy_options()
+    given = {key: raw for key, (raw, _) in cfg.pending_options.items()}  # the flags the command line gave
     for key, (raw, name) in cfg.pending_options.items():
         by_name = {f.name: f for f in fields(options)}
         if key not in by_name:
@@ -147,6 +148,7 @@ def resolve_options(cfg: RunConfig) -> Options:
     if other is not None:  # as a flag of another strategy is refused, so is its table
         raise UsageError(f"[{other}] ({', '.join(f'{other}.{k}' for k in cfg.options[other].as_dict()) or 'a table'}) "
                          f"does not apply to strategy '{cfg.strategy}' (drop the table, or set strategy = \"{other}\")")
+    options.check_given(given)
     options.check_run(cfg)
     return options
 

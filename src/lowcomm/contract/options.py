@@ -60,6 +60,11 @@ class Options:
         """Rules that involve the run's length (--steps), checked for a run that will train (train,
         bench), not for a plan's steady state. Subclasses raise UsageError."""
 
+    def check_given(self, given: dict[str, str]) -> None:
+        """Rules on which options the command line gave (field -> the text given), where a value
+        alone cannot tell a flag that would do nothing from a default (e.g. a flag that needs
+        another one). Subclasses raise UsageError."""
+
     def run_note(self, cfg) -> str | None:
         """One line said before a CLI run starts where these settings are legal but easily
         misread (cfg: a config.RunConfig); None: nothing to say."""

@@ -30,13 +30,11 @@ What the schedule means for a plan and for --elastic: outer_contract.py.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Iterator
 
 import torch
 
-from ..contract.parts import LOCAL, Part
+from ..contract.parts import Part
 from ..robust import attackers_of
 from .outer_options import OuterSyncOptions
 from .outer_scoring import OuterScoring
@@ -60,18 +58,13 @@ class OuterSchedule(OuterSync):
             self.wire.admit = self.scoring.admit
 
     def state_parts(self) -> dict[str, Part]:
-        """The engine's parts, and --score's scoreboard (alike on every worker) and held sequences
-        (each worker's own), and --attack's rounds and replays (the attacker's own), where they run."""
+        """The engine's parts, and --score's scoreboard and held sequences (outer_scoring.py), and
+        --attack's rounds and replays (the attacker's own), where they run."""
         parts = super().state_parts()
         if self.scoring is not None:
-            board = self.scoring.board
-            parts["scores"] = Part(lambda: hashed(board.state_dict()), board.load_state_dict)
-            # a joiner holds no sequence yet: it catches its own as it trains (not zeros of its donor's)
-            parts["held_sequences"] = Part(self.scoring.held.state_dict, self.scoring.held.load_state_dict, LOCAL,
-                                           joiner=lambda sd: {"ids": None, "last": None})
-        if self.attackers is not None:  # a joiner: the rounds counted alike everywhere, no replay of its own
-            parts["attack"] = Part(self.attackers.state_dict, self.attackers.load_state_dict, LOCAL,
-                                   joiner=lambda sd: {"rounds": dict(sd["rounds"]), "history": {}})
+            parts.update(self.scoring.state_parts())
+        if self.attackers is not None:
+            parts["attack"] = self.attackers.part()
         return parts
 
     def name_members(self, slots) -> None:
@@ -142,11 +135,3 @@ class OuterSchedule(OuterSync):
             self.drain()
             return
         yield from self.wait()
-
-
-def hashed(state: dict) -> dict:
-    """A replicated part's state of plain values (the scoreboard's counters and history), with a
-    digest of them as a tensor: an elastic run hashes a commit's replicated tensors
-    (contract/parts.py), so members that disagree on who is left out differ in state_sha256."""
-    text = json.dumps(state, sort_keys=True, default=str).encode()
-    return {**state, "digest": torch.tensor(list(hashlib.sha256(text).digest()), dtype=torch.uint8)}

@@ -19,12 +19,15 @@ run's state: a resumed run's earlier rounds are in its steps.jsonl already), for
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 
 import torch
 import torch.nn as nn
 
 from ..contract.context import write_flat
+from ..contract.parts import LOCAL, Part
 from ..robust.aggregators import clipped_to_median_norm
 from ..robust.probe import probe_gains
 from ..robust.scoring import PROBE_SCALE, HeldBatch, Scoreboard, fingerprint, scorers, standing_changes
@@ -118,6 +121,15 @@ class OuterScoring:
             write_flat(g - PROBE_SCALE * self.lr * rows[r].to(g.dtype), params)
         return probe_gains(self.model, self.held, batches, mine, rows.shape[0], move, self.sync.globals_in_model)
 
+    def state_parts(self) -> dict[str, Part]:
+        """The scoreboard (alike on every worker, hashed with the replicated state under --elastic)
+        and the held sequences (each worker's own; a joiner holds none yet: it catches its own as
+        it trains, not its donor's)."""
+        board = self.board
+        return {"scores": Part(lambda: hashed(board.state_dict()), board.load_state_dict),
+                "held_sequences": Part(self.held.state_dict, self.held.load_state_dict, LOCAL,
+                                       joiner=lambda sd: {"ids": None, "last": None})}
+
     def rounds_from(self, first: int) -> list[tuple[int | None, dict]]:
         """The scored rounds from round `first` on: (the trainer step whose outer step took it, None
         where unknown: the final sync, or a round loaded with the state; its history entry with
@@ -137,3 +149,11 @@ class OuterScoring:
 
     def report(self) -> dict:
         return self.board.report()
+
+
+def hashed(state: dict) -> dict:
+    """A replicated part's state of plain values (the scoreboard's counters and history), with a
+    digest of them as a tensor: an elastic run hashes a commit's replicated tensors
+    (contract/parts.py), so members that disagree on who is left out differ in state_sha256."""
+    text = json.dumps(state, sort_keys=True, default=str).encode()
+    return {**state, "digest": torch.tensor(list(hashlib.sha256(text).digest()), dtype=torch.uint8)}

@@ -30,10 +30,8 @@ from typing import Callable
 
 import torch
 
-from ..contract.parts import LOCAL, Part
 from ..robust.probe import probe_gains
 from ..robust.scoring import PROBE_SCALE
-from .outer_schedule import hashed
 from .outer_scoring import OuterScoring
 
 
@@ -103,9 +101,3 @@ class StepScoring(OuterScoring):
             for p, t, q, lr in zip(params, theta, rows[r].split(sizes), lrs):
                 p.copy_(t - PROBE_SCALE * lr * q.view_as(p).sign().to(p.dtype))
         return probe_gains(self.model, self.held, batches, mine, rows.shape[0], move, kept)
-
-    def state_parts(self) -> dict[str, Part]:
-        """The scoreboard (alike on every worker: its decision holds between scored rounds) and the
-        held sequences (each worker's own), as the outer-sync engine keeps them."""
-        return {"scores": Part(lambda: hashed(self.board.state_dict()), self.board.load_state_dict),
-                "held_sequences": Part(self.held.state_dict, self.held.load_state_dict, LOCAL)}

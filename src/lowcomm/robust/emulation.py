@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Comm
+from ..contract.parts import LOCAL, Part
 from ..errors import UsageError
 from .attacks import Attack, Round, wrong_data
 from .scoring import HeldBatch
@@ -83,6 +84,12 @@ class Attackers:
     def load_state_dict(self, sd: dict) -> None:
         self.rounds = dict(sd["rounds"])
         self.history = {k: [t.clone() for t in v] for k, v in sd["history"].items()}
+
+    def part(self) -> Part:
+        """The attacker's state as a strategy's part: this worker's own; a joiner counts the rounds
+        as everyone does (they advance alike on every rank) and holds no replay of its own."""
+        return Part(self.state_dict, self.load_state_dict, LOCAL,
+                    joiner=lambda sd: {"rounds": dict(sd["rounds"]), "history": {}})
 
     def report(self) -> dict:
         """summary.json's record of the emulated attack."""

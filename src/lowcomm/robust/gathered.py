@@ -12,11 +12,17 @@ attacker and no --score it changes nothing (the same calls, the same bits). With
 strategy sets `scoring` (engines/step_scoring.py: robust/ imports no engine), the mixin keeps its
 state and reports its rounds, and the run's outputs read its rounds from it (train/outputs.py:
 `rounds_from`, `standing_changes`, as from the outer-sync engine's OuterScoring).
+
+Under --elastic (`GatheredRules`: every step a commit point, as for any strategy) a worker is named
+by its slot, as the outer-sync engine names it: the attackers are the launcher's worker numbers,
+the scoreboard is replicated state (a joiner takes it from a peer; one left out stays out as
+members come and go), and the held sequences and the attacker's rounds are each worker's own.
 """
 from __future__ import annotations
 
 import torch
 
+from ..contract.elastic import ElasticRules
 from .aggregators import aggregated, decoded_senders
 from .emulation import attackers_of
 from .scoring import first_of_equal_rows
@@ -24,7 +30,20 @@ from .scoring import first_of_equal_rows
 _UNSET = object()
 
 
+class GatheredRules(ElasticRules):
+    """--elastic's rules (contract/elastic.py) for a strategy on this mixin: its attackers and
+    scoreboard name each rank by its slot in the membership."""
+
+    @classmethod
+    def name_members(cls, strategy, slots) -> None:
+        if strategy.attackers is not None:
+            strategy.attackers.slots = tuple(slots)
+        if strategy.scoring is not None:
+            strategy.scoring.board.slots = list(slots)
+
+
 class GatheredUpdate:
+    elastic = GatheredRules
     _attackers = _UNSET
     scoring = None  # --score: the strategy's StepScoring (engines/step_scoring.py)
 
@@ -48,9 +67,14 @@ class GatheredUpdate:
                 **(self.scoring.report() if self.scoring is not None else {})}
 
     def state_parts(self):
-        """The strategy's parts, and --score's scoreboard and held sequences."""
+        """The strategy's parts, --score's scoreboard and held sequences, and --attack's rounds
+        and replays (a resumed run attacks as the uninterrupted one)."""
         parts = super().state_parts()
-        return parts if self.scoring is None else {**parts, **self.scoring.state_parts()}
+        if self.scoring is not None:
+            parts.update(self.scoring.state_parts())
+        if self.attackers is not None:
+            parts["attack"] = self.attackers.part()
+        return parts
 
     def release(self) -> None:
         super().release()

@@ -24,6 +24,9 @@ from .aggregators import Aggregator, parse_aggregator
 from .attacks import Attack, parse_attack, parse_ranks
 
 SCORE_EVERY = 10  # a per-step strategy's (DeMo's) default --score-every: docs/untrusted.md says what it costs
+# The options that only --score reads, and why each needs it.
+NEEDS_SCORE = {"score_patience": "it counts rounds of scores", "score_batches": "it sizes what is scored on",
+               "validators": "validators run the scoring", "score_every": "it says how often to score"}
 
 
 @dataclass
@@ -69,6 +72,13 @@ class RobustOptions(Options):
         if parse_ranks(self.validators, "--validators") and not self.score:
             raise UsageError(f"--validators {self.validators} needs --score: validators run the scoring")
 
+    def check_given(self, given: dict[str, str]) -> None:
+        """A scoring flag given without --score would do nothing (its default value too)."""
+        super().check_given(given)
+        for name, why in NEEDS_SCORE.items():
+            if name in given and not self.score:
+                raise UsageError(f"--{name.replace('_', '-')} {given[name]} needs --score: {why}")
+
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
         world, ranks = cfg.replicas or cfg.workers, self.attacking_ranks()
@@ -111,8 +121,8 @@ class RobustOptions(Options):
                              f"a row's norm needs every position")
 
     def check_elastic(self, cfg, aggregator: Aggregator) -> None:
-        """--elastic with --attack, --aggregate or --score (the outer-sync engine: attackers and
-        scores by the launcher's slot, or replica, docs/untrusted.md): an aggregate that still means
+        """--elastic with --attack, --aggregate or --score (attackers and scores by the launcher's
+        slot, or replica, docs/untrusted.md): an aggregate that still means
         something on the fewest members the run goes on with (--min-workers)."""
         if self.validators:
             raise UsageError(f"--validators {self.validators} does not run with --elastic yet: it names ranks, and "
@@ -126,8 +136,8 @@ class RobustOptions(Options):
 @dataclass
 class GatheredRobustOptions(RobustOptions):
     """RobustOptions of a strategy that gathers every worker's payload itself at every step (DeMo):
-    --attack and --aggregate apply, --score every --score-every steps (engines/step_scoring.py),
-    and --elastic is refused with them (its attackers are named by rank)."""
+    --attack and --aggregate apply, --score every --score-every steps (engines/step_scoring.py);
+    under --elastic its attackers and scores name workers by slot (robust/gathered.py)."""
     score_every: int = option(SCORE_EVERY, "with --score: optimizer steps from one scored step to the next (a "
                               "scored step costs each validator four forwards; between them the last round's "
                               "decision holds)", min=1)
@@ -139,12 +149,6 @@ class GatheredRobustOptions(RobustOptions):
         if aggregator.rule == "centered-clip" or aggregator.rule == "median-norm-clip" and cfg.inside != "ddp":
             raise UsageError(f"--aggregate {self.aggregate} does not run on strategy '{cfg.strategy}' across replica "
                              f"groups with --inside {cfg.inside}: each rank holds part of every norm it clips by")
-
-    def check_elastic(self, cfg, aggregator: Aggregator) -> None:
-        raise UsageError(f"--attack, --aggregate and --score do not run with --elastic on strategy '{cfg.strategy}' "
-                         f"yet: its attackers and scores are named by rank, and ranks change as members come and "
-                         f"go (the outer-sync engine's strategies name them by slot: diloco, sparseloco, "
-                         f"streaming_diloco)")
 
     def check(self) -> None:
         super().check()
