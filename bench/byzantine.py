@@ -219,11 +219,15 @@ def targets(results: dict, strategy: str, attacks: list[str], seeds: list[int], 
             f"{', '.join(late) or 'none'}")
 
 
+COST_FLAGS = ("--rounds", "--cost-steps", "--size")                        # read by --cost only
+MATRIX_FLAGS = ("--attackers", "--quick", "--attacks", "--defences", "--seeds")  # read by the matrix only
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("runs/byzantine"))
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--attackers", default="3")
+    p.add_argument("--attackers", help="the matrix's attacking ranks, comma-separated (default: 3)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--strategies", help="comma-separated (default: diloco,sparseloco,demo; --quick: diloco)")
     p.add_argument("--attacks", help=f"comma-separated, 'none' first (default: {','.join(ATTACKS)})")
@@ -231,19 +235,26 @@ def main() -> None:
     p.add_argument("--seeds", help="comma-separated (default: 0,1)")
     p.add_argument("--cost", action="store_true", help="only what the defences cost an honest run (tokens/s "
                    "against mean, interleaved rounds at each strategy's default H)")
-    p.add_argument("--rounds", type=int, default=3, help="with --cost: interleaved rounds (default 3)")
-    p.add_argument("--cost-steps", type=int, default=COST_STEPS,
-                   help=f"with --cost: steps of each run (default {COST_STEPS})")
-    p.add_argument("--size", choices=list(SIZES), default="tiny",
-                   help="with --cost: the matrix's tiny model, or a 3.2M-parameter one (4 blocks, width 256)")
+    p.add_argument("--rounds", type=int, help="with --cost: interleaved rounds (default 3)")
+    p.add_argument("--cost-steps", type=int, help=f"with --cost: steps of each run (default {COST_STEPS})")
+    p.add_argument("--size", choices=list(SIZES),
+                   help="with --cost: the matrix's tiny model (default), or a 3.2M-parameter one (4 blocks, width 256)")
     args = p.parse_args()
+    # a flag of the other mode would do nothing: refused, not ignored
+    unused = [f for f in (MATRIX_FLAGS if args.cost else COST_FLAGS) if getattr(args, f.lstrip("-").replace("-", "_"))]
+    if unused:
+        sys.exit(f"error: {unused[0]} {'is not read by --cost' if args.cost else 'needs --cost'} "
+                 f"(--cost measures an honest run's cost; without it the attack matrix runs)")
+    args.rounds = 3 if args.rounds is None else args.rounds
+    args.cost_steps = COST_STEPS if args.cost_steps is None else args.cost_steps
     if args.rounds < 1:
         sys.exit(f"error: --rounds {args.rounds}: at least one round")
     if args.cost_steps < 100:
         sys.exit(f"error: --cost-steps {args.cost_steps}: at least 100 (a few syncs at diloco's default H of 32)")
     if args.cost:
         return cost(args.out, (args.strategies or "diloco,sparseloco").split(","), args.workers, args.rounds,
-                    args.cost_steps, args.size)
+                    args.cost_steps, args.size or "tiny")
+    args.attackers = args.attackers or "3"
     plan = dict(QUICK) if args.quick else dict(strategies=["diloco", "sparseloco", "demo"], seeds=[0, 1],
                                                attacks=ATTACKS, defences=MATRIX)
     for key in ("strategies", "attacks", "defences"):

@@ -35,3 +35,18 @@ def test_an_attacker_is_caught_where_left_out_or_named_in_a_copy():
 
 def test_each_defence_is_listed_with_its_median():
     assert byzantine.listed({"mnc": [0.9, 1.0, 0.8]}, "{:.2f}") == "mnc 0.90 1.00 0.80 (median 0.90)"
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--rounds", "2"], "--rounds needs --cost"),
+    (["--size", "small"], "--size needs --cost"),
+    (["--cost", "--attackers", "1"], "--attackers is not read by --cost"),
+    (["--cost", "--seeds", "0"], "--seeds is not read by --cost"),
+])
+def test_a_flag_of_the_other_mode_is_refused_not_ignored(monkeypatch, argv, said):
+    monkeypatch.setattr(sys, "argv", ["byzantine.py", *argv])
+    monkeypatch.setattr(byzantine, "run", lambda *a: pytest.fail("a run started"))
+    monkeypatch.setattr(byzantine, "cost", lambda *a: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as refused:
+        byzantine.main()
+    assert str(refused.value).startswith(f"error: {said} (")
