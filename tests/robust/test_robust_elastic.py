@@ -181,12 +181,12 @@ def test_an_attacker_left_out_by_its_scores_stays_out_as_members_come_and_go(tmp
 @pytest.mark.elastic
 def test_a_no_fault_elastic_run_across_replicas_equals_the_plain_run(tmp_path, monkeypatch):
     """Two replicas of two processes, fsdp inside (median-norm-clip's norms summed in each
-    replica), replica 1 attacking: the elastic run (its members' tokens gathered beside the rows,
-    every member trained) is the plain run bit for bit."""
+    replica), replica 1 attacking, every replica scored: the elastic run (its members' tokens
+    gathered beside the rows, every member trained) is the plain run bit for bit, its scores too."""
     pytest.importorskip("torchft", reason="--elastic needs torchft (pip install 'lowcomm[elastic]')")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     run = [*MODEL, "--workers", "4", "--replicas", "2", "--inside", "fsdp", "--strategy", "diloco", "--sync-every", "2",
-           "--steps", "6", "--aggregate", "median-norm-clip", "--attack", "scale:100", "--attackers", "1"]
+           "--steps", "6", "--aggregate", "median-norm-clip", "--attack", "scale:100", "--attackers", "1", "--score"]
     plain, elastic = tmp_path / "plain", tmp_path / "elastic"
     assert main(["train", *run, "--checkpoint-every", "6", "--out", str(plain)]) == 0
     assert main(["train", *run, "--elastic", "--out", str(elastic)]) == 0
@@ -194,3 +194,5 @@ def test_a_no_fault_elastic_run_across_replicas_equals_the_plain_run(tmp_path, m
     assert losses[0] == losses[1] and final_val_loss(plain) == final_val_loss(elastic)
     summary = json.loads((elastic / "summary.json").read_text())
     assert summary["elastic"]["final_params_sha256"] == checkpoint_params_hashes(plain / "ckpt-000006")
+    rounds = [json.loads((out / "summary.json").read_text())["score_rounds"] for out in (plain, elastic)]
+    assert len(rounds[0]) == 3 and [r["scores"] for r in rounds[0]] == [r["scores"] for r in rounds[1]], rounds

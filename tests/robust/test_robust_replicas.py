@@ -3,8 +3,10 @@ its part of every replica's Δ (the tensors its position owns, or its shards of 
 norms it clips by summed over its replica, so R replicas of K processes end where R single workers
 would (the replica check every strategy passes, tests/engines/test_replicas.py): one W=4 spawn,
 (R, K) = (2, 2) against (2, 1) on the replicas' first ranks, replica 1 attacking (scale:100) under
-median-norm-clip; in the same spawn each aggregator on its halves of hand-made rows equals it on
-the whole rows. --score across replicas is refused in one line."""
+median-norm-clip; with --score (patience 1) too, every rank of the replica run holds the single
+workers' scores and decisions (a replica's loss the mean of its positions', on the whole moved
+model); in the same spawn each aggregator on its halves of hand-made rows equals it on the whole
+rows."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -35,20 +37,25 @@ SIZES = [8, 16]  # two tensors, each cut in halves across the K = 2 positions (a
 RULES = ("median-norm-clip", "centered-clip:2")
 
 
-def _train(name, comm, intra, inside, replica: int, rows: slice) -> torch.Tensor:
-    """The final parameters, whole, on a replica's rank (`intra`) or as a single worker (None)."""
+def _train(name, comm, intra, inside, replica: int, rows: slice, scored: bool = False):
+    """The final parameters, whole, on a replica's rank (`intra`) or as a single worker (None), and
+    with `scored` (--score, patience 1, replica 1 flipping its Δ's sign) the scored rounds."""
     torch.manual_seed(7)
     model = lowcomm.GPT(vocab_size=256, seq_len=SEQ, n_layer=1, n_head=2, d_model=16)
+    attack = dict(attack="sign-flip", score=True, score_patience=1) if scored else dict(attack="scale:100")
     run = make_run(name, model, comm, lambda ps: torch.optim.AdamW(ps, lr=1e-2), accum=1, total_steps=STEPS,
                    replica=intra, inside=inside if intra is not None else "ddp", sync_every=2, sync_by="steps",
-                   aggregate="median-norm-clip", attack="scale:100", attackers="1", **OPTIONS[name])
+                   aggregate="median-norm-clip", attackers="1", **OPTIONS[name], **attack)
     for step in range(STEPS):
         g = torch.Generator().manual_seed(1000 * step + replica)
-        seq = torch.randint(0, 256, (K * MICRO, SEQ + 1), generator=g)[rows]
+        # a pattern a tiny GPT learns in a few steps (each token the one before plus 1): an honest Δ scores above 0
+        seq = ((torch.randint(0, 64, (K * MICRO, 1), generator=g) + torch.arange(SEQ + 1)) % 64)[rows]
         run.step(lambda: (seq[:, :-1].contiguous(), seq[:, 1:].contiguous()), lowcomm.lm_loss)
+    rounds = run.strategy.report().get("score_rounds")
     run.close()
     whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
-    return torch.cat([p.detach().reshape(-1).clone() for p in whole])
+    params = torch.cat([p.detach().reshape(-1).clone() for p in whole])
+    return (params, rounds) if scored else params
 
 
 def _life(rank, world, cases):
@@ -63,6 +70,9 @@ def _life(rank, world, cases):
         grouped = _train(name, levels.cross, levels.intra, inside, replica, slice(p * MICRO, (p + 1) * MICRO))
         flat = _train(name, lowcomm.Comm(single), None, None, replica, slice(None)) if p == 0 else None
         out[name, inside] = (grouped, flat)
+        grouped = _train(name, levels.cross, levels.intra, inside, replica, slice(p * MICRO, (p + 1) * MICRO), True)
+        flat = _train(name, lowcomm.Comm(single), None, None, replica, slice(None), True) if p == 0 else None
+        out[name, inside, "scored"] = (grouped, flat)
     # the aggregators on this position's half of each tensor, their norms summed inside the replica
     halves = [t.chunk(K, dim=1)[p] for t in ROWS.split(SIZES, dim=1)]
     spread = spread_over(SimpleNamespace(comm=levels.intra, name="fsdp"))
@@ -86,6 +96,22 @@ def test_a_robust_aggregate_across_replicas_equals_one_worker_per_replica(name, 
 
 
 @pytest.mark.procs
+@pytest.mark.parametrize("name,inside", CASES)
+def test_a_scored_replica_is_scored_and_judged_as_one_worker(name, inside, runs):
+    """Scores within float rounding of the single workers' (the loss on K micro-batches of 2 as the
+    mean of K losses), the same on every rank, and the same decisions: the same final θ."""
+    (flat_params, flat_rounds) = runs[0][name, inside, "scored"][1]
+    assert flat_rounds and any(r["left_out"] for r in flat_rounds), flat_rounds  # the attacker was caught
+    for rank, out in enumerate(runs):
+        params, rounds = out[name, inside, "scored"][0]
+        assert rounds == runs[0][name, inside, "scored"][0][1], rank  # alike on every rank, bit for bit
+        assert [r["left_out"] for r in rounds] == [r["left_out"] for r in flat_rounds], (rank, rounds)
+        for got, want in zip(rounds, flat_rounds):
+            assert got["scores"] == pytest.approx(want["scores"], rel=1e-4, abs=1e-6), (rank, got, want)
+        assert rel_err(params, flat_params) <= 1e-6, (name, inside, rank)
+
+
+@pytest.mark.procs
 @pytest.mark.parametrize("rule", RULES)
 def test_a_norm_spread_over_a_replica_is_the_whole_rows(rule, runs):
     whole = parse_aggregator(rule)(ROWS, SIZES)
@@ -98,12 +124,9 @@ def test_a_norm_spread_over_a_replica_is_the_whole_rows(rule, runs):
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["--inside", "ddp", "--score"], "--score does not run across replica groups (--replicas 2) yet: each rank holds "
-     "only part of its replica's outer gradient (with --inside ddp the tensors its position owns), and a score is the "
-     "loss change the whole of it causes"),
-    (["--inside", "fsdp", "--score"], "--score does not run across replica groups (--replicas 2) yet: each rank holds "
-     "only part of its replica's outer gradient (with --inside fsdp its shard of each tensor), and a score is the "
-     "loss change the whole of it causes"),
+    (["--strategy", "streaming_diloco", "--fragments", "2", "--score"],
+     "--score does not run across replica groups with --inside ddp and --fragments 2: a position may own no tensor "
+     "of a fragment, and a probe moves every position's"),
     (["--strategy", "streaming_diloco", "--fragments", "2", "--aggregate", "centered-clip:1"],
      "--aggregate centered-clip:1 does not run across replica groups with --inside ddp and --fragments 2: a position "
      "may own no tensor of a fragment, and a row's norm needs every position"),

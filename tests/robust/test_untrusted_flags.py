@@ -19,10 +19,6 @@ FAMILY = "it is an option of: demo, diloco, sparseloco, streaming_diloco"
     (["--score-patience", "3"], "--score-patience 3 needs --score: it counts rounds of scores"),
     (["--score-batches", "2"], "--score-batches 2 needs --score: it sizes what is scored on"),
     (["--score", "--score-every", "5"], "--score-every does not apply to strategy 'diloco' (it is an option of: demo)"),
-    (["--strategy", "demo", "--workers", "4", "--replicas", "2", "--score"],
-     "--score does not run across replica groups (--replicas 2) yet: each rank holds only part of its replica's "
-     "outer gradient (with --inside ddp the tensors its position owns), and a score is the loss change the whole "
-     "of it causes"),
     (["--strategy", "zero1", "--score"], f"--score does not apply to strategy 'zero1' ({FAMILY})"),
     (["--workers", "4", "--attack", "sign-flip", "--attackers", "4"],
      "--attackers 4: rank 4 is out of range for 4 workers (ranks 0 to 3)"),

@@ -53,7 +53,7 @@ class OuterSchedule(OuterSync):
                          timed=o.sync_by == "time", delay=delay, eager_outer=make_outer if o.eager else None,
                          attackers=attackers_of(o), inside=inside)
         self.options = o
-        self.scoring = OuterScoring(self, model, o) if o.score else None
+        self.scoring = OuterScoring(self, model, o, inside) if o.score else None
         if self.scoring is not None:
             self.wire.admit = self.scoring.admit
 

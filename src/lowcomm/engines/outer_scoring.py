@@ -22,13 +22,15 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 
 from ..contract.context import write_flat
 from ..contract.parts import LOCAL, Part
-from ..robust.aggregators import clipped_to_median_norm
+from ..models.layout import trainable
+from ..robust.aggregators import clipped_to_median_norm, spread_over
 from ..robust.probe import probe_gains
 from ..robust.scoring import PROBE_SCALE, HeldBatch, Scoreboard, fingerprint, scorers, standing_changes
 
@@ -50,10 +52,12 @@ def room_for(model: nn.Module, sequences: int) -> tuple[int, int]:
 class OuterScoring:
     """Scores and admits the contributions to `sync`'s fragments (an OuterSync over `model`): a
     fragment's Δ_r moves only that fragment, the others held at their θ_global. `o`: the
-    strategy's options (outer_lr, score_batches, score_patience, validators)."""
+    strategy's options (outer_lr, score_batches, score_patience, validators); `inside`: across
+    replica groups, the engine inside this rank's replica (engines/inside.py; None: a flat run)."""
 
-    def __init__(self, sync, model: nn.Module, o):
+    def __init__(self, sync, model: nn.Module, o, inside=None):
         self.sync, self.model, self.lr = sync, model, o.outer_lr
+        self.replica = ReplicaScoring(inside, model) if inside is not None and inside.comm.world > 1 else None
         self.held = HeldBatch(model, o.score_batches)
         self.room = room_for(model, o.score_batches)  # what one gather shares of each worker's held sequences
         self.board = Scoreboard(sync.comm.world, o.score_patience)
@@ -69,7 +73,8 @@ class OuterScoring:
         validator applies a peer's decoded payload (neurons/validator.py, update_model_with_gradient):
         a 100x row is scored as the honest-norm row it becomes, not as a 100x step (the fp32/bf16
         wire scores Δ_r as sent). Replays are named by the rows as sent."""
-        probe = clipped_to_median_norm(rows, sizes) if clipped and self.clips else rows
+        total = self.replica.norm_total if self.replica else None  # a norm spread over the replica
+        probe = clipped_to_median_norm(rows, sizes, total) if clipped and self.clips else rows
         comm, world, round_ = self.sync.comm, rows.shape[0], self.board.rounds
         batches = self._share(comm, self.held.take(), rows.device)
         assigned = scorers(world, self.validators, round_)
@@ -79,7 +84,7 @@ class OuterScoring:
         i = next(i for i, (f, _) in enumerate(self.sync.fragments) if key == f"fragment{f}")
         for r, values in zip(mine, self._score(i, probe, mine, batches)):
             table[r, :3] = torch.tensor(values, dtype=torch.float64)
-        prints = [fingerprint(rows[r]) for r in range(world)]
+        prints, zeros = self.replica.replays(rows) if self.replica else ([fingerprint(row) for row in rows], None)
         table[comm.rank, 3] = time.perf_counter() - t0
         comm.meta_all_reduce(table, op="sum")
         table = table.cpu()
@@ -87,11 +92,11 @@ class OuterScoring:
         if self.sync.pending.get(i):  # 0: the final sync, at the run's last step (or at its close)
             self.steps[round_] = self.sync.pending[i]
         if batches.numel() == 0:  # nobody held a sequence: no evidence this round
-            return self.board.judge(rows, None, None, prints)
+            return self.board.judge(rows, None, None, prints, zeros)
         scores = [None if assigned[r] is None else float(table[r, 0]) for r in range(world)]
         fits = [None if assigned[r] is None else 1.0 if own > rand else -1.0
                 for r, (own, rand) in enumerate(table[:, 1:3].tolist())]
-        return self.board.judge(rows, scores, fits, prints)
+        return self.board.judge(rows, scores, fits, prints, zeros)
 
     def _share(self, comm, mine: torch.Tensor | None, device) -> torch.Tensor:
         """Every worker's held sequences [W, n, T], cut to the fewest and shortest any holds (none
@@ -107,6 +112,8 @@ class OuterScoring:
         block[2:].view(n_room, t_room)[:fits.shape[0], :fits.shape[1]] = fits
         every = comm.meta_all_gather(block)
         n, t = (int(v) for v in every[:, :2].min(dim=0).values)
+        if self.replica:  # the fewest and shortest of every rank's: each position's cut alike
+            n, t = self.replica.fewest(n, t, device)
         if n <= n_room and t <= t_room:  # every worker's first n x t are in the block
             return every[:, 2:].reshape(len(every), n_room, t_room)[:, :n, :t].contiguous()
         return comm.meta_all_gather(held[:n, :t].to(device=device, dtype=torch.long).contiguous())
@@ -119,7 +126,14 @@ class OuterScoring:
 
         def move(r: int) -> None:
             write_flat(g - PROBE_SCALE * self.lr * rows[r].to(g.dtype), params)
-        return probe_gains(self.model, self.held, batches, mine, rows.shape[0], move, self.sync.globals_in_model)
+        return self.probe(batches, mine, rows.shape[0], move, self.sync.globals_in_model)
+
+    def probe(self, batches, mine, world, move, around) -> list[list[float]]:
+        """probe_gains (robust/probe.py), across replica groups on the whole model and the replica's data."""
+        if self.replica:
+            move, around = self.replica.whole(move, around)
+        return probe_gains(self.model, self.held, batches, mine, world, move, around,
+                           pooled=self.replica.pooled if self.replica else None)
 
     def state_parts(self) -> dict[str, Part]:
         """The scoreboard (alike on every worker, hashed with the replicated state under --elastic)
@@ -149,6 +163,76 @@ class OuterScoring:
 
     def report(self) -> dict:
         return self.board.report()
+
+
+class ReplicaScoring:
+    """--score across replica groups (--replicas R): a replica of K processes is one worker, and its
+    ranks hold parts of θ and of every Δ_r (with ddp inside the tensors its position owns, with
+    fsdp its shard of each tensor) and each its own held sequences (its micro-batches). The
+    outer-sync engine runs the scoring on the part each rank holds, across the R ranks of its
+    position, and these make a position's round the replica's:
+
+    - a probe moves the whole model: with ddp inside every position's tensors are shared in the
+      replica before each forward (one bookkeeping all-gather of θ a probe) and the model put back
+      as it was after; with fsdp inside FSDP's forward gathers the moved shards (the parameters it
+      keeps gathered after a forward are freed first, and again after the probes);
+    - each loss is the mean of the replica's positions' (the loss on all the replica's held
+      sequences: one bookkeeping all-reduce a round), so every position scores alike, as one
+      worker holding them all would;
+    - a contribution's fingerprint, and whether it is all zero, are of the whole row (every
+      position's part: one bookkeeping all-gather of 21 bytes a row), not of a part that may be empty;
+    - the held sequences are cut to the fewest and shortest any rank holds, on every position.
+    """
+
+    def __init__(self, inside, model: nn.Module):
+        self.inside, self.comm, self.model = inside, inside.comm, model
+        spread = spread_over(inside)
+        self.norm_total = None if spread.whole_tensors else spread.total  # median-norm-clip's norms, as the merge's
+
+    def fewest(self, n: int, t: int, device) -> tuple[int, int]:
+        counts = torch.tensor([n, t], dtype=torch.long, device=device)
+        return tuple(int(v) for v in self.comm.meta_all_reduce(counts, op="min"))
+
+    def pooled(self, losses: list[float]) -> list[float]:
+        values = torch.tensor(losses, dtype=torch.float64)
+        return (self.comm.meta_all_reduce(values, op="sum") / self.comm.world).tolist()
+
+    def replays(self, rows: torch.Tensor) -> tuple[list[str], list[bool]]:
+        """(each row's fingerprint, whether it is all zero), of the whole row across the replica."""
+        mine = torch.tensor([list(bytes.fromhex(fingerprint(row))) + [int(not row.any())] for row in rows],
+                            dtype=torch.uint8)
+        every = self.comm.meta_all_gather(mine.to(rows.device)).cpu()  # [K, W, 21]
+        prints = [hashlib.sha1(every[:, r, :20].numpy().tobytes()).hexdigest() for r in range(rows.shape[0])]
+        return prints, [bool(every[:, r, 20].all()) for r in range(rows.shape[0])]
+
+    def whole(self, move, around):
+        """(move, around) of a probe on the whole model (the module docstring). The share is the
+        driver's around an evaluation: with ddp inside every position's tensors to the replica,
+        with fsdp the gathered parameters FSDP keeps after a forward freed, so that the next
+        forward gathers the shards as the probe moved them (and training's, as they are after)."""
+        everything, inside = trainable(self.model), self.inside
+
+        def share() -> None:
+            inside.share(everything, counted=False)
+
+        def shared_move(r: int) -> None:
+            move(r)
+            share()
+
+        @contextmanager
+        def shared_around():
+            kept = [p.detach().clone() for p in everything] if inside.name == "ddp" else None
+            try:
+                with around():
+                    share()
+                    yield
+            finally:
+                with torch.no_grad():
+                    for p, k in zip(everything, kept or ()):
+                        p.copy_(k)
+                if kept is None:
+                    share()
+        return shared_move, shared_around
 
 
 def hashed(state: dict) -> dict:

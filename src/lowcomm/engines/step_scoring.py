@@ -30,7 +30,6 @@ from typing import Callable
 
 import torch
 
-from ..robust.probe import probe_gains
 from ..robust.scoring import PROBE_SCALE
 from .outer_scoring import OuterScoring
 
@@ -61,7 +60,8 @@ class StepScoring(OuterScoring):
     KEY = "fragment0"
 
     def __init__(self, strategy, lrs: Callable[[], list[float]]):
-        super().__init__(_WholeModel(strategy.comm, strategy.params), strategy.model, _StepLr(strategy.options))
+        super().__init__(_WholeModel(strategy.comm, strategy.params), strategy.model, _StepLr(strategy.options),
+                         strategy.inside)
         self.every, self.lrs = strategy.options.score_every, lrs
 
     def due(self, step: int) -> bool:
@@ -100,4 +100,4 @@ class StepScoring(OuterScoring):
         def move(r: int) -> None:
             for p, t, q, lr in zip(params, theta, rows[r].split(sizes), lrs):
                 p.copy_(t - PROBE_SCALE * lr * q.view_as(p).sign().to(p.dtype))
-        return probe_gains(self.model, self.held, batches, mine, rows.shape[0], move, kept)
+        return self.probe(batches, mine, rows.shape[0], move, kept)

@@ -94,11 +94,10 @@ class RobustOptions(Options):
             self.check_replicas(cfg, aggregator)
         if getattr(cfg, "elastic", False) and (ranks or aggregator.robust or self.score):
             self.check_elastic(cfg, aggregator)
-        if self.score and world < cfg.workers:
-            raise UsageError(f"--score does not run across replica groups (--replicas {cfg.replicas}) yet: each "
-                             f"rank holds only part of its replica's outer gradient (with --inside {cfg.inside} "
-                             f"{'the tensors its position owns' if cfg.inside == 'ddp' else 'its shard of each tensor'}"
-                             f"), and a score is the loss change the whole of it causes")
+        if self.score and world < cfg.workers and cfg.inside == "ddp" and getattr(self, "fragments", 1) > 1:
+            raise UsageError(f"--score does not run across replica groups with --inside ddp and --fragments "
+                             f"{self.fragments}: a position may own no tensor of a fragment, and a probe moves "
+                             f"every position's")
         self._check_validators(world, group)
 
     def _check_validators(self, world: int, group: str) -> None:

@@ -20,28 +20,37 @@ from .scoring import HeldBatch, next_token_loss
 
 @torch.no_grad()
 def probe_gains(model: nn.Module, held: HeldBatch, batches: torch.Tensor, mine: list[int], world: int,
-                move: Callable[[int], None], around: Callable[[], ContextManager] = nullcontext
-                ) -> list[list[float]]:
+                move: Callable[[int], None], around: Callable[[], ContextManager] = nullcontext,
+                pooled: Callable[[list[float]], list[float]] | None = None) -> list[list[float]]:
     """(Gauntlet's score, own data's relative improvement, random data's) of each contribution in
     `mine`, contribution r on its own batch (batches[r]) and the next worker's ((r + 1) mod
     `world`, data r was not given). Inside `around()` (entered only where there is work) the model
     holds θ; `move(r)` writes θ moved by contribution r into it (from θ, not from the previous
-    probe), and leaving `around()` puts back what the model held before. The held batch is paused:
-    the forwards here are not training. No sequence held (batches [W, 0, 0]): every score is 0."""
+    probe), and leaving `around()` puts back what the model held before. The forwards are not
+    training: the held batch is paused and the model in eval mode (no dropout: a score does not
+    depend on a draw, nor draws from the run's generator). `pooled` (across replica groups): every
+    loss of the round, in one list, to the replica's mean of each. No sequence held (batches
+    [W, 0, 0]): every score is 0."""
     if not mine or batches.numel() == 0 or batches.shape[2] < 2:
         return [[0.0, 0.0, 0.0] for _ in mine]
     pairs = {r: (r, (r + 1) % world) for r in mine}  # (own, random)
-    held.paused = True
+    needed = sorted({b for pair in pairs.values() for b in pair})
+    held.paused, training = True, model.training
+    model.eval()
     try:
         with around():
-            needed = sorted({b for pair in pairs.values() for b in pair})
-            base = {b: next_token_loss(model, batches[b]) for b in needed}  # the loss at θ
-            out = []
+            losses = [next_token_loss(model, batches[b]) for b in needed]  # the loss at θ
             for r in mine:
                 move(r)
-                after = [next_token_loss(model, batches[b]) for b in pairs[r]]
-                gain = [(base[b] - a) / base[b] if base[b] > 0 else 0.0 for b, a in zip(pairs[r], after)]
-                out.append([gain[1], gain[0], gain[1]])
+                losses += [next_token_loss(model, batches[b]) for b in pairs[r]]
     finally:
         held.paused = False
+        model.train(training)
+    losses = pooled(losses) if pooled is not None else losses
+    base = dict(zip(needed, losses))
+    out = []
+    for k, r in enumerate(mine):
+        after = losses[len(needed) + 2 * k:len(needed) + 2 * k + 2]
+        gain = [(base[b] - a) / base[b] if base[b] > 0 else 0.0 for b, a in zip(pairs[r], after)]
+        out.append([gain[1], gain[0], gain[1]])
     return out

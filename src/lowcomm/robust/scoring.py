@@ -158,15 +158,17 @@ class Scoreboard:
         self.seen: list[dict[str, int]] = []  # per earlier round: fingerprint -> slot
 
     def judge(self, rows: torch.Tensor, scores: list[float | None] | None, fits: list[float | None] | None,
-              prints: list[str] | None = None) -> torch.Tensor:
+              prints: list[str] | None = None, zeros: list[bool] | None = None) -> torch.Tensor:
         """This round's scores (None: no sequence to score on, no worker's standing changes; a None
         entry: that contribution was not scored) -> which rows the aggregate takes (bool [W]).
-        `prints`: the rows' fingerprints, where the caller took them already."""
+        `prints` and `zeros`: the rows' fingerprints and which are all zero, where the caller knows
+        them (across replica groups: of the whole rows, of which `rows` is a part)."""
         world, events, slot = rows.shape[0], [], self.slots
         prints = prints or [fingerprint(rows[r]) for r in range(world)]
+        zeros = zeros if zeros is not None else [not rows[r].any() for r in range(world)]
         replay, copied, copies = [False] * world, [False] * world, []
         for r, fp in enumerate(prints):
-            if not rows[r].any():
+            if zeros[r]:
                 replay[r] = True
                 events.append(f"worker {slot[r]} sent nothing (a zero contribution)")
                 continue
