@@ -133,3 +133,20 @@ def test_the_room_is_the_models_positions_up_to_a_bound():
     long_context.config = SimpleNamespace(max_position_embeddings=131072)  # as a Hugging Face model says it
     assert room_for(gpt, 4) == room_for(SimpleNamespace(module=gpt), 4) == (4, 8)  # a wrapper's own module
     assert room_for(long_context, 2) == (2, ROOM_TOKENS) and room_for(torch.nn.Linear(2, 2), 4) == (4, 0)
+
+
+def test_each_batchs_loss_at_the_global_model_is_computed_once_by_a_validator_that_needs_it():
+    from lowcomm.robust.scoring import base_scorers, gauntlet_scores, scorers
+    for world, validators in ((4, (0, 1, 2, 3)), (3, (0,)), (5, (1, 3)), (2, (0, 1))):
+        for round_ in range(3):
+            assigned = scorers(world, validators, round_)
+            owner = base_scorers(assigned)
+            for r, v in enumerate(assigned):  # a scorer needs r's own batch and the next one's
+                if v is not None:
+                    assert owner[r] is not None and owner[(r + 1) % world] is not None, (world, validators, round_)
+            if validators == tuple(range(world)):  # every worker validating: one batch each
+                assert sorted(owner) == list(range(world))
+    # scores from the shared table: worker 1's random batch is worker 2's, its loss at θ read from there
+    scores, fits = gauntlet_scores([2.0, 4.0, 5.0], [0.5, 3.0, 0.0], [1.5, 4.0, 0.0], [1, None, 0])
+    assert scores == [(4.0 - 1.5) / 4.0, None, (2.0 - 0.0) / 2.0]
+    assert fits == [1.0, None, -1.0]  # worker 0: own gain 0.75 > random 0.625; worker 2: own 1.0, not above 1.0

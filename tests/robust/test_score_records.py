@@ -142,9 +142,10 @@ def test_only_the_validators_score_and_they_leave_out_the_same_attacker(ranks):
         assert k_alone["scores"][1:] == pytest.approx(k_all["scores"][1:], rel=1e-5, abs=1e-9)
     for r in range(W):  # every worker decided alike
         assert ranks[r]["0"]["rounds"] == alone and ranks[r]["all"]["rounds"] == every
-    # every worker validating: 2 forwards at θ_global and 2 at θ_global - 0.2·lr·Δ per round; worker
-    # 0 alone scores contributions 1 and 2: batches 1, 2, 0 at θ_global, 2 + 2 perturbed
-    assert [ranks[r]["all"]["forwards"] for r in range(W)] == [4 * len(every)] * W
+    # every worker validating: per round 1 forward at θ_global (its batch's, shared: the next batch's
+    # it reads from the table) and 2 at θ_global - 0.2·lr·Δ; worker 0 alone: every batch at θ_global
+    # (3) and 2 for each of the 2 contributions it scores (7)
+    assert [ranks[r]["all"]["forwards"] for r in range(W)] == [3 * len(every)] * W
     assert [ranks[r]["0"]["forwards"] for r in range(W)] == [7 * len(alone), 0, 0]
 
 

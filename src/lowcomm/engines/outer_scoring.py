@@ -5,12 +5,13 @@ At each sync the wire gathers every worker's Δ_r (outer_wire.py) and asks `admi
 which rows to aggregate. The workers share the sequences each held this period (one
 bookkeeping all-gather of token ids), and the scoring is spread over the validators (every
 worker, or --validators): `scorers` gives each contribution one validator other than its
-contributor, rotating round by round, and one all-reduce of W × 4 values gives every worker every
-score, so all decide alike. A validator's cost per round and contribution it scores: two
-forwards of --score-batches sequences at θ_global − 0.2·lr·Δ_r (on the contributor's batch and on
-the next worker's), and once per batch the loss at θ_global (every worker validating: four
-forwards each, whatever W). A worker that validates nothing runs no forward. An emulated
-attacker scores honestly (it attacks only its own contribution).
+contributor, rotating round by round, and one all-reduce of W × 4 values (the losses) gives every
+worker every score, so all decide alike. A validator's cost per round and contribution it
+scores: two forwards of --score-batches sequences at θ_global − 0.2·lr·Δ_r (on the contributor's
+batch and on the next worker's), and the contributor's batch's loss at θ_global, which every
+validator that needs it reads from the table (`base_scorers`: each batch's computed once; every
+worker validating: three forwards each, whatever W). A worker that validates nothing runs no
+forward. An emulated attacker scores honestly (it attacks only its own contribution).
 
 The same all-reduce carries each worker's seconds of scoring work that round (its forwards and
 the rows' fingerprints), so every worker knows the round's slowest (`seconds`); they and the
@@ -31,10 +32,13 @@ from ..contract.context import write_flat
 from ..contract.parts import LOCAL, Part
 from ..models.layout import trainable
 from ..robust.aggregators import clipped_to_median_norm, spread_over
-from ..robust.probe import probe_gains
-from ..robust.scoring import PROBE_SCALE, HeldBatch, Scoreboard, fingerprint, scorers, standing_changes
+from ..robust.probe import probe_losses
+from ..robust.scoring import (PROBE_SCALE, HeldBatch, Scoreboard, base_scorers, fingerprint, gauntlet_scores, scorers,
+                              standing_changes)
 
-COLUMNS = 4  # per contribution: score, own data's gain, random data's gain; per worker: its seconds
+# Per worker r: its batch's loss at θ_global, its contribution's own and random losses after the
+# probe's move; and r's own seconds of scoring work.
+COLUMNS = 4
 # The longest held sequence the one gather carries: a 128k-position model's room would pad 4 MB a
 # worker; longer sequences take a second gather instead.
 ROOM_TOKENS = 4096
@@ -79,11 +83,15 @@ class OuterScoring:
         batches = self._share(comm, self.held.take(), rows.device)
         assigned = scorers(world, self.validators, round_)
         mine = [r for r in range(world) if assigned[r] == comm.rank]
+        bases = [b for b, v in enumerate(base_scorers(assigned)) if v == comm.rank]
         t0 = time.perf_counter()
         table = torch.zeros(world, COLUMNS, dtype=torch.float64, device=rows.device)
         i = next(i for i, (f, _) in enumerate(self.sync.fragments) if key == f"fragment{f}")
-        for r, values in zip(mine, self._score(i, probe, mine, batches)):
-            table[r, :3] = torch.tensor(values, dtype=torch.float64)
+        base, after = self._losses(i, probe, bases, mine, batches)
+        for b, loss in zip(bases, base):
+            table[b, 0] = loss
+        for r, losses in zip(mine, after):
+            table[r, 1:3] = torch.tensor(losses, dtype=torch.float64)
         prints, zeros = self.replica.replays(rows) if self.replica else ([fingerprint(row) for row in rows], None)
         table[comm.rank, 3] = time.perf_counter() - t0
         comm.meta_all_reduce(table, op="sum")
@@ -93,9 +101,7 @@ class OuterScoring:
             self.steps[round_] = self.sync.pending[i]
         if batches.numel() == 0:  # nobody held a sequence: no evidence this round
             return self.board.judge(rows, None, None, prints, zeros)
-        scores = [None if assigned[r] is None else float(table[r, 0]) for r in range(world)]
-        fits = [None if assigned[r] is None else 1.0 if own > rand else -1.0
-                for r, (own, rand) in enumerate(table[:, 1:3].tolist())]
+        scores, fits = gauntlet_scores(*(table[:, c].tolist() for c in range(3)), assigned)
         return self.board.judge(rows, scores, fits, prints, zeros)
 
     def _share(self, comm, mine: torch.Tensor | None, device) -> torch.Tensor:
@@ -118,22 +124,22 @@ class OuterScoring:
             return every[:, 2:].reshape(len(every), n_room, t_room)[:, :n, :t].contiguous()
         return comm.meta_all_gather(held[:n, :t].to(device=device, dtype=torch.long).contiguous())
 
-    def _score(self, i: int, rows: torch.Tensor, mine: list[int], batches: torch.Tensor) -> list[list[float]]:
-        """(Gauntlet's score, own data's relative improvement, random data's) of each contribution
-        in `mine` to fragment i (robust/probe.py): Δ_r applied at θ_global − 0.2·lr·Δ_r, the
-        fragment's other tensors held at their θ_global."""
+    def _losses(self, i: int, rows: torch.Tensor, bases: list[int], mine: list[int], batches: torch.Tensor):
+        """This validator's losses of the round (robust/probe.py) for fragment i: `bases` at θ_global,
+        each contribution in `mine` applied at θ_global − 0.2·lr·Δ_r, the fragment's other tensors
+        held at their θ_global."""
         params, g = self.sync.fragments[i][1], self.sync.globals[i].detach()
 
         def move(r: int) -> None:
             write_flat(g - PROBE_SCALE * self.lr * rows[r].to(g.dtype), params)
-        return self.probe(batches, mine, rows.shape[0], move, self.sync.globals_in_model)
+        return self.probe(batches, bases, mine, rows.shape[0], move, self.sync.globals_in_model)
 
-    def probe(self, batches, mine, world, move, around) -> list[list[float]]:
-        """probe_gains (robust/probe.py), across replica groups on the whole model and the replica's data."""
+    def probe(self, batches, bases, mine, world, move, around):
+        """probe_losses (robust/probe.py), across replica groups on the whole model and the replica's data."""
         if self.replica:
             move, around = self.replica.whole(move, around)
-        return probe_gains(self.model, self.held, batches, mine, world, move, around,
-                           pooled=self.replica.pooled if self.replica else None)
+        return probe_losses(self.model, self.held, batches, bases, mine, world, move, around,
+                            pooled=self.replica.pooled if self.replica else None)
 
     def state_parts(self) -> dict[str, Part]:
         """The scoreboard (alike on every worker, hashed with the replicated state under --elastic)

@@ -5,7 +5,7 @@ shared, one validator per contribution, one all-reduce of the table, Scoreboard.
 Between scored steps the last round's decision holds: the workers it left out, and those it
 named replaying (a zero, a stale one), stay out of the aggregate until the next scored round says
 otherwise; equal payloads (a copy) are taken once at every step (robust/gathered.py). Scoring
-every step would cost each validator four forwards a step.
+every step would cost each validator three forwards a step.
 
 The probe is the strategy's own step: DeMo applies θ − lr·sign(Q), so contribution r is probed at
 θ − 0.2·lr·sign(Q_r), Q_r its sender's payload decoded alone, each tensor at its param group's lr
@@ -82,9 +82,9 @@ class StepScoring(OuterScoring):
             self.held.take()  # a new period: the next scored step holds its own sequences
         return keep
 
-    def _score(self, i: int, rows: torch.Tensor, mine: list[int], batches: torch.Tensor) -> list[list[float]]:
-        """Gauntlet's gains (robust/probe.py) of each contribution in `mine`, probed at
-        θ − 0.2·lr·sign(Q_r) tensor by tensor (the module docstring); θ back bit for bit after."""
+    def _losses(self, i: int, rows: torch.Tensor, bases: list[int], mine: list[int], batches: torch.Tensor):
+        """This validator's losses (robust/probe.py): `bases` at θ, each contribution in `mine`
+        probed at θ − 0.2·lr·sign(Q_r) tensor by tensor (the module docstring); θ back bit for bit after."""
         params = self.sync.fragments[0][1]
         sizes, lrs, theta = [p.numel() for p in params], self.lrs(), []
 
@@ -100,4 +100,4 @@ class StepScoring(OuterScoring):
         def move(r: int) -> None:
             for p, t, q, lr in zip(params, theta, rows[r].split(sizes), lrs):
                 p.copy_(t - PROBE_SCALE * lr * q.view_as(p).sign().to(p.dtype))
-        return self.probe(batches, mine, rows.shape[0], move, kept)
+        return self.probe(batches, bases, mine, rows.shape[0], move, kept)

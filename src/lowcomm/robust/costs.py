@@ -14,7 +14,7 @@ X, each pass W·n·4 bytes read or written, as the code in aggregators.py makes 
     centered-clip:τ   7 + 4·CENTERED_CLIP_ITERS   (its median start, then each iteration's
                            difference, norms, scaled copy and mean)
 
---score's cost is compute: each worker scores one contribution a sync with four forwards of
+--score's cost is compute: each worker scores one contribution a sync with three forwards of
 --score-batches sequences (robust/scoring.py), 2·N FLOPs per token each.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .aggregators import CENTERED_CLIP_ITERS, Aggregator
 ROW_BYTES = 4  # a gathered Δ_r is held and aggregated in fp32 (decoded, where the wire compressed it)
 PASSES = {"mean": 1.0, "median-norm-clip": 3.0, "median": 7.0, "trimmed": 7.0,
           "centered-clip": 7.0 + 4.0 * CENTERED_CLIP_ITERS}
-SCORE_FORWARDS = 4  # the loss at θ_global and at θ_global − 0.2·lr·Δ_r, on two batches
+SCORE_FORWARDS = 3  # its batch's loss at θ_global (shared), and two at θ_global − 0.2·lr·Δ_r
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ class GatheredRobustOptions(RobustOptions):
     --attack and --aggregate apply, --score every --score-every steps (engines/step_scoring.py);
     under --elastic its attackers and scores name workers by slot (robust/gathered.py)."""
     score_every: int = option(SCORE_EVERY, "with --score: optimizer steps from one scored step to the next (a "
-                              "scored step costs each validator four forwards; between them the last round's "
+                              "scored step costs each validator three forwards; between them the last round's "
                               "decision holds)", min=1)
 
     def check_replicas(self, cfg, aggregator: Aggregator) -> None:

@@ -59,6 +59,34 @@ def scorers(world: int, validators: tuple[int, ...], round_: int) -> list[int | 
     return out
 
 
+def base_scorers(assigned: list[int | None]) -> list[int | None]:
+    """Who computes worker b's batch's loss at θ_global, once for the round (every validator reads
+    it from the shared table): the scorer of b's contribution (whose own batch it is), or where
+    that is not scored, the scorer of the contribution before (whose random batch it is); None
+    where nobody needs it. A validator of one contribution then runs three forwards, not four."""
+    world = len(assigned)
+    return [assigned[b] if assigned[b] is not None else assigned[(b - 1) % world] for b in range(world)]
+
+
+def gauntlet_scores(base: list[float], own_after: list[float], random_after: list[float],
+                    assigned: list[int | None]) -> tuple[list[float | None], list[float | None]]:
+    """(score_r, fit_r) of every contribution (the module docstring) from the round's shared losses:
+    `base[b]`, worker b's batch at θ_global; `own_after[r]` and `random_after[r]`, r's own batch and
+    the next worker's at θ_global − 0.2·lr·Δ_r. None where a contribution was not scored."""
+    def gain(before: float, after: float) -> float:
+        return (before - after) / before if before > 0 else 0.0
+    world, scores, fits = len(assigned), [], []
+    for r in range(world):
+        if assigned[r] is None:
+            scores.append(None)
+            fits.append(None)
+            continue
+        own, rand = gain(base[r], own_after[r]), gain(base[(r + 1) % world], random_after[r])
+        scores.append(rand)
+        fits.append(1.0 if own > rand else -1.0)
+    return scores, fits
+
+
 def first_of_equal_rows(rows: torch.Tensor) -> torch.Tensor:
     """bool [W]: False for a row equal bit for bit to an earlier one (a copy's content counted
     once, as `Scoreboard.judge` counts it, where no fingerprint is taken)."""
