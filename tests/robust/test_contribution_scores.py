@@ -150,3 +150,22 @@ def test_each_batchs_loss_at_the_global_model_is_computed_once_by_a_validator_th
     scores, fits = gauntlet_scores([2.0, 4.0, 5.0], [0.5, 3.0, 0.0], [1.5, 4.0, 0.0], [1, None, 0])
     assert scores == [(4.0 - 1.5) / 4.0, None, (2.0 - 0.0) / 2.0]
     assert fits == [1.0, None, -1.0]  # worker 0: own gain 0.75 > random 0.625; worker 2: own 1.0, not above 1.0
+
+
+def test_a_model_not_called_on_token_ids_is_refused_at_its_first_training_forward():
+    """--score scores a language model: a user's model called on anything else (wrap()) is told so
+    in one line at its first training step, not by a dtype error deep inside a probe's forward."""
+    import pytest
+
+    from lowcomm.errors import UsageError
+    from lowcomm.robust.scoring import HeldBatch
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    held = HeldBatch(mlp, sequences=2)
+    mlp.eval()
+    mlp(torch.randn(3, 8))  # an evaluation is not training data
+    mlp.train()
+    with pytest.raises(UsageError, match=r"this model is called on a float32 tensor of shape \[3, 8\]: score a model "
+                                         r"called on token ids"):
+        mlp(torch.randn(3, 8))
+    held.close()

@@ -33,6 +33,7 @@ import weakref
 import torch
 import torch.nn as nn
 
+from ..errors import UsageError
 from ..models.gpt import lm_loss
 
 STALE_ROUNDS = 8  # rounds of contributions whose fingerprints are kept to name a stale one
@@ -130,13 +131,17 @@ class HeldBatch:
     def hold(self, ids) -> None:
         """`ids` [n, T] (token ids a worker trains on, or was assigned) are this period's held
         sequences, unless some are held already or the scoring itself is running (`paused`)."""
-        if self.ids is None and not self.paused and isinstance(ids, torch.Tensor) and ids.dim() == 2 \
-                and ids.shape[1] >= 2:
+        if self.ids is None and not self.paused and is_token_ids(ids):
             self.ids = ids[:self.sequences].detach().clone()
 
     def _seen(self, module, args, kwargs):
-        if module.training:
-            self.hold(args[0] if args else kwargs.get("input_ids"))
+        if module.training and self.ids is None and not self.paused:
+            ids = args[0] if args else kwargs.get("input_ids")
+            if not is_token_ids(ids):  # a model not called on token ids: nothing to score a contribution by
+                raise UsageError(f"score=True scores a language model by its next-token loss on the token ids a "
+                                 f"worker trains on, and this model is called on {described(ids)}: score a model "
+                                 f"called on token ids (an integer tensor [batch, sequence], 2 positions or more)")
+            self.hold(ids)
 
     def take(self) -> torch.Tensor | None:
         """This period's held sequences (the last held where none was seen since; None: none ever),
@@ -156,6 +161,18 @@ class HeldBatch:
         model = self.model()
         if model is not None and HeldBatch._of.get(model) is self:
             del HeldBatch._of[model]
+
+
+def is_token_ids(ids) -> bool:
+    return isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] >= 2 and \
+        not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool
+
+
+def described(value) -> str:
+    """A model's first input, in a few words."""
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)}"
+    return "no input_ids" if value is None else f"a {type(value).__name__}"
 
 
 def next_token_loss(model: nn.Module, ids: torch.Tensor) -> float:
