@@ -105,7 +105,8 @@ def shared(room: tuple[int, int], held: list) -> tuple[list[torch.Tensor], list[
     group, out = ThreadedGather(len(held)), [None] * len(held)
 
     def worker(rank):
-        out[rank] = OuterScoring._share(SimpleNamespace(room=room, replica=None), group.comm(rank), held[rank], torch.device("cpu"))
+        scoring = SimpleNamespace(room=room, replica=None)
+        out[rank] = OuterScoring._share(scoring, group.comm(rank), held[rank], torch.device("cpu"))
     threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(len(held))]
     for t in threads:
         t.start()

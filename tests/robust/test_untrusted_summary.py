@@ -15,6 +15,10 @@ def test_the_paragraph_names_the_attack_the_aggregate_and_who_was_left_out():
     assert describe_untrusted({"aggregate": "mean", "score_rounds": [{"round": 0, "left_out": []}]}) == \
         " Scoring left nobody out in 1 round."
     assert describe_untrusted({"aggregate": "mean"}) == ""  # an ordinary run: nothing said
+    # across replica groups a replica is one worker: named so
+    text = describe_untrusted({"attack": "sign-flip", "attackers": [1], "replicas": 2, "score_rounds": rounds[:2]})
+    assert text == (" Emulated attack sign-flip by replica(s) 1. Scoring left out replica 3 in 1 of 2 rounds (first "
+                    "at round 1).")
 
 
 def test_the_report_tabulates_each_workers_score_round_by_round(tmp_path):

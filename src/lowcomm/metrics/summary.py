@@ -198,14 +198,15 @@ def _describe_emulation(s: dict) -> str:
 def describe_untrusted(s: dict) -> str:
     """--attack, --aggregate and --score (docs/untrusted.md): who attacked, how the outer steps
     combined the workers, and whom scoring left out (when first, in how many rounds)."""
-    text = f" Emulated attack {s['attack']} by worker(s) {', '.join(map(str, s['attackers']))}." \
+    who = "replica" if s.get("replicas") else "worker"  # across replica groups a replica is one worker
+    text = f" Emulated attack {s['attack']} by {who}(s) {', '.join(map(str, s['attackers']))}." \
         if s.get("attack") else ""
     if s.get("aggregate", "mean") != "mean":
         text += f" Outer steps aggregated by {s['aggregate']}."
     rounds = s.get("score_rounds")
     if rounds:
         out = sorted({r for k in rounds for r in k["left_out"]})
-        said = [f"worker {r} in {sum(r in k['left_out'] for k in rounds)} of {len(rounds)} rounds (first at round "
+        said = [f"{who} {r} in {sum(r in k['left_out'] for k in rounds)} of {len(rounds)} rounds (first at round "
                 f"{next(k['round'] for k in rounds if r in k['left_out'])})" for r in out]
         text += f" Scoring left out {'; '.join(said)}." if said else \
             f" Scoring left nobody out in {len(rounds)} round{'s' * (len(rounds) != 1)}."
