@@ -16,7 +16,10 @@ def test_the_paragraph_names_the_attack_the_aggregate_and_who_was_left_out():
         " Scoring left nobody out in 1 round."
     assert describe_untrusted({"aggregate": "mean"}) == ""  # an ordinary run: nothing said
     # across replica groups a replica is one worker: named so
-    text = describe_untrusted({"attack": "sign-flip", "attackers": [1], "replicas": 2, "score_rounds": rounds[:2]})
+    assert describe_untrusted({"attack": "zero", "attackers": [1], "replicas": 2, "workers": 3, "inside": None}) == \
+        " Emulated attack zero by worker(s) 1."  # a flat run (here an elastic one that lost a worker)
+    text = describe_untrusted({"attack": "sign-flip", "attackers": [1], "replicas": 2, "workers": 4, "inside": "fsdp",
+                               "score_rounds": rounds[:2]})
     assert text == (" Emulated attack sign-flip by replica(s) 1. Scoring left out replica 3 in 1 of 2 rounds (first "
                     "at round 1).")
 

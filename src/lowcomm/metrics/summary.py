@@ -198,7 +198,7 @@ def _describe_emulation(s: dict) -> str:
 def describe_untrusted(s: dict) -> str:
     """--attack, --aggregate and --score (docs/untrusted.md): who attacked, how the outer steps
     combined the workers, and whom scoring left out (when first, in how many rounds)."""
-    who = "replica" if s.get("replicas") else "worker"  # across replica groups a replica is one worker
+    who = "replica" if s.get("inside") else "worker"  # across replica groups (an engine inside) a replica is one worker
     text = f" Emulated attack {s['attack']} by {who}(s) {', '.join(map(str, s['attackers']))}." \
         if s.get("attack") else ""
     if s.get("aggregate", "mean") != "mean":
