@@ -18,6 +18,8 @@ FAMILY = "it is an option of: demo, diloco, sparseloco, streaming_diloco"
     (["--strategy", "demo", "--score-every", "10"], "--score-every 10 needs --score: it says how often to score"),
     (["--score-patience", "3"], "--score-patience 3 needs --score: it counts rounds of scores"),
     (["--score-batches", "2"], "--score-batches 2 needs --score: it sizes what is scored on"),
+    (["--score", "--score-batches", "9", "--micro-batch", "8"], "--score-batches 9 is more than --micro-batch 8: a "
+     "worker holds the first sequences of one micro-batch, so it would score on 8"),
     (["--score", "--score-every", "5"], "--score-every does not apply to strategy 'diloco' (it is an option of: demo)"),
     (["--strategy", "zero1", "--score"], f"--score does not apply to strategy 'zero1' ({FAMILY})"),
     (["--workers", "4", "--attack", "sign-flip", "--attackers", "4"],

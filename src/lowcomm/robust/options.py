@@ -94,6 +94,10 @@ class RobustOptions(Options):
             self.check_replicas(cfg, aggregator)
         if getattr(cfg, "elastic", False) and (ranks or aggregator.robust or self.score):
             self.check_elastic(cfg, aggregator)
+        micro_batch = getattr(cfg, "micro_batch", None)  # (wrap() does not know its batches: not checked there)
+        if self.score and micro_batch and self.score_batches > micro_batch:
+            raise UsageError(f"--score-batches {self.score_batches} is more than --micro-batch {micro_batch}: a worker "
+                             f"holds the first sequences of one micro-batch, so it would score on {micro_batch}")
         if self.score and world < cfg.workers and cfg.inside == "ddp" and getattr(self, "fragments", 1) > 1:
             raise UsageError(f"--score does not run across replica groups with --inside ddp and --fragments "
                              f"{self.fragments}: a position may own no tensor of a fragment, and a probe moves "
