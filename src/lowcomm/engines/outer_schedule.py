@@ -35,7 +35,7 @@ from typing import Iterator
 import torch
 
 from ..contract.parts import Part
-from ..robust import attackers_of
+from ..robust import attackers_of, name_by_slot, untrusted_parts
 from .outer_options import OuterSyncOptions
 from .outer_scoring import OuterScoring
 from .outer_sync import OuterSync
@@ -60,17 +60,12 @@ class OuterSchedule(OuterSync):
     def state_parts(self) -> dict[str, Part]:
         """The engine's parts, and --score's scoreboard and held sequences (outer_scoring.py), and
         --attack's rounds and replays (the attacker's own), where they run."""
-        parts = super().state_parts()
-        if self.scoring is not None:
-            parts.update(self.scoring.state_parts())
-        if self.attackers is not None:
-            parts["attack"] = self.attackers.part()
-        return parts
+        return {**super().state_parts(), **untrusted_parts(self.attackers, self.scoring)}
 
     def name_members(self, slots) -> None:
-        super().name_members(slots)
-        if self.scoring is not None:
-            self.scoring.board.slots = list(slots)
+        """Under --elastic: the slot (the launcher's worker number, stable across quorums) of each
+        rank of this membership's group, by which --attackers and --score name a worker."""
+        name_by_slot(slots, self.attackers, self.scoring)
 
     def report(self, steps: int) -> dict:
         return {**super().report(steps), **(self.scoring.report() if self.scoring is not None else {})}

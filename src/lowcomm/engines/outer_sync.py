@@ -218,12 +218,6 @@ class OuterSync:
         for i, (_, ps) in enumerate(self.fragments):
             write_flat(self.start(i), ps)
 
-    def name_members(self, slots) -> None:
-        """Under --elastic: the slot (the launcher's worker number, stable across quorums) of each
-        rank of this membership's group, by which --attackers and --score name a worker."""
-        if self.attackers is not None:
-            self.attackers.slots = tuple(slots)
-
     def use_comm(self, comm: Comm) -> None:
         """The next syncs run on `comm` (nothing may be in flight: `wait` first; a part still
         to re-issue goes out on `comm`)."""

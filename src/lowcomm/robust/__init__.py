@@ -8,10 +8,10 @@ Imports: contract, comm, models, errors.
 """
 from .aggregators import Aggregator, parse_aggregator
 from .attacks import Attack, Round, check_own_loop, parse_attack, parse_ranks
-from .emulation import Attackers, attackers_of, data_attack, refuse_own_loss
+from .emulation import Attackers, attackers_of, data_attack, name_by_slot, refuse_own_loss, untrusted_parts
 from .gathered import GatheredUpdate
 from .options import GatheredRobustOptions, RobustOptions
 
 __all__ = ["Aggregator", "Attack", "Attackers", "GatheredRobustOptions", "GatheredUpdate", "Round", "RobustOptions",
-           "attackers_of", "check_own_loop", "data_attack", "refuse_own_loss", "parse_aggregator", "parse_attack",
-           "parse_ranks"]
+           "attackers_of", "check_own_loop", "data_attack", "name_by_slot", "refuse_own_loss", "parse_aggregator",
+           "parse_attack", "parse_ranks", "untrusted_parts"]

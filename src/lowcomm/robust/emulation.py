@@ -96,6 +96,25 @@ class Attackers:
         return {"attack": self.attack.spec, "attackers": list(self.ranks)}
 
 
+def untrusted_parts(attackers: "Attackers | None", scoring) -> dict[str, Part]:
+    """What --score and --attack add to a strategy's state, on the outer-sync engine and on a
+    strategy that gathers its payloads itself (gathered.py) alike: the scoring's parts (its
+    scoreboard and held sequences) and the attacker's rounds and replays."""
+    parts = dict(scoring.state_parts()) if scoring is not None else {}
+    if attackers is not None:
+        parts["attack"] = attackers.part()
+    return parts
+
+
+def name_by_slot(slots, attackers: "Attackers | None", scoring) -> None:
+    """Under --elastic: the slot of each rank of this membership (the launcher's worker number,
+    stable across quorums), by which --attackers and --score's scoreboard name a worker."""
+    if attackers is not None:
+        attackers.slots = tuple(slots)
+    if scoring is not None:
+        scoring.board.slots = list(slots)
+
+
 def worker_of(rank: int, slots: tuple[int, ...] | None) -> int:
     """The worker --attackers names rank `rank` by: its slot in this membership (`slots`, each rank's:
     under --elastic the launcher's worker number, stable across quorums), else the rank itself."""

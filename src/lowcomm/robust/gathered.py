@@ -24,7 +24,7 @@ import torch
 
 from ..contract.elastic import ElasticRules
 from .aggregators import aggregated, decoded_senders
-from .emulation import attackers_of
+from .emulation import attackers_of, name_by_slot, untrusted_parts
 from .scoring import first_of_equal_rows
 
 _UNSET = object()
@@ -36,10 +36,7 @@ class GatheredRules(ElasticRules):
 
     @classmethod
     def name_members(cls, strategy, slots) -> None:
-        if strategy.attackers is not None:
-            strategy.attackers.slots = tuple(slots)
-        if strategy.scoring is not None:
-            strategy.scoring.board.slots = list(slots)
+        name_by_slot(slots, strategy.attackers, strategy.scoring)
 
 
 class GatheredUpdate:
@@ -69,12 +66,7 @@ class GatheredUpdate:
     def state_parts(self):
         """The strategy's parts, --score's scoreboard and held sequences, and --attack's rounds
         and replays (a resumed run attacks as the uninterrupted one)."""
-        parts = super().state_parts()
-        if self.scoring is not None:
-            parts.update(self.scoring.state_parts())
-        if self.attackers is not None:
-            parts["attack"] = self.attackers.part()
-        return parts
+        return {**super().state_parts(), **untrusted_parts(self.attackers, self.scoring)}
 
     def release(self) -> None:
         super().release()

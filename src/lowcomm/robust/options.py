@@ -29,6 +29,11 @@ NEEDS_SCORE = {"score_patience": "it counts rounds of scores", "score_batches": 
                "validators": "validators run the scoring", "score_every": "it says how often to score"}
 
 
+def needs_score(name: str, given) -> UsageError:
+    """The one-line refusal of scoring option `name` given as `given` without --score."""
+    return UsageError(f"--{name.replace('_', '-')} {given} needs --score: {NEEDS_SCORE[name]}")
+
+
 @dataclass
 class RobustOptions(Options):
     """A mixin of dataclass options (name it first among the bases: its checks call on)."""
@@ -70,14 +75,14 @@ class RobustOptions(Options):
         if ranks and attack.kind == "none":
             raise UsageError(f"--attackers {self.attackers} needs --attack KIND: what they send")
         if parse_ranks(self.validators, "--validators") and not self.score:
-            raise UsageError(f"--validators {self.validators} needs --score: validators run the scoring")
+            raise needs_score("validators", self.validators)
 
     def check_given(self, given: dict[str, str]) -> None:
         """A scoring flag given without --score would do nothing (its default value too)."""
         super().check_given(given)
-        for name, why in NEEDS_SCORE.items():
+        for name in NEEDS_SCORE:
             if name in given and not self.score:
-                raise UsageError(f"--{name.replace('_', '-')} {given[name]} needs --score: {why}")
+                raise needs_score(name, given[name])
 
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
@@ -156,4 +161,4 @@ class GatheredRobustOptions(RobustOptions):
     def check(self) -> None:
         super().check()
         if self.score_every != SCORE_EVERY and not self.score:
-            raise UsageError(f"--score-every {self.score_every} needs --score: it says how often to score")
+            raise needs_score("score_every", self.score_every)
