@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -63,4 +64,43 @@ def test_a_member_holding_its_interpreter_lock_for_seconds_keeps_beating():
         assert during and all(n == 1 for n in during), (end - start, seen)
     finally:
         child.kill()
+        server.shutdown()
+
+
+class BlockedBeats:
+    """A lighthouse client whose next heartbeat call blocks until released: the heartbeat thread
+    is inside its call (a native RPC in torchft's client) when the member closes."""
+
+    def __init__(self):
+        self.inside, self.release = threading.Event(), threading.Event()
+
+    def heartbeat(self, *args, **kwargs):
+        self.inside.set()
+        self.release.wait(10)
+
+
+@pytest.mark.elastic
+def test_closing_waits_for_a_heartbeat_in_flight():
+    """A thread still inside a native call when the interpreter finalizes aborts the process as it
+    comes back ("terminate called without an active exception": the heartbeat test's member, at
+    load). close() returns only once its threads have ended: forced here by a beat that blocks."""
+    from lowcomm.elastic.membership import Membership
+
+    server = lighthouse.start(1)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    member = Membership(server.address(), "127.0.0.1", store.port, slot=0, timeout_s=30.0)
+    try:
+        beats = member._beats = BlockedBeats()
+        assert beats.inside.wait(10), "the heartbeat thread's next beat"
+        closing = threading.Thread(target=member.close)
+        closing.start()
+        closing.join(0.5)
+        assert closing.is_alive()  # waiting for the beat in flight
+        beats.release.set()
+        closing.join(10)
+        assert not closing.is_alive()
+        left = [t.name for t in threading.enumerate() if t.name in ("lowcomm-heartbeat", "lowcomm-joins")]
+        assert left == []
+    finally:
+        beats.release.set()
         server.shutdown()

@@ -35,6 +35,7 @@ STORE_TIMEOUT_S = 300.0                # the launcher's store unanswered this lo
 ARRIVED = "arrived"                    # on a quorum's prefix: how many of its members reached form_group
 FORM_FACTOR, FORM_MIN_S = 6.0, 60.0    # how long a quorum's members wait for each other before connecting
 JOINS_POLL_S = 0.2                     # how often a member reads the joiners' count (joins())
+CLOSE_JOIN_S = 3.0                     # close() waits this long for its threads' last call (a beat: 1 s at most)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class Membership:
         # commit until the store's timeout). A re-form still needs the store (form_group).
         self._joins_store = dist.TCPStore(store_host, store_port, is_master=False,
                                           timeout=timedelta(seconds=STORE_TIMEOUT_S))
-        threading.Thread(target=self._read_joins, name="lowcomm-joins", daemon=True).start()
+        self._threads.append(threading.Thread(target=self._read_joins, name="lowcomm-joins", daemon=True))
+        self._threads[-1].start()
 
     def _start_beats(self, address: str) -> None:
         """Clients of the lighthouse, a first heartbeat, and the heartbeat thread."""
@@ -92,7 +94,8 @@ class Membership:
         self._beat_failed, self._beats_back_at = False, 0.0  # see settling()
         self._progress_at, self._asking = time.monotonic(), False  # see progress()
         self._beater = lighthouse.BeatsProcess(address, self.id)  # beats that need no interpreter lock
-        threading.Thread(target=self._heartbeat, name="lowcomm-heartbeat", daemon=True).start()
+        self._threads = [threading.Thread(target=self._heartbeat, name="lowcomm-heartbeat", daemon=True)]
+        self._threads[-1].start()
 
     def _first_beat(self):
         client, beats = lighthouse.client(self.address), lighthouse.client(self.address)  # one client a thread
@@ -262,7 +265,13 @@ class Membership:
                                    shrink_only=False)
 
     def close(self) -> None:
+        """Stop beating and reading; the heartbeat and joins threads are waited for (up to
+        CLOSE_JOIN_S): one still inside a heartbeat RPC or a store read when the interpreter
+        finalizes is ended by pthread_exit through C++ frames as it comes back for the interpreter
+        lock, and the process aborts ("terminate called without an active exception", seen at load)."""
         self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=CLOSE_JOIN_S)
         self._beater.close()
         leave()
 
